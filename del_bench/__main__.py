@@ -1,0 +1,98 @@
+"""python -m del_bench {run,ls,show} …
+
+  run  [-m] model=M task=T method=X [key=value …]   decode and write records (Hydra; -m sweeps)
+  ls                                                models, tasks, methods, experiments, loggers
+  show DIR [DIR …]                                  a table of runs' summary.json (speedup vs vanilla)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+
+from del_bench.config import CONFIG_DIR, GROUPS, ConfigError, check_overrides, choices, describe
+
+
+
+def _user_errors():
+    from del_bench.records import RunConflict
+    from del_bench.tasks.base import TaskError
+
+    return (ConfigError, RunConflict, TaskError)
+
+
+def cmd_run(argv: list[str]) -> int:
+    import hydra
+    from omegaconf import DictConfig
+
+    check_overrides([a for a in argv if not a.startswith("-")])
+
+    @hydra.main(config_path=str(CONFIG_DIR), config_name="run", version_base="1.3")
+    def _main(cfg: DictConfig) -> None:
+        from del_bench.runner import run
+
+        try:
+            summary = run(cfg)
+        except _user_errors() as err:
+            logging.getLogger("del_bench").error("%s", err)
+            raise SystemExit(2) from None
+        print(format_table([summary]))
+        print(f"records: {cfg.out_dir}")
+
+    sys.argv = [sys.argv[0], *argv]
+    _main()
+    return 0
+
+
+def cmd_ls(_: list[str]) -> int:
+    for group in GROUPS:
+        print(f"{group}:")
+        for name in choices(group):
+            print(f"  {name:<16} {describe(group, name)}")
+    return 0
+
+
+def format_table(summaries: list[dict]) -> str:
+    """Speed, speedup (vs the vanilla summary of the same model/task/decoding among them), eTPL, α."""
+    vanilla = {(s["model"], s["task"], s["decoding"]): s for s in summaries if s["method"] == "vanilla"}
+    header = f"{'model':<14} {'task':<10} {'method':<16} {'n':>3} {'tok/s':>7} {'speedup':>8} {'eTPL':>6} {'α':>5}"
+    lines = [header, "-" * len(header)]
+    for s in summaries:
+        base = vanilla.get((s["model"], s["task"], s["decoding"]))
+        speedup = f"{s['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base and s["tokens_per_s"] else "n/a"
+        alpha = f"{s['acceptance_rate']:.2f}" if s["acceptance_rate"] is not None else "-"
+        lines.append(f"{s['model']:<14} {s['task']:<10} {s['method_tag']:<16} {s['n_samples']:>3} "
+                     f"{s['tokens_per_s'] or 0:>7.2f} {speedup:>8} {s['etpl'] or 0:>6.3f} {alpha:>5}")
+    return "\n".join(lines)
+
+
+def cmd_show(argv: list[str]) -> int:
+    paths = [Path(a) / "summary.json" if Path(a).is_dir() else Path(a) for a in argv]
+    missing = [str(p) for p in paths if not p.is_file()]
+    if not paths or missing:
+        print(f"show: give run directories holding summary.json (missing: {', '.join(missing) or 'none given'})",
+              file=sys.stderr)
+        return 2
+    print(format_table([json.loads(p.read_text()) for p in paths]))
+    return 0
+
+
+COMMANDS = {"run": cmd_run, "ls": cmd_ls, "show": cmd_show}
+
+
+def main() -> int:
+    if len(sys.argv) < 2 or sys.argv[1] not in COMMANDS:
+        print(__doc__.strip(), file=sys.stderr)
+        return 2
+    command = sys.argv[1]
+    try:
+        return COMMANDS[command](sys.argv[2:])
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

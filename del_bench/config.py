@@ -1,0 +1,84 @@
+"""Config plumbing shared by the CLI, the runner and the tests: where configs live, the config groups as
+a registry ("did you mean" for unknown names), and validation that runs before any model loads."""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+
+from hydra.utils import get_class
+from omegaconf import DictConfig, OmegaConf
+
+from del_bench.engine.sampling import Sampling
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+GROUPS = ("model", "task", "method", "logger", "experiment")
+
+
+def _decoding_tag(do_sample, temperature, top_p) -> str:
+    return f"sample-t{temperature}-p{top_p}" if str(do_sample).lower() == "true" else "greedy"
+
+
+if not OmegaConf.has_resolver("decoding"):
+    OmegaConf.register_new_resolver("decoding", _decoding_tag)
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; raised before any model is loaded."""
+
+
+def choices(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONFIG_DIR / group).glob("*.yaml"))
+
+
+def describe(group: str, name: str) -> str:
+    """The first comment line of a config file: its one-line description."""
+    for line in (CONFIG_DIR / group / f"{name}.yaml").read_text().splitlines():
+        if line.startswith("#") and not line.startswith("# @package"):
+            return line.lstrip("# ").strip()
+    return ""
+
+
+def check_choice(group: str, name: str) -> None:
+    options = choices(group)
+    if name in options or name in ("null", ""):
+        return
+    close = difflib.get_close_matches(name, options, n=3, cutoff=0.5)
+    hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+    raise ConfigError(f"unknown {group} {name!r}.{hint} Available: {', '.join(options)} "
+                      f"(`python -m del_bench ls` describes them)")
+
+
+def check_overrides(overrides: list[str]) -> None:
+    """Check `group=name` command-line choices before Hydra composes (its own error has no suggestion)."""
+    for override in overrides:
+        key, sep, value = override.partition("=")
+        key = key.lstrip("+~")
+        if key.startswith("override "):
+            key = key.split(" ", 1)[1]
+        if sep and key in GROUPS:
+            for name in value.split(","):  # multirun sweeps: method=vanilla,ls
+                check_choice(key, name.strip())
+
+
+def validate(cfg: DictConfig) -> None:
+    """Everything checkable without weights: method hyperparameters against the model's depth,
+    generation settings, limits. Raises ConfigError with the offending key."""
+    for key in ("model", "task", "method"):
+        if key not in cfg:
+            raise ConfigError(f"no {key} chosen; add {key}=NAME (options: {', '.join(choices(key))})")
+    try:
+        num_layers = int(cfg.model.num_layers)
+        method_cls = get_class(cfg.method._target_)
+        params = {k: v for k, v in OmegaConf.to_container(cfg.method, resolve=True).items() if not k.startswith("_")}
+        method_cls(**params).validate(num_layers)
+        Sampling(**OmegaConf.to_container(cfg.generation, resolve=True))
+    except (ValueError, TypeError) as err:
+        raise ConfigError(f"invalid config for method={cfg.method.name} model={cfg.model.name}: {err}") from err
+    if cfg.limit is not None and (not isinstance(cfg.limit, int) or cfg.limit < 1):
+        raise ConfigError(f"limit={cfg.limit!r} must be a positive integer or null (all samples)")
+    if not isinstance(cfg.max_new_tokens, int) or cfg.max_new_tokens < 1:
+        raise ConfigError(f"max_new_tokens={cfg.max_new_tokens!r} must be a positive integer")
+    n = cfg.task.get("samples_per_prompt", 1)
+    if not isinstance(n, int) or n < 1:
+        raise ConfigError(f"task.samples_per_prompt={n!r} must be a positive integer")

@@ -1,0 +1,181 @@
+"""The decode loop: prefill, then rounds of draft (layers 1..E + head) and verify (full depth).
+
+Verification reuses the early layers' KV from drafting: only the last draft token goes through layers
+1..E; the layer-E hidden states of all d+1 positions (the "exit query cache") then go through layers
+E+1..L in one batch. A round therefore loads d·E + L layers (paper §4.1) and applies the head d + 1
+times. Vanilla is the round with d = 0 and no split. The engine owns the KV cache, RNG, accounting and
+timing; methods only decide E, the budget and when to stop drafting.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from del_bench.engine.sampling import Sampling, accept_greedy, accept_sampling, choose
+from del_bench.methods.base import Method, RoundEvidence
+from del_bench.models.layer_stack import KVCache, LayerStack
+
+
+@dataclass
+class Round:
+    """One line of rounds.jsonl. Round 0 is the prefill (it emits the first token)."""
+
+    round: int
+    exit_layer: int | None
+    budget: int  # the draft budget the method asked for, after capping by tokens left
+    drafted: int
+    accepted: int
+    emitted: int
+    loaded_layers: int  # drafted·E + L
+    head_calls: int  # drafted + 1
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    policy_s: float = 0.0
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class Generation:
+    output_ids: list[int]
+    rounds: list[Round] = field(default_factory=list)
+    wall_s: float = 0.0
+
+    @property
+    def loaded_layers(self) -> int:
+        return sum(r.loaded_layers for r in self.rounds)
+
+    @property
+    def head_calls(self) -> int:
+        return sum(r.head_calls for r in self.rounds)
+
+    @property
+    def drafted(self) -> int:
+        return sum(r.drafted for r in self.rounds)
+
+    @property
+    def accepted(self) -> int:
+        return sum(r.accepted for r in self.rounds)
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued kernels before reading a clock (no-op on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Engine:
+    def __init__(self, stack: LayerStack, sampling: Sampling, eos_ids: set[int]):
+        self.stack = stack
+        self.sampling = sampling
+        self.eos_ids = set(eos_ids)
+        self.device = stack.embed_weight.device
+        self._cache: KVCache | None = None
+
+    def _fresh_cache(self, max_len: int) -> KVCache:
+        # One allocation reused across prompts; stale slots are overwritten before they are read.
+        if self._cache is None or self._cache.max_len < max_len:
+            self._cache = self.stack.new_cache(max(max_len, 1024))
+        self._cache.crop(0)
+        return self._cache
+
+    def _ids(self, ids: list[int]) -> torch.Tensor:
+        return torch.tensor([ids], dtype=torch.long, device=self.device)
+
+    @torch.inference_mode()
+    def generate(self, prompt_ids: list[int], method: Method, max_new_tokens: int, seed: int) -> Generation:
+        """Decode up to max_new_tokens (never more) or through the first EOS. Timed end to end."""
+        L = self.stack.num_layers
+        rng = torch.Generator(device=self.device).manual_seed(seed)
+        cache = self._fresh_cache(len(prompt_ids) + max_new_tokens + 1)
+        method.start(L)
+        gen = Generation(output_ids=[])
+        synchronize(self.device)
+        t0 = time.perf_counter()
+        if max_new_tokens > 0:
+            self._prefill(prompt_ids, cache, gen, rng)
+            # seq length N = prompt + emitted; the last emitted token is not yet in any layer's cache
+            while not self._done(gen, max_new_tokens):
+                self._round(len(prompt_ids) + len(gen.output_ids), cache, gen, method, max_new_tokens, rng)
+        synchronize(self.device)
+        gen.wall_s = time.perf_counter() - t0
+        return gen
+
+    def _done(self, gen: Generation, max_new_tokens: int) -> bool:
+        return len(gen.output_ids) >= max_new_tokens or (bool(gen.output_ids) and gen.output_ids[-1] in self.eos_ids)
+
+    def _prefill(self, prompt_ids, cache, gen, rng) -> None:
+        t = time.perf_counter()
+        st = self.stack
+        h = st.forward_layers(st.embed(self._ids(prompt_ids)), 0, st.num_layers, 0, cache)  # [1, P, D]
+        token, _ = choose(st.logits(h[:, -1:])[0, -1], self.sampling, rng)
+        gen.output_ids.append(token)
+        gen.rounds.append(Round(0, None, 0, 0, 0, 1, st.num_layers, 1, verify_s=time.perf_counter() - t))
+
+    def _round(self, n: int, cache, gen: Generation, method: Method, max_new_tokens: int, rng) -> None:
+        st, L = self.stack, self.stack.num_layers
+        t = time.perf_counter()
+        plan = method.plan()
+        left = max_new_tokens - len(gen.output_ids)
+        # a round emits at most d + 1 tokens: capping d at left − 1 means we never overshoot
+        budget = min(plan.max_draft, left - 1) if plan.exit_layer else 0
+        E = plan.exit_layer if budget > 0 else L
+        t_draft = time.perf_counter()
+        policy_s = t_draft - t
+
+        token, pos = gen.output_ids[-1], n - 1  # the pending token sits at position n − 1
+        exit_states: list[torch.Tensor] = []  # layer-E hidden states, one [1, 1, D] per position
+        drafts: list[int] = []
+        draft_probs: list[torch.Tensor] = []
+        keep_s = 0.0  # time inside method.keep_drafting: policy, not drafting
+        while len(drafts) < budget:
+            h = st.forward_layers(st.embed(self._ids([token])), 0, E, pos, cache)
+            exit_states.append(h)
+            logits = st.logits(h)[0, -1]  # [V]
+            token, q = choose(logits, self.sampling, rng)
+            drafts.append(token)
+            draft_probs.append(q)
+            pos += 1
+            confidence = None
+            if method.wants_confidence:
+                confidence = float(q[token]) if q is not None else float(logits.softmax(-1)[token])
+            tp = time.perf_counter()
+            keep = method.keep_drafting(len(drafts), confidence)
+            keep_s += time.perf_counter() - tp
+            if not keep or token in self.eos_ids:
+                break
+
+        t_verify = time.perf_counter()
+        d = len(drafts)
+        # verify: the last token through 1..E, then all d + 1 positions through E+1..L at once
+        h = st.forward_layers(st.embed(self._ids([token])), 0, E, pos, cache)
+        exit_states.append(h)
+        h = st.forward_layers(torch.cat(exit_states, dim=1), E, L, n - 1, cache)  # [1, d+1, D]
+        target_logits = st.logits(h)[0]  # [d+1, V]
+        if self.sampling.do_sample:
+            k, next_token = accept_sampling(drafts, draft_probs, target_logits, self.sampling, rng)
+        else:
+            k, next_token = accept_greedy(drafts, target_logits)
+        emitted = self._emit(gen, drafts[:k] + [next_token])
+        cache.crop(n + k)  # keep the pending token and the accepted drafts; the new pending is next_token
+        t_observe = time.perf_counter()
+        verify_s = t_observe - t_verify
+        method.observe(RoundEvidence(exit_layer=plan.exit_layer if d else None, drafted=d, accepted=k))
+        policy_s += keep_s + time.perf_counter() - t_observe
+        gen.rounds.append(Round(
+            round=len(gen.rounds), exit_layer=E if d else None, budget=budget, drafted=d, accepted=k,
+            emitted=emitted, loaded_layers=d * E + L, head_calls=d + 1,
+            draft_s=t_verify - t_draft - keep_s, verify_s=verify_s, policy_s=policy_s,
+        ))
+
+    def _emit(self, gen: Generation, tokens: list[int]) -> int:
+        """Append tokens, stopping after an EOS. Returns how many were appended."""
+        for i, tok in enumerate(tokens):
+            gen.output_ids.append(tok)
+            if tok in self.eos_ids:
+                return i + 1
+        return len(tokens)

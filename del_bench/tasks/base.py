@@ -1,0 +1,65 @@
+"""What every task provides: its samples, the exact prompt text, and how an output is scored.
+
+A task is one file here plus one YAML in configs/task/. The runner only calls `select`,
+`prompt` (through `Sample.prompt`), `score` and `aggregate`; the engine never sees a task.
+"""
+
+from __future__ import annotations
+
+import random
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Sample:
+    id: str  # stable across runs: resume and paired speedups match samples by it
+    prompt: str  # the exact text the model is given
+    reference: Any = None  # what `score` compares the output with
+    meta: dict = field(default_factory=dict)
+
+
+class TaskError(ValueError):
+    """A task's data cannot be read; the message names the task, the source and the way out."""
+
+
+class Task(ABC):
+    name: str = "task"
+    version: str = "0"  # bump when prompts, selection or scoring change; stored in every record
+
+    def __init__(self, data_files: str | None = None, stop_strings: list[str] | None = None,
+                 name: str | None = None, n: int | None = None, **_: Any):
+        self.data_files = data_files
+        self.stop_strings = list(stop_strings or [])
+        # One class can back several configs (humaneval, humaneval_pass10): records carry the config's name.
+        self.name = name or type(self).name
+        self.n = n  # samples drawn when the run gives no limit (the paper: 1,000); None = all
+
+    @abstractmethod
+    def load(self) -> list[Sample]:
+        """Every sample of the evaluation split, in source order."""
+
+    def select(self, limit: int | None, seed: int) -> list[Sample]:
+        """`limit` samples drawn with `seed` (kept in source order); the task's `n` when limit is None;
+        all when both are None or the count is at least the number of samples."""
+        samples = self.load()
+        count = limit if limit is not None else self.n
+        if count is None or count >= len(samples):
+            return samples
+        keep = sorted(random.Random(seed).sample(range(len(samples)), count))
+        return [samples[i] for i in keep]
+
+    def score(self, sample: Sample, output_text: str) -> dict[str, float]:
+        """Per-sample quality metrics (empty when the task has no reference)."""
+        return {}
+
+    def aggregate(self, scored: list[dict[str, Any]]) -> dict[str, float]:
+        """Run-level quality metrics from one dict per generated output.
+
+        Each dict holds `sample_id`, `repeat` (0..n-1 when a prompt is sampled n times) and the metrics
+        `score` returned. By default: the mean of each numeric metric over all outputs.
+        """
+        keys = sorted({k for s in scored for k, v in s.items()
+                       if k not in ("sample_id", "repeat") and isinstance(v, (int, float))})
+        return {k: sum(s[k] for s in scored if k in s) / sum(1 for s in scored if k in s) for k in keys}

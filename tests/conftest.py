@@ -1,0 +1,43 @@
+"""Shared fixtures: tiny random Llama models (float64, seeded) and Hydra-composed run configs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from del_bench.config import CONFIG_DIR
+from del_bench.models.loading import build_tiny_random
+
+# Tiny models are all per-op overhead: a second thread only adds synchronisation (10× slower here).
+torch.set_num_threads(1)
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
+            init_std=0.1, late_residual_scale=0.3, seed=0)
+
+
+def tiny_model(**overrides):
+    model, tokenizer = build_tiny_random(OmegaConf.create({**TINY, **overrides}), torch.float64)
+    return model.eval(), tokenizer
+
+
+@pytest.fixture(scope="session")
+def tiny():
+    return tiny_model()
+
+
+def compose_run(*overrides: str):
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        return compose(config_name="run", overrides=list(overrides), return_hydra_config=False)
+
+
+@pytest.fixture
+def run_cfg(tmp_path):
+    """Compose a run on the tiny model into a temporary out_dir."""
+
+    def make(*overrides: str):
+        return compose_run("model=tiny-random", "task=humaneval", "limit=3", "max_new_tokens=16",
+                           "warmup_tokens=0", "threads=1", f"out_dir={tmp_path / 'run'}", *overrides)
+
+    return make

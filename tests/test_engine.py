@@ -1,0 +1,148 @@
+"""The engine is lossless: greedy outputs equal transformers' `generate`, sampling keeps the target
+distribution, budgets are exact, and the layer accounting follows the paper's cost model."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from del_bench.engine import decode
+from del_bench.engine.decode import Engine
+from del_bench.engine.sampling import Sampling
+from del_bench.methods.ls import LayerSkip
+from del_bench.methods.vanilla import Vanilla
+from del_bench.models.layer_stack import LayerStack
+from tests.conftest import tiny_model
+
+PROMPTS = ["def add(a, b):\n", "The quick brown fox", "x"]
+L = 4
+METHODS = [Vanilla()] + [LayerSkip(e, g) for e, g in [(1, 1), (1, 4), (2, 3), (L - 1, 1), (L - 1, 2), (2, 50)]]
+
+
+def hf_greedy(model, prompt_ids, max_new_tokens, eos=None):
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids]), do_sample=False, max_new_tokens=max_new_tokens,
+                             eos_token_id=eos, pad_token_id=0)
+    return out[0, len(prompt_ids):].tolist()
+
+
+@pytest.fixture(scope="module")
+def stack_and_ref():
+    model, tok = tiny_model()
+    prompts = [tok(p)["input_ids"] for p in PROMPTS]
+    refs = [hf_greedy(model, p, 40) for p in prompts]  # before LayerStack re-lays the weights out
+    return LayerStack(model), model, prompts, refs
+
+
+@pytest.mark.parametrize("method", METHODS, ids=lambda m: f"{m.name}{m.describe()}")
+def test_greedy_equals_hf_generate(stack_and_ref, method):
+    stack, _, prompts, refs = stack_and_ref
+    engine = Engine(stack, Sampling(), eos_ids=set())
+    for prompt, ref in zip(prompts, refs):
+        for budget in (1, 7, 40):  # γ > tokens left is hit near each budget's end
+            gen = engine.generate(prompt, method, budget, seed=0)
+            assert gen.output_ids == ref[:budget]
+
+
+def test_speculation_really_happens(stack_and_ref):
+    """Guard against a vacuous equality test: drafts are both accepted and rejected on this model."""
+    stack, _, prompts, _ = stack_and_ref
+    gen = Engine(stack, Sampling(), set()).generate(prompts[0], LayerSkip(1, 4), 40, seed=0)
+    assert 0 < gen.accepted < gen.drafted
+
+
+def test_stops_at_eos_like_hf(stack_and_ref):
+    stack, model, prompts, refs = stack_and_ref
+    eos = refs[0][5]  # a token that greedy decoding emits at step 6
+    expected = refs[0][: refs[0].index(eos) + 1]
+    engine = Engine(stack, Sampling(), eos_ids={eos})
+    for method in METHODS:
+        assert engine.generate(prompts[0], method, 40, seed=0).output_ids == expected
+
+
+def test_accounting_follows_the_cost_model(stack_and_ref):
+    stack, _, prompts, _ = stack_and_ref
+    engine = Engine(stack, Sampling(), set())
+    vanilla = engine.generate(prompts[0], Vanilla(), 25, seed=0)
+    assert len(vanilla.output_ids) / vanilla.loaded_layers == 1 / L  # eTPL of vanilla is exactly 1/L
+    assert vanilla.head_calls == 25
+    gen = engine.generate(prompts[0], LayerSkip(2, 3), 25, seed=0)
+    assert gen.loaded_layers == sum(r.drafted * 2 + L if r.drafted else L for r in gen.rounds)
+    assert gen.head_calls == sum(r.drafted + 1 for r in gen.rounds)
+    assert sum(r.emitted for r in gen.rounds) == len(gen.output_ids) == 25
+    assert all(r.accepted <= r.drafted <= r.budget <= 3 for r in gen.rounds)
+
+
+def test_never_overshoots_the_budget(stack_and_ref):
+    stack, _, prompts, _ = stack_and_ref
+    engine = Engine(stack, Sampling(do_sample=True, temperature=1.3), set())
+    for budget, seed in itertools.product((1, 2, 3, 9), range(5)):
+        gen = engine.generate(prompts[1], LayerSkip(1, 18), budget, seed=seed)
+        assert len(gen.output_ids) == budget
+        assert all(r.drafted <= budget - 1 for r in gen.rounds)
+
+
+# ---- speculative sampling preserves the target distribution --------------------------------------
+
+VOCAB = 6
+SAMPLING = Sampling(do_sample=True, temperature=0.9, top_p=0.95)
+N_DRAWS = 3000
+
+
+def exact_joint(model, prompt, n_tokens):
+    """P(x1..xn | prompt) for every sequence, from the full model's warped distributions."""
+    seqs = [()]
+    probs = {(): 1.0}
+    for _ in range(n_tokens):
+        batch = torch.tensor([list(prompt) + list(s) for s in seqs])
+        with torch.no_grad():
+            logits = model(batch).logits[:, -1]
+        p = SAMPLING.probs(logits)
+        new = {}
+        for s, row in zip(seqs, p):
+            for x in range(VOCAB):
+                new[s + (x,)] = probs[s] * float(row[x])
+        probs, seqs = new, list(new)
+    return probs
+
+
+def draw_and_test(model, method, prompt, n_tokens=3):
+    """Chi-square p-value of engine draws against the exact joint of the first n tokens."""
+    engine = Engine(LayerStack(model), SAMPLING, set())
+    counts = {}
+    for seed in range(N_DRAWS):
+        seq = tuple(engine.generate(prompt, method, n_tokens, seed=seed).output_ids)
+        counts[seq] = counts.get(seq, 0) + 1
+    exact = exact_joint(model, prompt, n_tokens)
+    # pool cells with expected count < 5 into one, as the chi-square approximation needs
+    big = [s for s, p in exact.items() if p * N_DRAWS >= 5]
+    small = [s for s in exact if s not in big]
+    observed = [counts.get(s, 0) for s in big] + [sum(counts.get(s, 0) for s in small)]
+    expected = [exact[s] * N_DRAWS for s in big] + [sum(exact[s] for s in small) * N_DRAWS]
+    return chisquare(observed, expected).pvalue
+
+
+@pytest.fixture(scope="module")
+def small_vocab_model():
+    model, _ = tiny_model(vocab_size=VOCAB, late_residual_scale=0.6, seed=3)
+    return model
+
+
+def test_speculative_sampling_preserves_distribution(small_vocab_model):
+    # tokens 2 and 3 come from a round with two drafts (E = 1): acceptance, rejection and bonus paths
+    p_value = draw_and_test(small_vocab_model, LayerSkip(1, 4), prompt=[1, 2, 3])
+    assert p_value > 1e-3
+
+
+def test_the_distribution_test_catches_a_biased_sampler(small_vocab_model, monkeypatch):
+    """Negative control: accepting every draft samples from the draft model, and the test must see it."""
+
+    def accept_everything(drafts, draft_probs, target_logits, sampling, rng):
+        p = sampling.probs(target_logits)
+        return len(drafts), int(torch.multinomial(p[len(drafts)], 1, generator=rng))
+
+    monkeypatch.setattr(decode, "accept_sampling", accept_everything)
+    assert draw_and_test(small_vocab_model, LayerSkip(1, 4), prompt=[1, 2, 3]) < 1e-6
