@@ -15,7 +15,6 @@ from pathlib import Path
 from del_bench.config import CONFIG_DIR, GROUPS, ConfigError, check_overrides, choices, describe
 
 
-
 def _user_errors():
     from del_bench.records import RunConflict
     from del_bench.tasks.base import TaskError

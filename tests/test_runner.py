@@ -1,0 +1,164 @@
+"""The harness around the engine: configs compose, bad input fails early and clearly, records are
+recomputable, and an interrupted run resumes without losing or duplicating samples."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from del_bench import runner
+from del_bench.config import ConfigError, check_overrides, choices, validate
+from del_bench.engine.decode import Engine
+from del_bench.models import loading
+from del_bench.records import RunConflict, RunDir
+from tests.conftest import compose_run
+
+PAPER_MODELS = {  # name: (hub id, layers, sharded over GPUs)
+    "llama3.2-1b": ("facebook/layerskip-llama3.2-1B", 16, False),
+    "llama3-8b": ("facebook/layerskip-llama3-8B", 32, False),
+    "llama2-7b": ("facebook/layerskip-llama2-7B", 32, False),
+    "llama2-13b": ("facebook/layerskip-llama2-13B", 40, False),
+    "llama2-70b": ("facebook/layerskip-llama2-70B", 80, True),
+    "codellama-7b": ("facebook/layerskip-codellama-7B", 32, False),
+    "codellama-34b": ("facebook/layerskip-codellama-34B", 48, True),
+}
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.mark.parametrize("name", sorted(PAPER_MODELS))
+def test_paper_model_configs_compose_without_loading(name):
+    hf_id, layers, sharded = PAPER_MODELS[name]
+    cfg = compose_run(f"model={name}", "method=ls")
+    assert (cfg.model.hf_id, cfg.model.num_layers, cfg.model.source) == (hf_id, layers, "hub")
+    assert cfg.model.dtype in ("bfloat16", "float16")
+    assert (cfg.model.device_map == "auto") == sharded
+    validate(cfg)  # the default LS(E, γ) of every model is valid for its depth
+    assert cfg.method.tag == f"ls-E{cfg.model.default_exit_layer}-g{cfg.model.default_gamma}"
+
+
+def test_defaults_are_the_embedded_model_and_task():
+    cfg = compose_run()
+    assert (cfg.model.name, cfg.task.name) == ("smollm2-135m", "humaneval")
+    assert cfg.out_dir.startswith("results/runs/smollm2-135m/humaneval/")
+
+
+@pytest.mark.parametrize("group,typo,suggestion", [
+    ("model", "smollm2", "smollm2-135m"), ("task", "humaneva", "humaneval"), ("method", "vanila", "vanilla"),
+])
+def test_unknown_names_suggest_the_right_one(group, typo, suggestion):
+    with pytest.raises(ConfigError, match=f"Did you mean '{suggestion}'"):
+        check_overrides([f"{group}={typo}"])
+
+
+@pytest.mark.parametrize("override,message", [
+    ("method.exit_layer=4", r"method.exit_layer=4 is out of range.*\[1, 3\]"),  # E = L
+    ("method.exit_layer=0", r"method.exit_layer=0 is out of range"),
+    ("method.gamma=-1", r"method.gamma=-1 must be an integer ≥ 0"),
+    ("generation.top_p=0", r"top_p must be in \(0, 1\]"),
+    ("limit=0", r"limit=0 must be a positive integer"),
+])
+def test_invalid_hyperparameters_fail_before_the_model_loads(run_cfg, monkeypatch, override, message):
+    def no_loading(_):
+        raise AssertionError("the model was loaded before validation")
+
+    monkeypatch.setattr(loading, "load", no_loading)
+    with pytest.raises(ConfigError, match=message):
+        runner.run(run_cfg("method=ls", override))
+
+
+def test_cli_reports_unknown_method_with_suggestion():
+    done = subprocess.run([sys.executable, "-m", "del_bench", "run", "method=lss"], capture_output=True, text=True)
+    assert done.returncode == 2
+    assert "unknown method 'lss'. Did you mean 'ls'?" in done.stderr
+
+
+def test_cli_ls_lists_every_config():
+    done = subprocess.run([sys.executable, "-m", "del_bench", "ls"], capture_output=True, text=True, check=True)
+    for group in ("model", "task", "method"):
+        for name in choices(group):
+            assert name in done.stdout
+
+
+def test_records_recompute_the_summary(run_cfg):
+    cfg = run_cfg("method=ls", "method.exit_layer=1", "method.gamma=3")
+    summary = runner.run(cfg)
+    run_dir = RunDir(cfg.out_dir)
+    samples, rounds = read_jsonl(run_dir.samples_path), read_jsonl(run_dir.rounds_path)
+    assert summary["n_samples"] == len(samples) == 3
+    L = cfg.model.num_layers
+    for s in samples:
+        mine = [r for r in rounds if r["sample_id"] == s["sample_id"]]
+        layers = sum(r["drafted"] * r["exit_layer"] + L if r["drafted"] else L for r in mine)
+        assert s["loaded_layers"] == layers
+        assert s["etpl"] == s["generated_tokens"] / layers
+        assert s["generated_tokens"] == sum(r["emitted"] for r in mine) == len(s["output_ids"])
+        assert s["accepted"] == sum(r["accepted"] for r in mine) and s["drafted"] == sum(r["drafted"] for r in mine)
+    assert summary["etpl"] == pytest.approx(sum(s["etpl"] for s in samples) / 3)
+    assert summary["acceptance_rate"] == sum(s["accepted"] for s in samples) / sum(s["drafted"] for s in samples)
+    assert 0 < summary["acceptance_rate"] < 1
+
+
+def test_vanilla_etpl_is_exactly_one_over_L(run_cfg):
+    summary = runner.run(run_cfg("method=vanilla"))
+    assert summary["etpl"] == 1 / 4
+    assert summary["acceptance_rate"] is None
+
+
+def test_interrupted_run_resumes_without_loss_or_duplicates(run_cfg, monkeypatch):
+    cfg = run_cfg("method=ls", "method.exit_layer=2", "method.gamma=2", "limit=4")
+    fresh = runner.run(run_cfg("method=ls", "method.exit_layer=2", "method.gamma=2", "limit=4",
+                               f"out_dir={cfg.out_dir}-fresh"))
+
+    real_generate, calls = Engine.generate, {"n": 0}
+
+    def dies_on_third(self, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return real_generate(self, *args, **kwargs)
+
+    monkeypatch.setattr(Engine, "generate", dies_on_third)
+    with pytest.raises(KeyboardInterrupt):
+        runner.run(cfg)
+    run_dir = RunDir(cfg.out_dir)
+    assert len(read_jsonl(run_dir.samples_path)) == 2  # warm-up is off: calls 1 and 2 finished
+    monkeypatch.setattr(Engine, "generate", real_generate)
+    # a torn write: half a line at the end of both files, as a kill during write would leave
+    with open(run_dir.rounds_path, "a") as f:
+        f.write('{"sample_id": "HumanEval/999", "rou')
+    with open(run_dir.samples_path, "a") as f:
+        f.write('{"sample_id": "Hum')
+    resumed = runner.run(cfg)
+
+    samples = read_jsonl(run_dir.samples_path)
+    ids = [s["sample_id"] for s in samples]
+    assert len(ids) == len(set(ids)) == 4
+    rounds = read_jsonl(run_dir.rounds_path)
+    assert {r["sample_id"] for r in rounds} == set(ids)
+    for s in samples:  # no sample's rounds were written twice
+        assert sum(r["emitted"] for r in rounds if r["sample_id"] == s["sample_id"]) == s["generated_tokens"]
+    assert resumed["n_samples"] == 4
+    fresh_outputs = {s["sample_id"]: s["output_ids"] for s in read_jsonl(RunDir(f"{cfg.out_dir}-fresh").samples_path)}
+    assert {s["sample_id"]: s["output_ids"] for s in samples} == fresh_outputs
+    assert resumed["generated_tokens"] == fresh["generated_tokens"]
+
+
+def test_resume_refuses_a_run_with_other_settings(run_cfg):
+    cfg = run_cfg("method=vanilla", "limit=1")
+    runner.run(cfg)
+    with pytest.raises(RunConflict, match="max_new_tokens"):
+        runner.run(run_cfg("method=vanilla", "limit=1", "max_new_tokens=8"))
+    runner.run(run_cfg("method=vanilla", "limit=2"))  # a larger limit continues the same run
+
+
+def test_prompts_task_reads_user_file(run_cfg, tmp_path):
+    data = tmp_path / "mine.jsonl"
+    data.write_text('{"id": "a", "prompt": "Hello"}\n{"id": "b", "prompt": "def f():"}\n')
+    summary = runner.run(run_cfg("task=prompts", f"task.data_files={data}", "method=vanilla", "limit=null"))
+    assert summary["n_samples"] == 2
