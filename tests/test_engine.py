@@ -12,6 +12,8 @@ from scipy.stats import chisquare
 from del_bench.engine import decode
 from del_bench.engine.decode import Engine
 from del_bench.engine.sampling import Sampling
+from del_bench.methods.dv import DraftVerify
+from del_bench.methods.fs import FiniteState
 from del_bench.methods.ls import LayerSkip
 from del_bench.methods.vanilla import Vanilla
 from del_bench.models.layer_stack import LayerStack
@@ -19,7 +21,11 @@ from tests.conftest import tiny_model
 
 PROMPTS = ["def add(a, b):\n", "The quick brown fox", "x"]
 L = 4
-METHODS = [Vanilla()] + [LayerSkip(e, g) for e, g in [(1, 1), (1, 4), (2, 3), (L - 1, 1), (L - 1, 2), (2, 50)]]
+METHODS = (
+    [Vanilla()]
+    + [LayerSkip(e, g) for e, g in [(1, 1), (1, 4), (2, 3), (L - 1, 1), (L - 1, 2), (2, 50)]]
+    + [FiniteState(1, 2), FiniteState(L - 1, 1, floor=0), DraftVerify(1), DraftVerify(2, theta=0.3, d_max=5)]
+)
 
 
 def hf_greedy(model, prompt_ids, max_new_tokens, eos=None):
@@ -131,9 +137,11 @@ def small_vocab_model():
     return model
 
 
-def test_speculative_sampling_preserves_distribution(small_vocab_model):
-    # tokens 2 and 3 come from a round with two drafts (E = 1): acceptance, rejection and bonus paths
-    p_value = draw_and_test(small_vocab_model, LayerSkip(1, 4), prompt=[1, 2, 3])
+@pytest.mark.parametrize("method", [LayerSkip(1, 4), DraftVerify(1, theta=0.5)], ids=["ls", "dv"])
+def test_speculative_sampling_preserves_distribution(small_vocab_model, method):
+    # tokens 2 and 3 come from a round with up to two drafts (E = 1): acceptance, rejection and bonus
+    # paths; DV also stops drafting on confidence
+    p_value = draw_and_test(small_vocab_model, method, prompt=[1, 2, 3])
     assert p_value > 1e-3
 
 

@@ -39,7 +39,8 @@ def test_rouge2_degenerate_inputs_are_zero():
 
 def test_rouge2_mean_equals_the_paper_metric_object():
     # LayerSkip's benchmark.py: ROUGEScore(rouge_keys="rouge2", normalizer=lowercase), fmeasure over all updates.
-    pairs = [("a b c d", "a b x d"), ("The Cat sat", "the cat sat"), ("x y", "p q"), ("one two. three", "one two. four")]
+    pairs = [("a b c d", "a b x d"), ("The Cat sat", "the cat sat"), ("x y", "p q"),
+             ("one two. three", "one two. four")]
     metric = ROUGEScore(rouge_keys="rouge2", normalizer=lambda s: s.lower())
     for pred, ref in pairs:
         metric.update(ref, pred)  # the paper's (reference, prediction) order

@@ -62,14 +62,19 @@ def test_unknown_names_suggest_the_right_one(group, typo, suggestion):
     ("method.gamma=-1", r"method.gamma=-1 must be an integer ≥ 0"),
     ("generation.top_p=0", r"top_p must be in \(0, 1\]"),
     ("limit=0", r"limit=0 must be a positive integer"),
+    ("method=dv method.theta=1.5", r"method.theta=1.5 must be in \[0, 1\]"),
+    ("method=fs method.exit_layer=9", r"method.exit_layer=9 is out of range"),
 ])
 def test_invalid_hyperparameters_fail_before_the_model_loads(run_cfg, monkeypatch, override, message):
     def no_loading(_):
         raise AssertionError("the model was loaded before validation")
 
     monkeypatch.setattr(loading, "load", no_loading)
+    overrides = override.split(" ")
+    if not overrides[0].startswith("method="):
+        overrides.insert(0, "method=ls")
     with pytest.raises(ConfigError, match=message):
-        runner.run(run_cfg("method=ls", override))
+        runner.run(run_cfg(*overrides))
 
 
 def test_cli_reports_unknown_method_with_suggestion():

@@ -30,7 +30,7 @@ class Round:
     accepted: int
     emitted: int
     loaded_layers: int  # drafted·E + L
-    head_calls: int  # drafted + 1
+    head_calls: int  # draft heads (drafted, + 1 if a low-confidence candidate was dropped) + 1 verify
     draft_s: float = 0.0
     verify_s: float = 0.0
     policy_s: float = 0.0
@@ -131,29 +131,36 @@ class Engine:
         exit_states: list[torch.Tensor] = []  # layer-E hidden states, one [1, 1, D] per position
         drafts: list[int] = []
         draft_probs: list[torch.Tensor] = []
+        candidates = 0  # draft heads applied (a dropped low-confidence candidate counts too)
         keep_s = 0.0  # time inside method.keep_drafting: policy, not drafting
-        while len(drafts) < budget:
-            h = st.forward_layers(st.embed(self._ids([token])), 0, E, pos, cache)
-            exit_states.append(h)
-            logits = st.logits(h)[0, -1]  # [V]
-            token, q = choose(logits, self.sampling, rng)
-            drafts.append(token)
-            draft_probs.append(q)
+        stop = budget == 0
+        while True:
+            # layers 1..E for the newest token; for the last one this is already part of verification
+            exit_states.append(st.forward_layers(st.embed(self._ids([token])), 0, E, pos, cache))
             pos += 1
-            confidence = None
-            if method.wants_confidence:
-                confidence = float(q[token]) if q is not None else float(logits.softmax(-1)[token])
-            tp = time.perf_counter()
-            keep = method.keep_drafting(len(drafts), confidence)
-            keep_s += time.perf_counter() - tp
-            if not keep or token in self.eos_ids:
+            if stop or len(drafts) >= budget:
                 break
+            logits = st.logits(exit_states[-1])[0, -1]  # [V]
+            candidates += 1
+            candidate, q = choose(logits, self.sampling, rng)
+            keep = True
+            if method.wants_confidence:
+                # the draft distribution's top probability: it does not depend on which token was
+                # sampled, so stopping on it keeps speculative sampling exact
+                confidence = float(q.max() if q is not None else logits.softmax(-1).max())
+                tp = time.perf_counter()
+                keep = method.keep_drafting(len(drafts), confidence)
+                keep_s += time.perf_counter() - tp
+                if not keep and method.drop_stopped_draft:  # Algorithm 1: break before appending
+                    break
+            drafts.append(candidate)
+            draft_probs.append(q)
+            token = candidate
+            stop = not keep or candidate in self.eos_ids
 
         t_verify = time.perf_counter()
         d = len(drafts)
-        # verify: the last token through 1..E, then all d + 1 positions through E+1..L at once
-        h = st.forward_layers(st.embed(self._ids([token])), 0, E, pos, cache)
-        exit_states.append(h)
+        # verify: all d + 1 positions through E+1..L at once, from the layer-E states of drafting
         h = st.forward_layers(torch.cat(exit_states, dim=1), E, L, n - 1, cache)  # [1, d+1, D]
         target_logits = st.logits(h)[0]  # [d+1, V]
         if self.sampling.do_sample:
@@ -164,11 +171,12 @@ class Engine:
         cache.crop(n + k)  # keep the pending token and the accepted drafts; the new pending is next_token
         t_observe = time.perf_counter()
         verify_s = t_observe - t_verify
-        method.observe(RoundEvidence(exit_layer=plan.exit_layer if d else None, drafted=d, accepted=k))
+        method.observe(RoundEvidence(exit_layer=plan.exit_layer if d else None, drafted=d, accepted=k,
+                                     budget_capped=budget < plan.max_draft))
         policy_s += keep_s + time.perf_counter() - t_observe
         gen.rounds.append(Round(
             round=len(gen.rounds), exit_layer=E if d else None, budget=budget, drafted=d, accepted=k,
-            emitted=emitted, loaded_layers=d * E + L, head_calls=d + 1,
+            emitted=emitted, loaded_layers=d * E + L, head_calls=candidates + 1,
             draft_s=t_verify - t_draft - keep_s, verify_s=verify_s, policy_s=policy_s,
         ))
 

@@ -18,11 +18,13 @@ class RoundEvidence:
     exit_layer: int | None
     drafted: int
     accepted: int
+    budget_capped: bool = False  # the plan's budget was cut to the tokens left (the prompt's last round)
 
 
 class Method:
     name = "method"
-    wants_confidence = False  # True: the engine computes each draft token's probability for `keep_drafting`
+    wants_confidence = False  # True: the engine asks `keep_drafting` after every draft candidate
+    drop_stopped_draft = False  # True: the candidate that stopped drafting is discarded (DEL's Algorithm 1)
 
     def __init__(self, **_):  # config keys such as `name` and `tag` are not hyperparameters
         pass
@@ -37,8 +39,10 @@ class Method:
     def plan(self) -> Plan:
         raise NotImplementedError
 
-    def keep_drafting(self, drafted: int, confidence: float | None) -> bool:
-        """After the `drafted`-th token of this round (confidence = its draft probability)."""
+    def keep_drafting(self, drafted: int, confidence: float) -> bool:
+        """Called with each new draft candidate, `drafted` tokens already in the draft; confidence = the
+        draft distribution's top probability. False stops drafting after (or, with drop_stopped_draft,
+        without) this candidate."""
         return True
 
     def observe(self, evidence: RoundEvidence) -> None:
