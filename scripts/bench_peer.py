@@ -102,25 +102,31 @@ def main() -> None:
                      hf_row(hf_generate, assistant_early_exit=e, num_assistant_tokens=g,
                             assistant_confidence_threshold=0.0), (e, g)))
 
-    reference = None
-    results = []
-    for name, gen, eg in rows:
+    # Interleaved: every prompt runs every row back to back, so drift of this shared machine over the
+    # minutes of a benchmark hits all rows alike.
+    for _, gen, _ in rows:
         gen(prompts[0], 8)  # warm-up, untimed
-        speeds, outputs, etpl, drafted, accepted = [], [], [], 0, 0
-        for p in prompts:
+    stats = {name: {"speeds": [], "outputs": [], "etpl": [], "drafted": 0, "accepted": 0} for name, _, _ in rows}
+    for i, p in enumerate(prompts):
+        for name, gen, _ in rows:
             out, wall, g = gen(p, M)
-            outputs.append(out)
-            speeds.append(len(out) / wall)
+            st = stats[name]
+            st["outputs"].append(out)
+            st["speeds"].append(len(out) / wall)
             if g is not None:
-                etpl.append(len(out) / g.loaded_layers)
-                drafted, accepted = drafted + g.drafted, accepted + g.accepted
-        if name == "HF generate":
-            reference = outputs
+                st["etpl"].append(len(out) / g.loaded_layers)
+                st["drafted"] += g.drafted
+                st["accepted"] += g.accepted
+        print(f"  prompt {i + 1}/{len(prompts)} done", flush=True)
+    reference = stats["HF generate"]["outputs"]
+    results = []
+    for name, _, eg in rows:
+        st = stats[name]
         results.append({"row": name, "exit_layer": eg[0] if eg else None, "gamma": eg[1] if eg else None,
-                        "tokens_per_s": statistics.fmean(speeds), "per_prompt_tokens_per_s": speeds,
-                        "etpl": statistics.fmean(etpl) if etpl else None,
-                        "acceptance": accepted / drafted if drafted else None, "outputs": outputs})
-        print(f"  done: {name}: {results[-1]['tokens_per_s']:.2f} tok/s", flush=True)
+                        "tokens_per_s": statistics.fmean(st["speeds"]), "per_prompt_tokens_per_s": st["speeds"],
+                        "etpl": statistics.fmean(st["etpl"]) if st["etpl"] else None,
+                        "acceptance": st["accepted"] / st["drafted"] if st["drafted"] else None,
+                        "outputs": st["outputs"]})
 
     base = results[0]["tokens_per_s"]
     for r in results:

@@ -77,7 +77,8 @@ def test_accounting_follows_the_cost_model(stack_and_ref):
     assert vanilla.head_calls == 25
     gen = engine.generate(prompts[0], LayerSkip(2, 3), 25, seed=0)
     assert gen.loaded_layers == sum(r.drafted * 2 + L if r.drafted else L for r in gen.rounds)
-    assert gen.head_calls == sum(r.drafted + 1 for r in gen.rounds)
+    # draft heads + verify rows up to and including the first rejection
+    assert gen.head_calls == sum(r.drafted + r.accepted + 1 for r in gen.rounds)
     assert sum(r.emitted for r in gen.rounds) == len(gen.output_ids) == 25
     assert all(r.accepted <= r.drafted <= r.budget <= 3 for r in gen.rounds)
 
@@ -148,9 +149,9 @@ def test_speculative_sampling_preserves_distribution(small_vocab_model, method):
 def test_the_distribution_test_catches_a_biased_sampler(small_vocab_model, monkeypatch):
     """Negative control: accepting every draft samples from the draft model, and the test must see it."""
 
-    def accept_everything(drafts, draft_probs, target_logits, sampling, rng):
-        p = sampling.probs(target_logits)
-        return len(drafts), int(torch.multinomial(p[len(drafts)], 1, generator=rng))
+    def accept_everything(drafts, draft_probs, target_row, sampling, rng):
+        p = sampling.probs(target_row(len(drafts)))
+        return len(drafts), int(torch.multinomial(p, 1, generator=rng))
 
     monkeypatch.setattr(decode, "accept_sampling", accept_everything)
     assert draw_and_test(small_vocab_model, LayerSkip(1, 4), prompt=[1, 2, 3]) < 1e-6

@@ -2,8 +2,8 @@
 
 Verification reuses the early layers' KV from drafting: only the last draft token goes through layers
 1..E; the layer-E hidden states of all d+1 positions (the "exit query cache") then go through layers
-E+1..L in one batch. A round therefore loads d·E + L layers (paper §4.1) and applies the head d + 1
-times. Vanilla is the round with d = 0 and no split. The engine owns the KV cache, RNG, accounting and
+E+1..L in one batch. A round therefore loads d·E + L layers (paper §4.1); the head runs once per draft
+and once per verified position up to the first rejection. Vanilla is the round with d = 0 and no split. The engine owns the KV cache, RNG, accounting and
 timing; methods only decide E, the budget and when to stop drafting.
 """
 
@@ -30,7 +30,7 @@ class Round:
     accepted: int
     emitted: int
     loaded_layers: int  # drafted·E + L
-    head_calls: int  # draft heads (drafted, + 1 if a low-confidence candidate was dropped) + 1 verify
+    head_calls: int  # LM-head rows: draft candidates (incl. a dropped one) + verify rows up to the rejection
     draft_s: float = 0.0
     verify_s: float = 0.0
     policy_s: float = 0.0
@@ -161,12 +161,18 @@ class Engine:
         t_verify = time.perf_counter()
         d = len(drafts)
         # verify: all d + 1 positions through E+1..L at once, from the layer-E states of drafting
-        h = st.forward_layers(torch.cat(exit_states, dim=1), E, L, n - 1, cache)  # [1, d+1, D]
-        target_logits = st.logits(h)[0]  # [d+1, V]
+        h = st.norm(st.forward_layers(torch.cat(exit_states, dim=1), E, L, n - 1, cache))  # [1, d+1, D]
+        rows = []  # the head runs row by row, only up to the first rejection (one row per round on average
+        # when drafts rarely survive; a batched 5-row head costs ~4 single rows on a CPU)
+
+        def target_row(i: int) -> torch.Tensor:
+            rows.append(i)
+            return st.head(h[:, i : i + 1])[0, 0]  # [V]
+
         if self.sampling.do_sample:
-            k, next_token = accept_sampling(drafts, draft_probs, target_logits, self.sampling, rng)
+            k, next_token = accept_sampling(drafts, draft_probs, target_row, self.sampling, rng)
         else:
-            k, next_token = accept_greedy(drafts, target_logits)
+            k, next_token = accept_greedy(drafts, target_row)
         emitted = self._emit(gen, drafts[:k] + [next_token])
         cache.crop(n + k)  # keep the pending token and the accepted drafts; the new pending is next_token
         t_observe = time.perf_counter()
@@ -176,7 +182,7 @@ class Engine:
         policy_s += keep_s + time.perf_counter() - t_observe
         gen.rounds.append(Round(
             round=len(gen.rounds), exit_layer=E if d else None, budget=budget, drafted=d, accepted=k,
-            emitted=emitted, loaded_layers=d * E + L, head_calls=candidates + 1,
+            emitted=emitted, loaded_layers=d * E + L, head_calls=candidates + len(rows),
             draft_s=t_verify - t_draft - keep_s, verify_s=verify_s, policy_s=policy_s,
         ))
 

@@ -44,35 +44,38 @@ def choose(logits: torch.Tensor, sampling: Sampling, rng: torch.Generator) -> tu
     return int(torch.multinomial(probs, 1, generator=rng)), probs
 
 
-def accept_greedy(drafts: list[int], target_logits: torch.Tensor) -> tuple[int, int]:
-    """target_logits: [d+1, V]. Returns (accepted count k, the verifier's token after them)."""
-    target = target_logits.argmax(dim=-1).tolist()
-    k = 0
-    while k < len(drafts) and drafts[k] == target[k]:
-        k += 1
-    return k, target[k]
+def accept_greedy(drafts: list[int], target_row) -> tuple[int, int]:
+    """Longest prefix of drafts equal to the verifier's argmax, plus the verifier's next token.
+
+    target_row(i) → the verifier's logits [V] at draft position i (i = 0..d), computed on demand:
+    rows after the first mismatch are never needed, so they are never paid for."""
+    for k, draft in enumerate(drafts):
+        target = int(target_row(k).argmax())
+        if draft != target:
+            return k, target
+    return len(drafts), int(target_row(len(drafts)).argmax())
 
 
 def accept_sampling(
     drafts: list[int],
     draft_probs: list[torch.Tensor],
-    target_logits: torch.Tensor,
+    target_row,
     sampling: Sampling,
     rng: torch.Generator,
 ) -> tuple[int, int]:
-    """Speculative sampling. draft_probs[i]: q_i [V]; target_logits: [d+1, V] → p_i.
+    """Speculative sampling. draft_probs[i]: q_i [V]; target_row(i) → logits [V] whose warping is p_i.
 
     Accept x_i with prob min(1, p_i(x_i)/q_i(x_i)); at the first rejection draw from
     norm(max(0, p_i − q_i)); if all d are accepted draw a bonus token from p_d."""
-    p = sampling.probs(target_logits)  # [d+1, V]
     for i, (x, q) in enumerate(zip(drafts, draft_probs)):
+        p = sampling.probs(target_row(i))
         u = torch.rand((), generator=rng, device=p.device, dtype=p.dtype)
-        if u * q[x] < p[i, x]:  # u < p/q without dividing by a possibly tiny q
+        if u * q[x] < p[x]:  # u < p/q without dividing by a possibly tiny q
             continue
-        residual = (p[i] - q.to(p.dtype)).clamp_min(0)
+        residual = (p - q.to(p.dtype)).clamp_min(0)
         total = residual.sum()
         # p == q exactly leaves no residual mass; then any draw from p is already exact
-        dist = residual / total if total > 0 else p[i]
+        dist = residual / total if total > 0 else p
         return i, int(torch.multinomial(dist, 1, generator=rng))
-    d = len(drafts)
-    return d, int(torch.multinomial(p[d], 1, generator=rng))
+    p = sampling.probs(target_row(len(drafts)))
+    return len(drafts), int(torch.multinomial(p, 1, generator=rng))
