@@ -3,8 +3,9 @@
 Verification reuses the early layers' KV from drafting: only the last draft token goes through layers
 1..E; the layer-E hidden states of all d+1 positions (the "exit query cache") then go through layers
 E+1..L in one batch. A round therefore loads d·E + L layers (paper §4.1); the head runs once per draft
-and once per verified position up to the first rejection. Vanilla is the round with d = 0 and no split. The engine owns the KV cache, RNG, accounting and
-timing; methods only decide E, the budget and when to stop drafting.
+and once per verified position up to the first rejection. Vanilla is the round with d = 0 and no split.
+The engine owns the KV cache, RNG, accounting and timing; methods only decide E, the budget and when to
+stop drafting.
 """
 
 from __future__ import annotations
