@@ -13,6 +13,7 @@ from del_bench.engine import decode
 from del_bench.engine.decode import Engine
 from del_bench.engine.sampling import Sampling
 from del_bench.methods.dv import DraftVerify
+from del_bench.methods.dynamic_exit import DEL
 from del_bench.methods.fs import FiniteState
 from del_bench.methods.ls import LayerSkip
 from del_bench.methods.vanilla import Vanilla
@@ -25,6 +26,7 @@ METHODS = (
     [Vanilla()]
     + [LayerSkip(e, g) for e, g in [(1, 1), (1, 4), (2, 3), (L - 1, 1), (L - 1, 2), (2, 50)]]
     + [FiniteState(1, 2), FiniteState(L - 1, 1, floor=0), DraftVerify(1), DraftVerify(2, theta=0.3, d_max=5)]
+    + [DEL(), DEL(dynamic_draft_exit=False, draft_budget="tpl"), DEL(exit_layer=2), DEL(min_exit_layer=2, omega=0.5)]
 )
 
 
@@ -138,7 +140,8 @@ def small_vocab_model():
     return model
 
 
-@pytest.mark.parametrize("method", [LayerSkip(1, 4), DraftVerify(1, theta=0.5)], ids=["ls", "dv"])
+@pytest.mark.parametrize("method", [LayerSkip(1, 4), DraftVerify(1, theta=0.5), DEL(d_max=4)],
+                         ids=["ls", "dv", "del"])
 def test_speculative_sampling_preserves_distribution(small_vocab_model, method):
     # tokens 2 and 3 come from a round with up to two drafts (E = 1): acceptance, rejection and bonus
     # paths; DV also stops drafting on confidence
@@ -155,3 +158,15 @@ def test_the_distribution_test_catches_a_biased_sampler(small_vocab_model, monke
 
     monkeypatch.setattr(decode, "accept_sampling", accept_everything)
     assert draw_and_test(small_vocab_model, LayerSkip(1, 4), prompt=[1, 2, 3]) < 1e-6
+
+
+@pytest.mark.parametrize("method", [DEL(), DEL(dynamic_draft_exit=False, draft_budget="tpl"), DEL(exit_layer=2)],
+                         ids=["del", "del_e", "del_gamma"])
+def test_del_speculates_and_stays_lossless_where_early_layers_agree(method):
+    """On the default tiny model DEL mostly (rightly) declines to draft; here it drafts, accepts and rejects."""
+    model, tok = tiny_model(late_residual_scale=0.1)
+    prompt = tok(PROMPTS[0])["input_ids"]
+    ref = hf_greedy(model, prompt, 40)
+    gen = Engine(LayerStack(model), Sampling(), set()).generate(prompt, method, 40, seed=0)
+    assert gen.output_ids == ref
+    assert 0 < gen.accepted < gen.drafted

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from del_bench.engine.sampling import Sampling, accept_greedy, accept_sampling, choose
-from del_bench.methods.base import Method, RoundEvidence
+from del_bench.methods.base import Method, RoundEvidence, Shadow
 from del_bench.models.layer_stack import KVCache, LayerStack
 
 
@@ -34,10 +34,12 @@ class Round:
     head_calls: int  # LM-head rows: draft candidates (incl. a dropped one) + verify rows up to the rejection
     draft_s: float = 0.0
     verify_s: float = 0.0
-    policy_s: float = 0.0
+    policy_s: float = 0.0  # the method's own time: plan, keep_drafting, observe, and shadow tokens
+    trace: dict = field(default_factory=dict)  # the method's per-round fields (Plan.trace)
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        row = asdict(self)
+        return {**row, **row.pop("trace")}
 
 
 @dataclass
@@ -98,7 +100,7 @@ class Engine:
         synchronize(self.device)
         t0 = time.perf_counter()
         if max_new_tokens > 0:
-            self._prefill(prompt_ids, cache, gen, rng)
+            self._prefill(prompt_ids, cache, gen, method, rng)
             # seq length N = prompt + emitted; the last emitted token is not yet in any layer's cache
             while not self._done(gen, max_new_tokens):
                 self._round(len(prompt_ids) + len(gen.output_ids), cache, gen, method, max_new_tokens, rng)
@@ -109,13 +111,22 @@ class Engine:
     def _done(self, gen: Generation, max_new_tokens: int) -> bool:
         return len(gen.output_ids) >= max_new_tokens or (bool(gen.output_ids) and gen.output_ids[-1] in self.eos_ids)
 
-    def _prefill(self, prompt_ids, cache, gen, rng) -> None:
+    def _prefill(self, prompt_ids, cache, gen, method: Method, rng) -> None:
         t = time.perf_counter()
-        st = self.stack
-        h = st.forward_layers(st.embed(self._ids(prompt_ids)), 0, st.num_layers, 0, cache)  # [1, P, D]
+        st, L = self.stack, self.stack.num_layers
+        layers = [] if method.wants_shadow else None
+        h = st.forward_layers(st.embed(self._ids(prompt_ids)), 0, L, 0, cache, collect=layers)  # [1, P, D]
         token, _ = choose(st.logits(h[:, -1:])[0, -1], self.sampling, rng)
         gen.output_ids.append(token)
-        gen.rounds.append(Round(0, None, 0, 0, 0, 1, st.num_layers, 1, verify_s=time.perf_counter() - t))
+        t_policy = time.perf_counter()
+        if layers is not None:
+            w = min(method.prefill_window, len(prompt_ids))
+            states = torch.cat(layers[: L - 1])[:, -w:]  # [L-1, w, D]
+            target = st.logits(h[:, -w:])[0].argmax(-1)  # [w]
+            tokens, confidence = st.shadow_tokens(states.reshape(-1, states.shape[-1]))
+            method.observe_prefill(Shadow(tokens.view(L - 1, w), confidence.view(L - 1, w), target))
+        gen.rounds.append(Round(0, None, 0, 0, 0, 1, L, 1, verify_s=t_policy - t,
+                                policy_s=time.perf_counter() - t_policy))
 
     def _round(self, n: int, cache, gen: Generation, method: Method, max_new_tokens: int, rng) -> None:
         st, L = self.stack, self.stack.num_layers
@@ -135,9 +146,13 @@ class Engine:
         candidates = 0  # draft heads applied (a dropped low-confidence candidate counts too)
         keep_s = 0.0  # time inside method.keep_drafting: policy, not drafting
         stop = budget == 0
+        early: list[list[torch.Tensor]] | None = [] if method.wants_shadow else None  # [position][layer]
         while True:
             # layers 1..E for the newest token; for the last one this is already part of verification
-            exit_states.append(st.forward_layers(st.embed(self._ids([token])), 0, E, pos, cache))
+            layers = None if early is None else []
+            exit_states.append(st.forward_layers(st.embed(self._ids([token])), 0, E, pos, cache, collect=layers))
+            if early is not None:
+                early.append(layers)
             pos += 1
             if stop or len(drafts) >= budget:
                 break
@@ -162,13 +177,16 @@ class Engine:
         t_verify = time.perf_counter()
         d = len(drafts)
         # verify: all d + 1 positions through E+1..L at once, from the layer-E states of drafting
-        h = st.norm(st.forward_layers(torch.cat(exit_states, dim=1), E, L, n - 1, cache))  # [1, d+1, D]
-        rows = []  # the head runs row by row, only up to the first rejection (one row per round on average
-        # when drafts rarely survive; a batched 5-row head costs ~4 single rows on a CPU)
+        late: list[torch.Tensor] | None = None if early is None else []  # [layer] → [1, d+1, D]
+        h = st.norm(st.forward_layers(torch.cat(exit_states, dim=1), E, L, n - 1, cache, collect=late))
+        rows: dict[int, int] = {}  # verified row → the verifier's greedy token there
+        # the head runs row by row, only up to the first rejection (one row per round on average when
+        # drafts rarely survive; a batched 5-row head costs ~4 single rows on a CPU)
 
         def target_row(i: int) -> torch.Tensor:
-            rows.append(i)
-            return st.head(h[:, i : i + 1])[0, 0]  # [V]
+            logits = st.head(h[:, i : i + 1])[0, 0]  # [V]
+            rows[i] = int(logits.argmax())
+            return logits
 
         if self.sampling.do_sample:
             k, next_token = accept_sampling(drafts, draft_probs, target_row, self.sampling, rng)
@@ -178,14 +196,30 @@ class Engine:
         cache.crop(n + k)  # keep the pending token and the accepted drafts; the new pending is next_token
         t_observe = time.perf_counter()
         verify_s = t_observe - t_verify
+        shadow = None if early is None else self._shadow(early, late, E, k, rows, target_row)
         method.observe(RoundEvidence(exit_layer=plan.exit_layer if d else None, drafted=d, accepted=k,
-                                     budget_capped=budget < plan.max_draft))
+                                     budget_capped=budget < plan.max_draft, shadow=shadow))
         policy_s += keep_s + time.perf_counter() - t_observe
         gen.rounds.append(Round(
             round=len(gen.rounds), exit_layer=E if d else None, budget=budget, drafted=d, accepted=k,
             emitted=emitted, loaded_layers=d * E + L, head_calls=candidates + len(rows),
-            draft_s=t_verify - t_draft - keep_s, verify_s=verify_s, policy_s=policy_s,
+            draft_s=t_verify - t_draft - keep_s, verify_s=verify_s, policy_s=policy_s, trace=plan.trace,
         ))
+
+    def _shadow(self, early, late, E: int, k: int, rows: dict, target_row) -> Shadow:
+        """Shadow tokens over the valid window, positions 0..k (k = accepted drafts: later positions
+        were computed on a context the model did not keep). Layers 1..E come from drafting, E+1..L−1
+        from the verification batch."""
+        st, L, W = self.stack, self.stack.num_layers, k + 1
+        per_layer = [torch.cat([early[i][j] for i in range(W)], dim=1)[0] for j in range(min(E, L - 1))]
+        per_layer += [late[j][0, :W] for j in range(L - 1 - E)]
+        states = torch.stack(per_layer)  # [L-1, W, D]
+        tokens, confidence = st.shadow_tokens(states.reshape(-1, states.shape[-1]))
+        for i in range(W):  # acceptance computed rows 0..k already; this only guards the invariant
+            if i not in rows:
+                target_row(i)
+        target = torch.tensor([rows[i] for i in range(W)], device=tokens.device)
+        return Shadow(tokens.view(L - 1, W), confidence.view(L - 1, W), target)
 
     def _emit(self, gen: Generation, tokens: list[int]) -> int:
         """Append tokens, stopping after an EOS. Returns how many were appended."""

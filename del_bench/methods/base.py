@@ -4,13 +4,26 @@ evidence. The engine owns everything else (KV cache, RNG, accounting, timing).""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import torch
 
 
 @dataclass(frozen=True)
 class Plan:
     exit_layer: int | None  # 1-based E (draft through layers 1..E); None = no drafting this round
     max_draft: int  # draft budget γ of this round (the engine also caps it by the tokens left)
+    trace: dict = field(default_factory=dict)  # extra per-round fields for rounds.jsonl (τ, α_E, …)
+
+
+@dataclass(frozen=True)
+class Shadow:
+    """What every layer would have predicted over a window of positions, from hidden states the round
+    already computed (no extra transformer passes). Row ℓ−1 is layer ℓ, for ℓ = 1..L−1."""
+
+    tokens: torch.Tensor  # [L-1, W] greedy token of each layer
+    confidence: torch.Tensor  # [L-1, W] its softmax probability
+    target: torch.Tensor  # [W] the full model's greedy tokens x^L
 
 
 @dataclass(frozen=True)
@@ -19,12 +32,15 @@ class RoundEvidence:
     drafted: int
     accepted: int
     budget_capped: bool = False  # the plan's budget was cut to the tokens left (the prompt's last round)
+    shadow: Shadow | None = None  # for methods with wants_shadow: positions 0..accepted (the valid window)
 
 
 class Method:
     name = "method"
     wants_confidence = False  # True: the engine asks `keep_drafting` after every draft candidate
     drop_stopped_draft = False  # True: the candidate that stopped drafting is discarded (DEL's Algorithm 1)
+    wants_shadow = False  # True: evidence carries shadow tokens; observe_prefill gets the prompt's last ones
+    prefill_window = 32  # prompt positions whose shadow tokens seed the statistics
 
     def __init__(self, **_):  # config keys such as `name` and `tag` are not hyperparameters
         pass
@@ -47,6 +63,9 @@ class Method:
 
     def observe(self, evidence: RoundEvidence) -> None:
         """After verification of a round."""
+
+    def observe_prefill(self, shadow: Shadow) -> None:
+        """After prefill (wants_shadow only): shadow tokens of the last prompt positions."""
 
     def describe(self) -> dict:
         """Hyperparameters as stored in records."""

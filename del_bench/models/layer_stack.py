@@ -179,10 +179,12 @@ class LayerStack:
         self._cos, self._sin = cos[0], sin[0] * sign
 
     # ---- layers -----------------------------------------------------------------------------
-    def forward_layers(self, h: torch.Tensor, start: int, end: int, pos: int, cache: KVCache) -> torch.Tensor:
+    def forward_layers(self, h: torch.Tensor, start: int, end: int, pos: int, cache: KVCache,
+                       collect: list | None = None) -> torch.Tensor:
         """Run 0-based layers [start, end) on h: [1, T, D] holding positions pos .. pos+T-1.
 
-        Each layer writes its keys/values at those positions and attends to [0, pos+T)."""
+        Each layer writes its keys/values at those positions and attends to [0, pos+T). With `collect`,
+        every layer's output [1, T, D] is appended to it (DEL's shadow tokens read them)."""
         T = h.shape[1]
         cos = self._cos[pos : pos + T][None, :, None, :]  # [1, T, 1, hd], broadcast over heads
         sin = self._sin[pos : pos + T][None, :, None, :]  # signed: see _ensure_rope
@@ -197,7 +199,20 @@ class LayerStack:
                 raise RuntimeError(f"layer {i} holds {cache.lengths[i]} positions; cannot write at {pos}")
             h = self._layer(i, h, pos, cos, sin, mask, cache)
             cache.lengths[i] = pos + T
+            if collect is not None:
+                collect.append(h)
         return h
+
+    def shadow_tokens(self, states: torch.Tensor, chunk: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+        """Greedy token and its softmax probability for every row of states [N, D] (pre-norm hidden
+        states of any layers): what each layer would have drafted. Returns ([N] ids, [N] confidences)."""
+        tokens, confidence = [], []
+        for rows in states.split(chunk):
+            probs = self.head(self.norm(rows[None]))[0].float().softmax(-1)  # [n, V]
+            top, ids = probs.max(-1)
+            tokens.append(ids)
+            confidence.append(top)
+        return torch.cat(tokens), torch.cat(confidence)
 
     def _layer(self, i, h, pos, cos, sin, mask, cache: KVCache) -> torch.Tensor:
         w = self.layers[i]

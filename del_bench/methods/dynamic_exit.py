@@ -1,0 +1,145 @@
+"""DEL: context-aware dynamic exit layer (paper §4, Algorithm 1) and its ablations.
+
+Per round, from shadow tokens of the valid window (positions 0..u_r, see the engine):
+  c_r^ℓ = matches of layer ℓ with the full model, n_r = positions in the window (u_r + 1),
+  tcs/fcs_r^ℓ = confidence sums over matched / mismatched positions,
+  decayed sums S(a) = Σ_i ω^{r−i−1} a[i] (kept incrementally: S ← ω·S + a_r),
+  α_ℓ = S(c^ℓ) / S(n),  τ_ℓ = ½ (S(tcs^ℓ)/S(c^ℓ) + S(fcs^ℓ)/S(n − c^ℓ)),
+  (E, γ) = argmax over ℓ ∈ [1, L), d ∈ [0, d_max] of TPL(ℓ, d) = Σ_{k≤d} α_ℓ^k / (d·ℓ + L).
+Statistics are seeded at prefill from the last 32 prompt positions and restart with every prompt.
+
+Decisions where the paper, its Algorithm 1 and the authors' code differ (DESIGN.md §3), all config:
+- Denominator: the paper divides by S(u) while c counts u + 1 positions; we count positions
+  consistently (n = u + 1), which is the authors' match / (match + mismatch).
+- Draft budget (`draft_budget`): `d_max` (Algorithm 1 and the authors' code: draft up to d_max, stop
+  on τ) or `tpl` (cap at the TPL-chosen γ). Either way a TPL choice of d = 0 means "do not speculate":
+  the round is plain decoding, so a model whose early layers never agree falls back to Vanilla.
+- Stopping (`dynamic_draft_exit`): stop when a candidate's confidence < τ_E; the candidate is dropped
+  (Algorithm 1 breaks before appending it).
+- First round: from the prefill statistics (paper), not the authors' fixed E = 1, γ = 1.
+- 0/0: with no matched position yet the matched mean is taken as 1, with no mismatched one the
+  mismatched mean as 0 (the extremes a confidence can take), so τ is always defined; S(n) = 0 gives α = 0.
+Ablations: DEL-E = no dynamic draft-exiting, γ from TPL; DEL-γ = fixed E (`exit_layer`), τ on;
+DEL-E-lim = E restricted to 3 < ℓ < L (`min_exit_layer: 4`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from del_bench.methods.base import Method, Plan, RoundEvidence, Shadow, check_exit_layer, check_gamma
+
+
+def tpl_table(alpha: torch.Tensor, num_layers: int, d_max: int) -> torch.Tensor:
+    """TPL(ℓ, d) for ℓ = 1..len(alpha), d = 0..d_max → [d_max+1, len(alpha)] (float64).
+
+    Σ_{k=0..d} α^k instead of (1 − α^{d+1}) / (1 − α): exact at α = 1."""
+    alpha = alpha.to(torch.float64)
+    powers = alpha[None, :] ** torch.arange(d_max + 1, dtype=torch.float64)[:, None]  # [d_max+1, ℓ]
+    expected_tokens = powers.cumsum(0)
+    layers = torch.arange(1, len(alpha) + 1, dtype=torch.float64)
+    cost = torch.arange(d_max + 1, dtype=torch.float64)[:, None] * layers[None, :] + num_layers
+    return expected_tokens / cost
+
+
+def best_exit(alpha: torch.Tensor, num_layers: int, d_max: int, allowed: torch.Tensor) -> tuple[int, int]:
+    """(E, γ) maximising TPL over allowed layers. Ties go to the smaller d, then the smaller ℓ
+    (torch.argmax returns the first maximum of the d-major flattening)."""
+    table = tpl_table(alpha, num_layers, d_max)
+    table[:, ~allowed] = -1.0
+    flat = int(table.flatten().argmax())
+    d, layer = divmod(flat, len(alpha))
+    return layer + 1, d
+
+
+class DEL(Method):
+    name = "del"
+    wants_shadow = True
+
+    def __init__(self, omega: float = 0.95, d_max: int = 18, dynamic_draft_exit: bool = True,
+                 draft_budget: str = "d_max", exit_layer: int | None = None, min_exit_layer: int = 1,
+                 prefill_window: int = 32, **_):
+        self.omega, self.d_max = omega, d_max
+        self.dynamic_draft_exit, self.draft_budget = dynamic_draft_exit, draft_budget
+        self.fixed_exit_layer, self.min_exit_layer = exit_layer, min_exit_layer
+        self.prefill_window = prefill_window
+        self.wants_confidence = dynamic_draft_exit
+        self.drop_stopped_draft = True
+
+    def validate(self, num_layers: int) -> None:
+        if not 0 <= self.omega <= 1:
+            raise ValueError(f"method.omega={self.omega!r} must be in [0, 1]")
+        check_gamma(self.d_max, "method.d_max")
+        if self.draft_budget not in ("d_max", "tpl"):
+            raise ValueError(f"method.draft_budget={self.draft_budget!r} must be 'd_max' or 'tpl'")
+        if self.fixed_exit_layer is not None:
+            check_exit_layer(self.fixed_exit_layer, num_layers)
+        if not 1 <= self.min_exit_layer <= num_layers - 1:
+            raise ValueError(f"method.min_exit_layer={self.min_exit_layer!r} must be in [1, {num_layers - 1}]")
+        if not isinstance(self.prefill_window, int) or self.prefill_window < 1:
+            raise ValueError(f"method.prefill_window={self.prefill_window!r} must be a positive integer")
+
+    # ---- statistics ---------------------------------------------------------------------------
+    def start(self, num_layers: int) -> None:
+        super().start(num_layers)
+        n = num_layers - 1
+        self.s_match = torch.zeros(n, dtype=torch.float64)  # S(c^ℓ)
+        self.s_true_conf = torch.zeros(n, dtype=torch.float64)  # S(tcs^ℓ)
+        self.s_false_conf = torch.zeros(n, dtype=torch.float64)  # S(fcs^ℓ)
+        self.s_positions = 0.0  # S(n)
+        self.allowed = torch.arange(1, num_layers) >= self.min_exit_layer
+        if self.fixed_exit_layer is not None:
+            self.allowed = torch.arange(1, num_layers) == self.fixed_exit_layer
+        self._choose()
+
+    def update(self, shadow: Shadow) -> None:
+        """One round's evidence into the decayed sums (shadow covers exactly the valid window)."""
+        match = (shadow.tokens == shadow.target[None, :]).to(torch.float64)  # [L-1, W]
+        conf = shadow.confidence.to(torch.float64)
+        w = self.omega
+        self.s_match = w * self.s_match + match.sum(1)
+        self.s_true_conf = w * self.s_true_conf + (conf * match).sum(1)
+        self.s_false_conf = w * self.s_false_conf + (conf * (1 - match)).sum(1)
+        self.s_positions = w * self.s_positions + match.shape[1]
+        self._choose()
+
+    @property
+    def alpha(self) -> torch.Tensor:
+        if self.s_positions == 0:
+            return torch.zeros_like(self.s_match)
+        return self.s_match / self.s_positions
+
+    @property
+    def tau(self) -> torch.Tensor:
+        s_mismatch = self.s_positions - self.s_match
+        true_mean = torch.where(self.s_match > 0, self.s_true_conf / self.s_match.clamp_min(1e-300), 1.0)
+        false_mean = torch.where(s_mismatch > 0, self.s_false_conf / s_mismatch.clamp_min(1e-300), 0.0)
+        return 0.5 * (true_mean + false_mean)
+
+    def _choose(self) -> None:
+        self.exit_layer, self.gamma = best_exit(self.alpha, self.num_layers, self.d_max, self.allowed)
+        self.threshold = float(self.tau[self.exit_layer - 1])
+
+    # ---- policy -------------------------------------------------------------------------------
+    def observe_prefill(self, shadow: Shadow) -> None:
+        self.update(shadow)
+
+    def observe(self, evidence: RoundEvidence) -> None:
+        if evidence.shadow is not None:
+            self.update(evidence.shadow)
+
+    def plan(self) -> Plan:
+        trace = {"gamma_tpl": self.gamma, "tau": self.threshold,
+                 "alpha_exit": float(self.alpha[self.exit_layer - 1])}
+        if self.gamma == 0:  # TPL says drafting does not pay: plain decoding this round
+            return Plan(exit_layer=None, max_draft=0, trace={**trace, "chosen_exit_layer": None})
+        budget = self.d_max if self.draft_budget == "d_max" else self.gamma
+        return Plan(exit_layer=self.exit_layer, max_draft=budget, trace={**trace, "chosen_exit_layer": self.exit_layer})
+
+    def keep_drafting(self, drafted: int, confidence: float) -> bool:
+        return confidence >= self.threshold
+
+    def describe(self) -> dict:
+        return {"omega": self.omega, "d_max": self.d_max, "dynamic_draft_exit": self.dynamic_draft_exit,
+                "draft_budget": self.draft_budget, "exit_layer": self.fixed_exit_layer,
+                "min_exit_layer": self.min_exit_layer}

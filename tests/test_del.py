@@ -1,0 +1,86 @@
+"""DEL's statistics and choices on hand-computed values."""
+
+import pytest
+import torch
+
+from del_bench.methods.base import RoundEvidence, Shadow
+from del_bench.methods.dynamic_exit import DEL, best_exit, tpl_table
+
+
+def shadow(tokens, confidence, target):
+    return Shadow(torch.tensor(tokens), torch.tensor(confidence, dtype=torch.float64), torch.tensor(target))
+
+
+def test_tpl_table_by_hand_including_alpha_zero_and_one():
+    table = tpl_table(torch.tensor([0.0, 0.5, 1.0]), num_layers=4, d_max=2)  # [d, ℓ]
+    expected = [[1 / 4, 1 / 4, 1 / 4],
+                [1 / 5, 1.5 / 6, 2 / 7],
+                [1 / 6, 1.75 / 8, 3 / 10]]
+    assert table.flatten().tolist() == pytest.approx([v for row in expected for v in row])
+    assert best_exit(torch.tensor([0.0, 0.5, 1.0]), 4, 2, torch.ones(3, dtype=torch.bool)) == (3, 2)
+
+
+def test_argmax_tie_breaking_prefers_no_drafting_then_the_shallowest_layer():
+    allowed = torch.ones(3, dtype=torch.bool)
+    assert best_exit(torch.zeros(3), 4, 18, allowed) == (1, 0)  # α = 0 everywhere: every ℓ ties at d = 0
+    assert best_exit(torch.full((3,), 0.5), 4, 18, allowed) == (1, 1)  # 1.5/5 beats 1.75/6 and 1.5/(ℓ+4)
+    # without ℓ = 1: TPL(2, 1) = 1.5/6 = 1/4 = TPL(2, 0) exactly; the tie goes to not drafting
+    assert best_exit(torch.full((3,), 0.5), 4, 18, torch.tensor([False, True, True])) == (2, 0)
+
+
+def test_alpha_and_tau_after_scripted_rounds():
+    m = DEL(omega=0.5)
+    m.start(3)  # L = 3: layers 1 and 2 can exit
+    m.observe_prefill(shadow([[5, 6], [5, 7]], [[0.9, 0.4], [0.8, 0.6]], [5, 7]))
+    assert m.alpha.tolist() == pytest.approx([0.5, 1.0])
+    # layer 2 never mismatched: its mismatched mean is taken as 0
+    assert m.tau.tolist() == pytest.approx([0.5 * (0.9 + 0.4), 0.5 * (1.4 / 2 + 0.0)])
+    m.observe(RoundEvidence(exit_layer=2, drafted=0, accepted=0,
+                            shadow=shadow([[3], [4]], [[0.2], [0.7]], [4])))
+    # S(c) = .5·[1, 2] + [0, 1]; S(tcs) = .5·[.9, 1.4] + [0, .7]; S(fcs) = .5·[.4, 0] + [.2, 0]; S(n) = .5·2 + 1
+    assert m.alpha.tolist() == pytest.approx([0.5 / 2, 2 / 2])
+    assert m.tau.tolist() == pytest.approx([0.5 * (0.45 / 0.5 + 0.4 / 1.5), 0.5 * (1.4 / 2)])
+    assert (m.exit_layer, m.gamma) == (2, 18)  # α_2 = 1: the longest draft maximises TPL
+
+
+def test_a_layer_that_never_matched_uses_one_as_its_matched_mean():
+    m = DEL()
+    m.start(3)
+    m.observe_prefill(shadow([[1, 1], [5, 7]], [[0.3, 0.5], [0.9, 0.9]], [5, 7]))
+    assert float(m.tau[0]) == pytest.approx(0.5 * (1.0 + 0.8 / 2))
+    assert float(m.alpha[0]) == 0.0
+
+
+def test_falls_back_to_plain_decoding_when_early_layers_never_agree():
+    m = DEL()
+    m.start(4)
+    m.observe_prefill(shadow([[1, 2], [1, 2], [1, 2]], [[0.9, 0.9]] * 3, [5, 7]))
+    plan = m.plan()
+    assert (plan.exit_layer, plan.max_draft) == (None, 0)
+    assert plan.trace["gamma_tpl"] == 0
+
+
+def test_ablations_budget_and_restrictions():
+    agree = shadow([[5, 7], [5, 7], [5, 7]], [[0.9, 0.9]] * 3, [5, 7])
+    del_e = DEL(dynamic_draft_exit=False, draft_budget="tpl", d_max=6)
+    del_e.start(4)
+    del_e.observe_prefill(agree)
+    assert del_e.plan().max_draft == 6 and not del_e.wants_confidence  # γ from TPL (α = 1 → d_max)
+    fixed = DEL(exit_layer=2)
+    fixed.start(4)
+    fixed.observe_prefill(agree)
+    assert fixed.plan().exit_layer == 2
+    lim = DEL(min_exit_layer=3)
+    lim.start(4)
+    lim.observe_prefill(agree)
+    assert lim.plan().exit_layer == 3  # α = 1 everywhere would pick ℓ = 1 without the restriction
+    with pytest.raises(ValueError, match="min_exit_layer"):
+        DEL(min_exit_layer=4).validate(4)
+
+
+def test_statistics_restart_with_every_prompt():
+    m = DEL()
+    m.start(3)
+    m.observe_prefill(shadow([[5, 7], [5, 7]], [[0.9, 0.9]] * 2, [5, 7]))
+    m.start(3)
+    assert m.s_positions == 0 and m.alpha.tolist() == [0.0, 0.0]
