@@ -10,7 +10,7 @@ export HF_DATASETS_OFFLINE ?= 1
 export TRANSFORMERS_NO_ADVISORY_WARNINGS ?= 1
 
 .DEFAULT_GOAL := help
-.PHONY: help setup demo test test-fast lint bench-peer clean
+.PHONY: help setup demo test lint bench-peer bench-parts smoke-tasks clean
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -40,6 +40,12 @@ lint: setup ## ruff
 
 bench-peer: setup ## our Vanilla/LS vs HF generate and assistant_early_exit on SmolLM2 → results/bench/peer.json
 	$(PY) scripts/bench_peer.py
+
+bench-parts: setup ## per-part costs of a token on SmolLM2 (HF forward vs our layers, head layouts)
+	$(PY) scripts/bench_engine_parts.py
+
+smoke-tasks: setup ## every paper task offline on SmolLM2, limit=2 (data from ../shared/data)
+	scripts/smoke_tasks.sh smollm2-135m
 
 clean: ## remove the venv and run outputs (not the model cache in ~/.cache/del_bench)
 	rm -rf $(VENV) results/demo results/runs outputs multirun

@@ -1,0 +1,80 @@
+"""Where a token's time goes on SmolLM2 (CPU, fp32): HF's forward vs our layer loop, and the LM head
+in both weight layouts, so each engine choice can be checked on this machine.
+
+    python scripts/bench_engine_parts.py [--threads 2] [--context 150]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+from omegaconf import OmegaConf
+
+from del_bench.config import CONFIG_DIR
+from del_bench.models import loading
+from del_bench.models.layer_stack import LayerStack
+
+
+def ms(fn, reps: int = 20) -> float:
+    """Median wall milliseconds of fn() after 3 warm-up calls."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return 1000 * statistics.median(times)
+
+
+@torch.inference_mode()
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--context", type=int, default=150)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    cfg = OmegaConf.load(CONFIG_DIR / "model" / "smollm2-135m.yaml")
+    hf = loading.load(cfg).model
+    prompt = torch.randint(100, 10_000, (1, args.context))
+    token = torch.tensor([[42]])
+    rows = {}
+
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=hf.config)
+    hf(prompt, past_key_values=cache, use_cache=True)
+
+    def hf_step():
+        hf(token, past_key_values=cache, use_cache=True)
+        cache.crop(-1)  # keep the context length fixed (transformers 5.x: crop takes tokens to remove)
+
+    rows["HF forward, 1 token (30 layers + head)"] = ms(hf_step)
+    head_rows = hf.lm_head.weight.detach().clone()  # [V, D], HF's layout
+
+    ours = loading.load(cfg).model
+    stack = LayerStack(ours)
+    kv = stack.new_cache(args.context + 64)
+    stack.forward_layers(stack.embed(prompt), 0, stack.num_layers, 0, kv)
+    x = stack.embed(token)
+    rows["ours, 1 token, 30 layers + head"] = ms(lambda: stack.logits(stack.forward_layers(x, 0, 30, args.context, kv)))
+    rows["ours, 1 token, 30 layers"] = ms(lambda: stack.forward_layers(x, 0, 30, args.context, kv))
+    rows["ours, 1 token, 24 layers (an LS draft at E=24)"] = ms(lambda: stack.forward_layers(x, 0, 24, args.context, kv))
+    x5 = torch.randn(1, 5, stack.head_t.shape[0])
+    rows["ours, 5 positions, layers 25-30 (LS verify at E=24, γ=4)"] = ms(
+        lambda: stack.forward_layers(x5, 24, 30, args.context, kv))
+    for n in (1, 5):
+        h = torch.randn(1, n, stack.head_t.shape[0])
+        rows[f"LM head, {n} row(s), [V, D] layout (F.linear, HF's)"] = ms(lambda h=h: F.linear(h, head_rows))
+        rows[f"LM head, {n} row(s), [D, V] layout (x @ W_t)"] = ms(lambda h=h: h @ stack.head_t)
+    print(f"SmolLM2-135M fp32, {args.threads} threads, context {args.context} (median ms)")
+    for name, value in rows.items():
+        print(f"  {name:<60} {value:7.2f}")
+
+
+if __name__ == "__main__":
+    main()
