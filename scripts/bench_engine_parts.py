@@ -63,7 +63,8 @@ def main() -> None:
     x = stack.embed(token)
     rows["ours, 1 token, 30 layers + head"] = ms(lambda: stack.logits(stack.forward_layers(x, 0, 30, args.context, kv)))
     rows["ours, 1 token, 30 layers"] = ms(lambda: stack.forward_layers(x, 0, 30, args.context, kv))
-    rows["ours, 1 token, 24 layers (an LS draft at E=24)"] = ms(lambda: stack.forward_layers(x, 0, 24, args.context, kv))
+    rows["ours, 1 token, 24 layers (an LS draft at E=24)"] = ms(
+        lambda: stack.forward_layers(x, 0, 24, args.context, kv))
     x5 = torch.randn(1, 5, stack.head_t.shape[0])
     rows["ours, 5 positions, layers 25-30 (LS verify at E=24, γ=4)"] = ms(
         lambda: stack.forward_layers(x5, 24, 30, args.context, kv))
