@@ -41,6 +41,21 @@ def eos_ids(model, tokenizer) -> set[int]:
     return ids
 
 
+def stop_strings(strings: list[str], tokenizer, tail_tokens: int = 16):
+    """A stop condition for the engine: the decoded tail of the output contains one of `strings`.
+
+    Only the last `tail_tokens` are decoded per check (stop strings are short; the check runs after
+    every emitted token, so a string is caught the moment it completes)."""
+    if not strings:
+        return None
+
+    def stop(output_ids: list[int]) -> bool:
+        tail = tokenizer.decode(output_ids[-tail_tokens:], skip_special_tokens=True)
+        return any(s in tail for s in strings)
+
+    return stop
+
+
 def run(cfg: DictConfig) -> dict:
     validate(cfg)
     if cfg.threads:
@@ -64,7 +79,8 @@ def run(cfg: DictConfig) -> dict:
     if todo:
         loaded = loading.load(cfg.model)
         tokenizer = loaded.tokenizer
-        engine = Engine(LayerStack(loaded.model), sampling, eos_ids(loaded.model, tokenizer))
+        engine = Engine(LayerStack(loaded.model), sampling, eos_ids(loaded.model, tokenizer),
+                        stop=stop_strings(task.stop_strings, tokenizer))
         if cfg.warmup_tokens:  # untimed: first-call allocations and kernel selection
             engine.generate(tokenizer(todo[0][0].prompt)["input_ids"], method, cfg.warmup_tokens, 0)
         for sample, repeat in tqdm(todo, desc=f"{cfg.method.tag} on {cfg.task.name}", unit="sample"):

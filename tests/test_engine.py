@@ -170,3 +170,13 @@ def test_del_speculates_and_stays_lossless_where_early_layers_agree(method):
     gen = Engine(LayerStack(model), Sampling(), set()).generate(prompt, method, 40, seed=0)
     assert gen.output_ids == ref
     assert 0 < gen.accepted < gen.drafted
+
+
+@pytest.mark.parametrize("method", [Vanilla(), LayerSkip(1, 4), DEL()], ids=["vanilla", "ls", "del"])
+def test_a_stop_condition_ends_output_at_the_same_token_for_every_method(stack_and_ref, method):
+    stack, _, prompts, refs = stack_and_ref
+    target = refs[0][7]  # a token greedy decoding emits at step 8
+    engine = Engine(stack, Sampling(), set(), stop=lambda ids: ids[-1] == target)
+    gen = engine.generate(prompts[0], method, 40, seed=0)
+    assert gen.output_ids == refs[0][: refs[0].index(target) + 1]
+    assert sum(r.emitted for r in gen.rounds) == len(gen.output_ids)

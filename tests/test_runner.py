@@ -167,3 +167,13 @@ def test_prompts_task_reads_user_file(run_cfg, tmp_path):
     data.write_text('{"id": "a", "prompt": "Hello"}\n{"id": "b", "prompt": "def f():"}\n')
     summary = runner.run(run_cfg("task=prompts", f"task.data_files={data}", "method=vanilla", "limit=null"))
     assert summary["n_samples"] == 2
+
+
+def test_task_stop_strings_cut_generation(run_cfg):
+    """Byte tokens make every character a token: each output (all three contain an "H" within 64
+    tokens when unstopped) ends right at its first "H"."""
+    summary = runner.run(run_cfg("method=ls", "method.exit_layer=1", "method.gamma=3", "limit=3",
+                                 "max_new_tokens=64", "task.stop_strings=[H]"))
+    for s in read_jsonl(RunDir(summary["config"]["out_dir"]).samples_path):
+        assert s["output_text"].index("H") == len(s["output_text"]) - 1
+        assert s["generated_tokens"] < 64

@@ -47,6 +47,7 @@ class Generation:
     output_ids: list[int]
     rounds: list[Round] = field(default_factory=list)
     wall_s: float = 0.0
+    stopped: bool = False  # ended by EOS or a stop condition (not by max_new_tokens)
 
     @property
     def loaded_layers(self) -> int:
@@ -72,10 +73,13 @@ def synchronize(device: torch.device) -> None:
 
 
 class Engine:
-    def __init__(self, stack: LayerStack, sampling: Sampling, eos_ids: set[int]):
+    def __init__(self, stack: LayerStack, sampling: Sampling, eos_ids: set[int], stop=None):
+        """stop: optional callable(output_ids) → True to end generation after the latest token
+        (per-task stop strings); checked token by token, so no token after the stop is kept."""
         self.stack = stack
         self.sampling = sampling
         self.eos_ids = set(eos_ids)
+        self.stop = stop
         self.device = stack.embed_weight.device
         self._cache: KVCache | None = None
 
@@ -109,7 +113,7 @@ class Engine:
         return gen
 
     def _done(self, gen: Generation, max_new_tokens: int) -> bool:
-        return len(gen.output_ids) >= max_new_tokens or (bool(gen.output_ids) and gen.output_ids[-1] in self.eos_ids)
+        return gen.stopped or len(gen.output_ids) >= max_new_tokens
 
     def _prefill(self, prompt_ids, cache, gen, method: Method, rng) -> None:
         t = time.perf_counter()
@@ -117,7 +121,7 @@ class Engine:
         layers = [] if method.wants_shadow else None
         h = st.forward_layers(st.embed(self._ids(prompt_ids)), 0, L, 0, cache, collect=layers)  # [1, P, D]
         token, _ = choose(st.logits(h[:, -1:])[0, -1], self.sampling, rng)
-        gen.output_ids.append(token)
+        self._emit(gen, [token])
         t_policy = time.perf_counter()
         if layers is not None:
             w = min(method.prefill_window, len(prompt_ids))
@@ -222,9 +226,10 @@ class Engine:
         return Shadow(tokens.view(L - 1, W), confidence.view(L - 1, W), target)
 
     def _emit(self, gen: Generation, tokens: list[int]) -> int:
-        """Append tokens, stopping after an EOS. Returns how many were appended."""
+        """Append tokens, stopping after an EOS or the stop condition. Returns how many were appended."""
         for i, tok in enumerate(tokens):
             gen.output_ids.append(tok)
-            if tok in self.eos_ids:
+            if tok in self.eos_ids or (self.stop is not None and self.stop(gen.output_ids)):
+                gen.stopped = True
                 return i + 1
         return len(tokens)
