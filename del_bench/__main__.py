@@ -56,14 +56,16 @@ def cmd_ls(_: list[str]) -> int:
 def format_table(summaries: list[dict]) -> str:
     """Speed, speedup (vs the vanilla summary of the same model/task/decoding among them), eTPL, α."""
     vanilla = {(s["model"], s["task"], s["decoding"]): s for s in summaries if s["method"] == "vanilla"}
-    header = f"{'model':<14} {'task':<10} {'method':<16} {'n':>3} {'tok/s':>7} {'speedup':>8} {'eTPL':>6} {'α':>5}"
+    header = (f"{'model':<14} {'task':<10} {'method':<16} {'n':>3} {'tok/s':>7} {'speedup':>8} {'eTPL':>6} {'α':>5}"
+              "  quality")
     lines = [header, "-" * len(header)]
     for s in summaries:
         base = vanilla.get((s["model"], s["task"], s["decoding"]))
         speedup = f"{s['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base and s["tokens_per_s"] else "n/a"
         alpha = f"{s['acceptance_rate']:.2f}" if s["acceptance_rate"] is not None else "-"
+        quality = " ".join(f"{k}={v:.3g}" for k, v in s.get("quality", {}).items() if not k.startswith("bleu_"))
         lines.append(f"{s['model']:<14} {s['task']:<10} {s['method_tag']:<16} {s['n_samples']:>3} "
-                     f"{s['tokens_per_s'] or 0:>7.2f} {speedup:>8} {s['etpl'] or 0:>6.3f} {alpha:>5}")
+                     f"{s['tokens_per_s'] or 0:>7.2f} {speedup:>8} {s['etpl'] or 0:>6.3f} {alpha:>5}  {quality}")
     return "\n".join(lines)
 
 
