@@ -1,6 +1,7 @@
 """A run's records in its out_dir, and resuming them safely.
 
     run_config.json   the settings that define the run (resume refuses a different one)
+    costs.json        measured layer/head costs of a calibrated run (reused on resume)
     samples.jsonl     one line per generated output (written after its rounds)
     rounds.jsonl      one line per round
     summary.json      written atomically at the end, recomputed from samples.jsonl
@@ -61,6 +62,7 @@ class RunDir:
         self.rounds_path = self.path / "rounds.jsonl"
         self.summary_path = self.path / "summary.json"
         self.config_path = self.path / "run_config.json"
+        self.costs_path = self.path / "costs.json"
 
     def claim(self, run_config: dict) -> None:
         """Create the directory, or check that what it holds was produced by the same settings."""
@@ -96,3 +98,10 @@ class RunDir:
 
     def rounds(self) -> list[dict]:
         return _read_jsonl(self.rounds_path)
+
+    def costs(self) -> dict | None:
+        """Measured per-layer / per-head-row seconds of a calibrated run, if any."""
+        return json.loads(self.costs_path.read_text()) if self.costs_path.exists() else None
+
+    def write_costs(self, costs: dict) -> None:
+        write_json(self.costs_path, costs)

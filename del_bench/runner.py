@@ -81,6 +81,10 @@ def run(cfg: DictConfig) -> dict:
         tokenizer = loaded.tokenizer
         engine = Engine(LayerStack(loaded.model), sampling, eos_ids(loaded.model, tokenizer),
                         stop=stop_strings(task.stop_strings, tokenizer))
+        if method.wants_costs:  # the calibrated cost model: measured once per run (a resume reuses it)
+            costs = run_dir.costs() or engine.stack.measure_costs()
+            run_dir.write_costs(costs)
+            method.set_costs(**costs)
         if cfg.warmup_tokens:  # untimed: first-call allocations and kernel selection
             engine.generate(tokenizer(todo[0][0].prompt)["input_ids"], method, cfg.warmup_tokens, 0)
         for sample, repeat in tqdm(todo, desc=f"{cfg.method.tag} on {cfg.task.name}", unit="sample"):
@@ -96,6 +100,7 @@ def run(cfg: DictConfig) -> dict:
     records = [r for r in run_dir.finished() if (r["sample_id"], r.get("repeat", 0)) in wanted]
     rounds = [r for r in run_dir.rounds() if (r["sample_id"], r.get("repeat", 0)) in wanted]
     summary = summarize(cfg, records, rounds, task)
+    summary["measured_costs"] = run_dir.costs()
     write_json(run_dir.summary_path, summary)
     return summary
 

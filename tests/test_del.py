@@ -84,3 +84,20 @@ def test_statistics_restart_with_every_prompt():
     m.observe_prefill(shadow([[5, 7], [5, 7]], [[0.9, 0.9]] * 2, [5, 7]))
     m.start(3)
     assert m.s_positions == 0 and m.alpha.tolist() == [0.0, 0.0]
+
+
+def test_calibrated_cost_model_counts_the_head():
+    alpha = torch.tensor([0.2, 0.5, 0.9])
+    table = tpl_table(alpha, num_layers=4, d_max=1, head_cost=2.0)
+    # d = 0: 1 / (L + h); d = 1: (1 + α) / (ℓ + h + L + h)
+    assert table[0].tolist() == pytest.approx([1 / 6] * 3)
+    assert table[1].tolist() == pytest.approx([1.2 / 9, 1.5 / 10, 1.9 / 11])
+    # the paper's model drafts at ℓ = 1 once α_1 > 1/L; counting a 5-layer head it no longer pays
+    allowed = torch.ones(3, dtype=torch.bool)
+    alpha = torch.tensor([0.3, 0.3, 0.3])
+    assert best_exit(alpha, 4, 18, allowed) == (1, 1)  # 1.3/5 > 1/4
+    assert best_exit(alpha, 4, 18, allowed, head_cost=5.0)[1] == 0  # 1.3/15 < 1/9
+    m = DEL(cost_model="measured")
+    assert m.wants_costs
+    m.set_costs(layer_s=0.001, head_s=0.005)
+    assert m.head_cost == pytest.approx(5.0)

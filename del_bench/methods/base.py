@@ -41,6 +41,7 @@ class Method:
     drop_stopped_draft = False  # True: the candidate that stopped drafting is discarded (DEL's Algorithm 1)
     wants_shadow = False  # True: evidence carries shadow tokens; observe_prefill gets the prompt's last ones
     prefill_window = 32  # prompt positions whose shadow tokens seed the statistics
+    wants_costs = False  # True: set_costs(layer_s, head_s) is called once with measured costs
 
     def __init__(self, **_):  # config keys such as `name` and `tag` are not hyperparameters
         pass
@@ -66,6 +67,9 @@ class Method:
 
     def observe_prefill(self, shadow: Shadow) -> None:
         """After prefill (wants_shadow only): shadow tokens of the last prompt positions."""
+
+    def set_costs(self, layer_s: float, head_s: float) -> None:
+        """Measured seconds per decoder layer (one token) and per LM-head row (wants_costs only)."""
 
     def describe(self) -> dict:
         """Hyperparameters as stored in records."""

@@ -19,6 +19,8 @@ Decisions where the paper, its Algorithm 1 and the authors' code differ (DESIGN.
 - First round: from the prefill statistics (paper), not the authors' fixed E = 1, γ = 1.
 - 0/0: with no matched position yet the matched mean is taken as 1, with no mismatched one the
   mismatched mean as 0 (the extremes a confidence can take), so τ is always defined; S(n) = 0 gives α = 0.
+Beyond the paper (`cost_model: measured`): the TPL cost counts an LM-head row as h layers, h measured at
+start-up (SmolLM2 on CPU: h ≈ 5); the default `layers` keeps the paper's d·ℓ + L so its numbers reproduce.
 Ablations: DEL-E = no dynamic draft-exiting, γ from TPL; DEL-γ = fixed E (`exit_layer`), τ on;
 DEL-E-lim = E restricted to 3 < ℓ < L (`min_exit_layer: 4`).
 """
@@ -30,22 +32,26 @@ import torch
 from del_bench.methods.base import Method, Plan, RoundEvidence, Shadow, check_exit_layer, check_gamma
 
 
-def tpl_table(alpha: torch.Tensor, num_layers: int, d_max: int) -> torch.Tensor:
+def tpl_table(alpha: torch.Tensor, num_layers: int, d_max: int, head_cost: float = 0.0) -> torch.Tensor:
     """TPL(ℓ, d) for ℓ = 1..len(alpha), d = 0..d_max → [d_max+1, len(alpha)] (float64).
 
-    Σ_{k=0..d} α^k instead of (1 − α^{d+1}) / (1 − α): exact at α = 1."""
+    Σ_{k=0..d} α^k instead of (1 − α^{d+1}) / (1 − α): exact at α = 1. Cost in layer units:
+    d·ℓ + L (paper), or with head_cost h > 0 (the calibrated model: one LM-head row costs h layers)
+    d·(ℓ + h) + L + h — a draft is ℓ layers plus a head row, verification L layers plus a head row."""
     alpha = alpha.to(torch.float64)
     powers = alpha[None, :] ** torch.arange(d_max + 1, dtype=torch.float64)[:, None]  # [d_max+1, ℓ]
     expected_tokens = powers.cumsum(0)
     layers = torch.arange(1, len(alpha) + 1, dtype=torch.float64)
-    cost = torch.arange(d_max + 1, dtype=torch.float64)[:, None] * layers[None, :] + num_layers
+    drafts = torch.arange(d_max + 1, dtype=torch.float64)[:, None]
+    cost = drafts * (layers[None, :] + head_cost) + num_layers + head_cost
     return expected_tokens / cost
 
 
-def best_exit(alpha: torch.Tensor, num_layers: int, d_max: int, allowed: torch.Tensor) -> tuple[int, int]:
+def best_exit(alpha: torch.Tensor, num_layers: int, d_max: int, allowed: torch.Tensor,
+              head_cost: float = 0.0) -> tuple[int, int]:
     """(E, γ) maximising TPL over allowed layers. Ties go to the smaller d, then the smaller ℓ
     (torch.argmax returns the first maximum of the d-major flattening)."""
-    table = tpl_table(alpha, num_layers, d_max)
+    table = tpl_table(alpha, num_layers, d_max, head_cost)
     table[:, ~allowed] = -1.0
     flat = int(table.flatten().argmax())
     d, layer = divmod(flat, len(alpha))
@@ -58,11 +64,14 @@ class DEL(Method):
 
     def __init__(self, omega: float = 0.95, d_max: int = 18, dynamic_draft_exit: bool = True,
                  draft_budget: str = "d_max", exit_layer: int | None = None, min_exit_layer: int = 1,
-                 prefill_window: int = 32, **_):
+                 prefill_window: int = 32, cost_model: str = "layers", **_):
         self.omega, self.d_max = omega, d_max
         self.dynamic_draft_exit, self.draft_budget = dynamic_draft_exit, draft_budget
         self.fixed_exit_layer, self.min_exit_layer = exit_layer, min_exit_layer
         self.prefill_window = prefill_window
+        self.cost_model = cost_model
+        self.wants_costs = cost_model == "measured"
+        self.head_cost = 0.0  # LM-head row in layer units; set by set_costs under cost_model=measured
         self.wants_confidence = dynamic_draft_exit
         self.drop_stopped_draft = True
 
@@ -76,8 +85,14 @@ class DEL(Method):
             check_exit_layer(self.fixed_exit_layer, num_layers)
         if not 1 <= self.min_exit_layer <= num_layers - 1:
             raise ValueError(f"method.min_exit_layer={self.min_exit_layer!r} must be in [1, {num_layers - 1}]")
+        if self.cost_model not in ("layers", "measured"):
+            raise ValueError(f"method.cost_model={self.cost_model!r} must be 'layers' (paper) or 'measured'")
         if not isinstance(self.prefill_window, int) or self.prefill_window < 1:
             raise ValueError(f"method.prefill_window={self.prefill_window!r} must be a positive integer")
+
+    def set_costs(self, layer_s: float, head_s: float) -> None:
+        """Measured once per model/device at start-up (cost_model=measured)."""
+        self.head_cost = head_s / layer_s
 
     # ---- statistics ---------------------------------------------------------------------------
     def start(self, num_layers: int) -> None:
@@ -117,7 +132,8 @@ class DEL(Method):
         return 0.5 * (true_mean + false_mean)
 
     def _choose(self) -> None:
-        self.exit_layer, self.gamma = best_exit(self.alpha, self.num_layers, self.d_max, self.allowed)
+        self.exit_layer, self.gamma = best_exit(self.alpha, self.num_layers, self.d_max, self.allowed,
+                                                self.head_cost)
         self.threshold = float(self.tau[self.exit_layer - 1])
 
     # ---- policy -------------------------------------------------------------------------------
@@ -142,4 +158,5 @@ class DEL(Method):
     def describe(self) -> dict:
         return {"omega": self.omega, "d_max": self.d_max, "dynamic_draft_exit": self.dynamic_draft_exit,
                 "draft_budget": self.draft_budget, "exit_layer": self.fixed_exit_layer,
-                "min_exit_layer": self.min_exit_layer}
+                "min_exit_layer": self.min_exit_layer, "cost_model": self.cost_model,
+                "head_cost_layers": self.head_cost}

@@ -143,6 +143,35 @@ class LayerStack:
             device=w_qkv.device,
         )
 
+    # ---- costs ------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def measure_costs(self, context: int = 128, reps: int = 5) -> dict[str, float]:
+        """Seconds for one token through one decoder layer (mean over all layers) and for one LM-head
+        row, at `context` cached positions: the calibrated cost model's units. Median of `reps`."""
+        import statistics
+        import time
+
+        cache = self.new_cache(context + 1)
+        self.forward_layers(self.embed(torch.zeros(1, context, dtype=torch.long)), 0, self.num_layers, 0, cache)
+        x = self.embed(torch.zeros(1, 1, dtype=torch.long))
+
+        def timed(fn) -> float:
+            fn()  # warm-up
+            times = []
+            for _ in range(reps):
+                if x.device.type == "cuda":
+                    torch.cuda.synchronize(x.device)
+                t0 = time.perf_counter()
+                fn()
+                if x.device.type == "cuda":
+                    torch.cuda.synchronize(x.device)
+                times.append(time.perf_counter() - t0)
+            return statistics.median(times)
+
+        layers_s = timed(lambda: self.forward_layers(x, 0, self.num_layers, context, cache))
+        head_s = timed(lambda: self.logits(x))
+        return {"layer_s": layers_s / self.num_layers, "head_s": head_s}
+
     # ---- pieces -----------------------------------------------------------------------------
     def new_cache(self, max_len: int) -> KVCache:
         self._ensure_rope(max_len)
