@@ -16,6 +16,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
+from del_bench import tracking
 from del_bench.config import validate
 from del_bench.engine.decode import Engine
 from del_bench.engine.sampling import Sampling
@@ -102,6 +103,7 @@ def run(cfg: DictConfig) -> dict:
     summary = summarize(cfg, records, rounds, task)
     summary["measured_costs"] = run_dir.costs()
     write_json(run_dir.summary_path, summary)
+    tracking.mirror(cfg.get("logger"), summary, rounds, str(run_dir.path))
     return summary
 
 

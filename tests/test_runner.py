@@ -177,3 +177,18 @@ def test_task_stop_strings_cut_generation(run_cfg):
     for s in read_jsonl(RunDir(summary["config"]["out_dir"]).samples_path):
         assert s["output_text"].index("H") == len(s["output_text"]) - 1
         assert s["generated_tokens"] < 64
+
+
+def test_wandb_offline_mirror_writes_a_local_run(run_cfg, tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    cfg = run_cfg("method=ls", "method.exit_layer=1", "method.gamma=2", "limit=1", "logger=wandb",
+                  "logger.mode=offline")
+    runner.run(cfg)
+    runs = list((tmp_path / "run" / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and any(runs[0].rglob("*.wandb"))
+
+
+def test_a_broken_tracker_never_fails_the_run(run_cfg):
+    summary = runner.run(run_cfg("method=vanilla", "limit=1", "logger=wandb", "logger.mode=bogus"))
+    assert summary["n_samples"] == 1
