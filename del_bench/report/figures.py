@@ -16,7 +16,7 @@ import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
 import pandas as pd  # noqa: E402
 
 from .collect import read_jsonl  # noqa: E402
-from .tables import METHOD_LABELS, TASK_LABELS, TABLE3_TASKS  # noqa: E402
+from .tables import METHOD_LABELS, TABLE3_TASKS, TASK_LABELS  # noqa: E402
 
 ABLATIONS = ["del", "del_e", "del_gamma", "del_e_lim"]
 MAX_SAMPLES_4A = 3  # lines per τ plot: more than a few prompts is unreadable
