@@ -23,7 +23,8 @@ def mirror(logger_cfg, summary: dict, rounds: list[dict], out_dir: str) -> None:
             mode = "offline"  # no key: keep a local run directory instead of prompting or failing
         run = wandb.init(
             project=logger_cfg.get("project"), entity=logger_cfg.get("entity"), group=logger_cfg.get("group"),
-            tags=list(logger_cfg.get("tags") or []), name=f"{summary['model']}/{summary['task']}/{summary['method_tag']}",
+            tags=list(logger_cfg.get("tags") or []),
+            name=f"{summary['model']}/{summary['task']}/{summary['method_tag']}",
             config=summary["config"], dir=out_dir, mode=mode, reinit="finish_previous",
         )
         scalars = {k: v for k, v in summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
