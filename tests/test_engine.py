@@ -180,3 +180,20 @@ def test_a_stop_condition_ends_output_at_the_same_token_for_every_method(stack_a
     gen = engine.generate(prompts[0], method, 40, seed=0)
     assert gen.output_ids == refs[0][: refs[0].index(target) + 1]
     assert sum(r.emitted for r in gen.rounds) == len(gen.output_ids)
+
+
+def test_restricted_shadow_vocabulary_is_exact_where_it_can_be(stack_and_ref):
+    stack = stack_and_ref[0]
+    torch.manual_seed(0)
+    states = torch.randn(200, stack.head_t.shape[0], dtype=stack.dtype)
+    full_tokens, full_conf = stack.shadow_tokens(states)
+    targets = torch.where(torch.rand(200) < 0.5, full_tokens, torch.randint(0, stack.vocab_size, (200,)))
+    K = 100
+    tokens, conf = stack.shadow_tokens(states, targets, vocab=K)
+    scored = (full_tokens < K) | (full_tokens == targets)  # the true argmax was among the scored tokens
+    assert scored.sum() > 50 and (~scored).sum() > 10
+    assert torch.equal(tokens[scored], full_tokens[scored])
+    assert torch.equal(tokens == targets, (full_tokens == targets) | (~scored & (tokens == targets)))
+    assert (tokens[full_tokens == targets] == targets[full_tokens == targets]).all()  # matches never missed
+    # normalised over fewer tokens: never lower where the argmax was scored
+    assert (conf[scored] >= full_conf[scored] - 1e-12).all()

@@ -127,8 +127,9 @@ class Engine:
             w = min(method.prefill_window, len(prompt_ids))
             states = torch.cat(layers[: L - 1])[:, -w:]  # [L-1, w, D]
             target = st.logits(h[:, -w:])[0].argmax(-1)  # [w]
-            tokens, confidence = st.shadow_tokens(states.reshape(-1, states.shape[-1]))
-            method.observe_prefill(Shadow(tokens.view(L - 1, w), confidence.view(L - 1, w), target))
+            tokens, confidence = st.shadow_tokens(states.reshape(-1, states.shape[-1]),
+                                                  target.repeat(L - 1), method.shadow_vocab)
+            method.observe_prefill(Shadow(tokens.view(L - 1, w), confidence.view(L - 1, w), target, states))
         gen.rounds.append(Round(0, None, 0, 0, 0, 1, L, 1, verify_s=t_policy - t,
                                 policy_s=time.perf_counter() - t_policy))
 
@@ -200,7 +201,8 @@ class Engine:
         cache.crop(n + k)  # keep the pending token and the accepted drafts; the new pending is next_token
         t_observe = time.perf_counter()
         verify_s = t_observe - t_verify
-        shadow = None if early is None else self._shadow(early, late, E, k, rows, target_row)
+        shadow = None if early is None else self._shadow(early, late, E, k, rows, target_row,
+                                                             method.shadow_vocab)
         method.observe(RoundEvidence(exit_layer=plan.exit_layer if d else None, drafted=d, accepted=k,
                                      budget_capped=budget < plan.max_draft, shadow=shadow))
         policy_s += keep_s + time.perf_counter() - t_observe
@@ -210,7 +212,7 @@ class Engine:
             draft_s=t_verify - t_draft - keep_s, verify_s=verify_s, policy_s=policy_s, trace=plan.trace,
         ))
 
-    def _shadow(self, early, late, E: int, k: int, rows: dict, target_row) -> Shadow:
+    def _shadow(self, early, late, E: int, k: int, rows: dict, target_row, vocab: int | None) -> Shadow:
         """Shadow tokens over the valid window, positions 0..k (k = accepted drafts: later positions
         were computed on a context the model did not keep). Layers 1..E come from drafting, E+1..L−1
         from the verification batch."""
@@ -218,12 +220,12 @@ class Engine:
         per_layer = [torch.cat([early[i][j] for i in range(W)], dim=1)[0] for j in range(min(E, L - 1))]
         per_layer += [late[j][0, :W] for j in range(L - 1 - E)]
         states = torch.stack(per_layer)  # [L-1, W, D]
-        tokens, confidence = st.shadow_tokens(states.reshape(-1, states.shape[-1]))
         for i in range(W):  # acceptance computed rows 0..k already; this only guards the invariant
             if i not in rows:
                 target_row(i)
-        target = torch.tensor([rows[i] for i in range(W)], device=tokens.device)
-        return Shadow(tokens.view(L - 1, W), confidence.view(L - 1, W), target)
+        target = torch.tensor([rows[i] for i in range(W)], device=states.device)
+        tokens, confidence = st.shadow_tokens(states.reshape(-1, states.shape[-1]), target.repeat(L - 1), vocab)
+        return Shadow(tokens.view(L - 1, W), confidence.view(L - 1, W), target, states)
 
     def _emit(self, gen: Generation, tokens: list[int]) -> int:
         """Append tokens, stopping after an EOS or the stop condition. Returns how many were appended."""

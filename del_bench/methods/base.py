@@ -24,6 +24,7 @@ class Shadow:
     tokens: torch.Tensor  # [L-1, W] greedy token of each layer
     confidence: torch.Tensor  # [L-1, W] its softmax probability
     target: torch.Tensor  # [W] the full model's greedy tokens x^L
+    states: torch.Tensor | None = None  # [L-1, W, D] the hidden states they came from (for analysis)
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,7 @@ class Method:
     wants_shadow = False  # True: evidence carries shadow tokens; observe_prefill gets the prompt's last ones
     prefill_window = 32  # prompt positions whose shadow tokens seed the statistics
     wants_costs = False  # True: set_costs(layer_s, head_s) is called once with measured costs
+    shadow_vocab: int | None = None  # score shadow tokens over the first K vocabulary ids only (cheap)
 
     def __init__(self, **_):  # config keys such as `name` and `tag` are not hyperparameters
         pass

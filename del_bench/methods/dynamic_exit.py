@@ -64,12 +64,13 @@ class DEL(Method):
 
     def __init__(self, omega: float = 0.95, d_max: int = 18, dynamic_draft_exit: bool = True,
                  draft_budget: str = "d_max", exit_layer: int | None = None, min_exit_layer: int = 1,
-                 prefill_window: int = 32, cost_model: str = "layers", **_):
+                 prefill_window: int = 32, cost_model: str = "layers", shadow_vocab: int | None = None, **_):
         self.omega, self.d_max = omega, d_max
         self.dynamic_draft_exit, self.draft_budget = dynamic_draft_exit, draft_budget
         self.fixed_exit_layer, self.min_exit_layer = exit_layer, min_exit_layer
         self.prefill_window = prefill_window
         self.cost_model = cost_model
+        self.shadow_vocab = shadow_vocab
         self.wants_costs = cost_model == "measured"
         self.head_cost = 0.0  # LM-head row in layer units; set by set_costs under cost_model=measured
         self.wants_confidence = dynamic_draft_exit
@@ -85,6 +86,8 @@ class DEL(Method):
             check_exit_layer(self.fixed_exit_layer, num_layers)
         if not 1 <= self.min_exit_layer <= num_layers - 1:
             raise ValueError(f"method.min_exit_layer={self.min_exit_layer!r} must be in [1, {num_layers - 1}]")
+        if self.shadow_vocab is not None and (not isinstance(self.shadow_vocab, int) or self.shadow_vocab < 1):
+            raise ValueError(f"method.shadow_vocab={self.shadow_vocab!r} must be null (full vocabulary) or ≥ 1")
         if self.cost_model not in ("layers", "measured"):
             raise ValueError(f"method.cost_model={self.cost_model!r} must be 'layers' (paper) or 'measured'")
         if not isinstance(self.prefill_window, int) or self.prefill_window < 1:
@@ -159,4 +162,4 @@ class DEL(Method):
         return {"omega": self.omega, "d_max": self.d_max, "dynamic_draft_exit": self.dynamic_draft_exit,
                 "draft_budget": self.draft_budget, "exit_layer": self.fixed_exit_layer,
                 "min_exit_layer": self.min_exit_layer, "cost_model": self.cost_model,
-                "head_cost_layers": self.head_cost}
+                "head_cost_layers": self.head_cost, "shadow_vocab": self.shadow_vocab}
