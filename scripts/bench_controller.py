@@ -1,0 +1,122 @@
+"""DEL's controller on SmolLM2: what the shadow-token pass costs, and how often a cheap approximation
+(shadow_vocab=K: score only the first K token ids + the target) changes DEL's decisions.
+
+1. Agreement: DEL runs with exact shadow tokens; a twin DEL is fed the same rounds through the
+   restricted head. Per round we compare the twins' plans (E, γ) and thresholds τ_E.
+2. Cost: Vanilla, DEL exact and DEL with shadow_vocab=K, timed (controller share = policy time / wall).
+
+    python scripts/bench_controller.py [--prompts 3] [--max-new-tokens 96] [--vocab 8192]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+
+from del_bench.config import CONFIG_DIR
+from del_bench.engine.decode import Engine
+from del_bench.engine.sampling import Sampling
+from del_bench.methods.base import Shadow
+from del_bench.methods.dynamic_exit import DEL
+from del_bench.methods.vanilla import Vanilla
+from del_bench.models import loading
+from del_bench.models.layer_stack import LayerStack
+from del_bench.runner import eos_ids, provenance
+from del_bench.tasks.humaneval import HumanEval
+
+
+class Twin(DEL):
+    """Exact DEL that also feeds a restricted-vocabulary copy and counts where their plans differ."""
+
+    def __init__(self, stack: LayerStack, vocab: int, **kwargs):
+        super().__init__(**kwargs)
+        self.stack, self.twin = stack, DEL(shadow_vocab=vocab, **kwargs)
+        self.vocab, self.rounds, self.same_plan, self.tau_gaps = vocab, 0, 0, []
+
+    def start(self, num_layers):
+        super().start(num_layers)
+        self.twin.start(num_layers)
+
+    def _approx(self, shadow: Shadow) -> Shadow:
+        L1, W, D = shadow.states.shape
+        tokens, conf = self.stack.shadow_tokens(shadow.states.reshape(-1, D), shadow.target.repeat(L1), self.vocab)
+        return Shadow(tokens.view(L1, W), conf.view(L1, W), shadow.target)
+
+    def _compare(self):
+        self.rounds += 1
+        self.same_plan += (self.exit_layer, self.gamma) == (self.twin.exit_layer, self.twin.gamma)
+        self.tau_gaps.append(abs(self.threshold - float(self.twin.tau[self.exit_layer - 1])))
+
+    def observe_prefill(self, shadow):
+        super().observe_prefill(shadow)
+        self.twin.update(self._approx(shadow))
+        self._compare()
+
+    def observe(self, evidence):
+        super().observe(evidence)
+        if evidence.shadow is not None:
+            self.twin.update(self._approx(evidence.shadow))
+            self._compare()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompts", type=int, default=3)
+    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--vocab", type=int, default=2048)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default="results/bench/controller.json")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    loaded = loading.load(OmegaConf.load(CONFIG_DIR / "model" / "smollm2-135m.yaml"))
+    stack = LayerStack(loaded.model)
+    engine = Engine(stack, Sampling(), eos_ids(loaded.model, loaded.tokenizer))
+    prompts = [list(loaded.tokenizer(s.prompt)["input_ids"]) for s in HumanEval().load()[: args.prompts]]
+    M = args.max_new_tokens
+
+    agreement = {}
+    for cost_model in ("layers", "measured"):
+        twin = Twin(stack, args.vocab, cost_model=cost_model)
+        if cost_model == "measured":
+            costs = stack.measure_costs()
+            twin.set_costs(**costs)
+            twin.twin.set_costs(**costs)
+        for p in prompts:
+            engine.generate(p, twin, M, seed=0)
+        agreement[cost_model] = {"rounds": twin.rounds, "same_plan": twin.same_plan / twin.rounds,
+                                 "mean_tau_gap": statistics.fmean(twin.tau_gaps)}
+
+    rows = {"vanilla": Vanilla(), "del exact": DEL(), f"del shadow_vocab={args.vocab}": DEL(shadow_vocab=args.vocab)}
+    engine.generate(prompts[0], Vanilla(), 8, seed=0)  # warm-up
+    timing = {}
+    for name, method in rows.items():
+        speeds, policy, wall = [], 0.0, 0.0
+        for p in prompts:
+            g = engine.generate(p, method, M, seed=0)
+            speeds.append(len(g.output_ids) / g.wall_s)
+            policy += sum(r.policy_s for r in g.rounds)
+            wall += g.wall_s
+        timing[name] = {"tokens_per_s": statistics.fmean(speeds), "controller_share": policy / wall}
+    base = timing["vanilla"]["tokens_per_s"]
+    print(f"SmolLM2-135M, {len(prompts)} HumanEval prompts, {M} new tokens, greedy\n")
+    for cost_model, a in agreement.items():
+        print(f"decisions (cost_model={cost_model}): restricted vocab {args.vocab} gives the same (E, γ) in "
+              f"{a['same_plan']:.1%} of {a['rounds']} rounds; mean |Δτ_E| = {a['mean_tau_gap']:.4f}")
+    print()
+    for name, t in timing.items():
+        print(f"{name:<28} {t['tokens_per_s']:7.2f} tok/s  {t['tokens_per_s'] / base:5.2f}x vanilla  "
+              f"controller {t['controller_share']:.1%} of decode time")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"settings": vars(args), "agreement": agreement, "timing": timing,
+                               "provenance": provenance()}, indent=2) + "\n")
+    print(f"written: {out}")
+
+
+if __name__ == "__main__":
+    main()
