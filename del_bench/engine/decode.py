@@ -179,7 +179,8 @@ class Engine:
             token = candidate
             stop = not keep or candidate in self.eos_ids
 
-        t_verify = time.perf_counter()
+        # with no draft budget the single pass through all L layers is the verification itself
+        t_verify = t_draft if budget == 0 else time.perf_counter()
         d = len(drafts)
         # verify: all d + 1 positions through E+1..L at once, from the layer-E states of drafting
         late: list[torch.Tensor] | None = None if early is None else []  # [layer] → [1, d+1, D]
