@@ -10,7 +10,7 @@ export HF_DATASETS_OFFLINE ?= 1
 export TRANSFORMERS_NO_ADVISORY_WARNINGS ?= 1
 
 .DEFAULT_GOAL := help
-.PHONY: help setup demo test lint bench-peer bench-parts bench-controller bench-del smoke-tasks clean
+.PHONY: help setup demo test lint tables figures bench-peer bench-parts bench-controller bench-del smoke-tasks clean
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -37,6 +37,12 @@ test: setup ## run the test suite (tiny float64 models, offline; a few minutes)
 
 lint: setup ## ruff
 	$(VENV)/bin/ruff check del_bench tests scripts
+
+tables: setup ## Tables 1-6 (Markdown + LaTeX) from the run records under results/runs → results/tables
+	$(PY) -m del_bench report --tables-only
+
+figures: setup ## the paper's figures from the run records → results/figures (PNG + PDF)
+	$(PY) -m del_bench report --figures-only
 
 bench-peer: setup ## our Vanilla/LS vs HF generate and assistant_early_exit on SmolLM2 → results/bench/peer.json
 	$(PY) scripts/bench_peer.py

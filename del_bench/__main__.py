@@ -3,6 +3,7 @@
   run  [-m] model=M task=T method=X [key=value …]   decode and write records (Hydra; -m sweeps)
   ls                                                models, tasks, methods, experiments, loggers
   show DIR [DIR …]                                  a table of runs' summary.json (speedup vs vanilla)
+  report [--tables-only|--figures-only] [DIRS …]    paper tables and figures from run records (offline)
 """
 
 from __future__ import annotations
@@ -80,7 +81,13 @@ def cmd_show(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"run": cmd_run, "ls": cmd_ls, "show": cmd_show}
+def cmd_report(argv: list[str]) -> int:
+    from del_bench.report.build import cli
+
+    return cli(argv)
+
+
+COMMANDS = {"run": cmd_run, "ls": cmd_ls, "show": cmd_show, "report": cmd_report}
 
 
 def main() -> int:
