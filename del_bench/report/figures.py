@@ -40,7 +40,7 @@ def fig3a(df: pd.DataFrame, model: str, machine: str) -> plt.Figure | None:
     ax.set_xticks(range(len(tasks)), [TASK_LABELS.get(t, t) for t in tasks])
     ax.set_xlabel("Task")
     ax.set_ylabel("Speedup over Vanilla (×)")
-    ax.set_title(f"Figure 3a: DEL ablations — {model} ({machine})")
+    ax.set_title(f"Figure 3a: DEL ablations\n{model} ({machine})", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
     return fig
@@ -69,7 +69,7 @@ def fig4a(rounds: pd.DataFrame, title: str) -> plt.Figure | None:
         ax.plot(g["round"], g["tau"], lw=1, label=f"{sid}" + (f" #{rep}" if rep else ""))
     ax.set_xlabel("SD round")
     ax.set_ylabel("τ (draft-exit threshold)")
-    ax.set_title(f"Figure 4a: τ over rounds — {title}")
+    ax.set_title(f"Figure 4a: τ over rounds\n{title}", fontsize=9)
     ax.legend(fontsize=7)
     fig.tight_layout()
     return fig
@@ -88,7 +88,8 @@ def fig4c(rounds: pd.DataFrame, title: str) -> plt.Figure | None:
     right = ax.twinx()
     right.plot(first["round"], first["alpha_exit"], color="C1", lw=1)
     right.set_ylabel("α at the chosen exit layer", color="C1")
-    ax.set_title(f"Figure 4c: exit layer and α — {title} ({first.sample_id.iloc[0]})")
+    ax.set_title(f"Figure 4c: exit layer and α\n{title} ({first.sample_id.iloc[0]})", fontsize=9)
+    ax.yaxis.get_major_locator().set_params(integer=True)  # layers are whole numbers
     fig.tight_layout()
     return fig
 
