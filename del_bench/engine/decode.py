@@ -127,9 +127,7 @@ class Engine:
             w = min(method.prefill_window, len(prompt_ids))
             states = torch.cat(layers[: L - 1])[:, -w:]  # [L-1, w, D]
             target = st.logits(h[:, -w:])[0].argmax(-1)  # [w]
-            tokens, confidence = st.shadow_tokens(states.reshape(-1, states.shape[-1]),
-                                                  target.repeat(L - 1), method.shadow_vocab)
-            method.observe_prefill(Shadow(tokens.view(L - 1, w), confidence.view(L - 1, w), target, states))
+            method.observe_prefill(self._shadow_of(states, target, method.shadow_vocab))
         gen.rounds.append(Round(0, None, 0, 0, 0, 1, L, 1, verify_s=t_policy - t,
                                 policy_s=time.perf_counter() - t_policy))
 
@@ -217,7 +215,7 @@ class Engine:
         """Shadow tokens over the valid window, positions 0..k (k = accepted drafts: later positions
         were computed on a context the model did not keep). Layers 1..E come from drafting, E+1..L−1
         from the verification batch."""
-        st, L, W = self.stack, self.stack.num_layers, k + 1
+        L, W = self.stack.num_layers, k + 1
         per_layer = [torch.cat([early[i][j] for i in range(W)], dim=1)[0] for j in range(min(E, L - 1))]
         per_layer += [late[j][0, :W] for j in range(L - 1 - E)]
         states = torch.stack(per_layer)  # [L-1, W, D]
@@ -225,8 +223,13 @@ class Engine:
             if i not in rows:
                 target_row(i)
         target = torch.tensor([rows[i] for i in range(W)], device=states.device)
-        tokens, confidence = st.shadow_tokens(states.reshape(-1, states.shape[-1]), target.repeat(L - 1), vocab)
-        return Shadow(tokens.view(L - 1, W), confidence.view(L - 1, W), target, states)
+        return self._shadow_of(states, target, vocab)
+
+    def _shadow_of(self, states: torch.Tensor, target: torch.Tensor, vocab: int | None) -> Shadow:
+        """states: [L-1, W, D] (layers 1..L−1), target: [W] the full model's tokens → Shadow."""
+        n_layers, W, D = states.shape
+        tokens, confidence = self.stack.shadow_tokens(states.reshape(-1, D), target.repeat(n_layers), vocab)
+        return Shadow(tokens.view(n_layers, W), confidence.view(n_layers, W), target, states)
 
     def _emit(self, gen: Generation, tokens: list[int]) -> int:
         """Append tokens, stopping after an EOS or the stop condition. Returns how many were appended."""
