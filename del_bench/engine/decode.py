@@ -17,7 +17,7 @@ import torch
 
 from del_bench.engine.sampling import Sampling, accept_greedy, accept_sampling, choose
 from del_bench.methods.base import Method, RoundEvidence, Shadow
-from del_bench.models.layer_stack import KVCache, LayerStack
+from del_bench.models.layer_stack import KVCache, LayerStack, synchronize
 
 
 @dataclass
@@ -64,12 +64,6 @@ class Generation:
     @property
     def accepted(self) -> int:
         return sum(r.accepted for r in self.rounds)
-
-
-def synchronize(device: torch.device) -> None:
-    """Wait for queued kernels before reading a clock (no-op on CPU)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 class Engine:

@@ -11,6 +11,8 @@ model's own rotary module, SDPA); tests/test_engine.py proves the greedy outputs
 
 from __future__ import annotations
 
+import statistics
+import time
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +20,12 @@ import torch.nn.functional as F
 from torch import nn
 
 HEAD_ROWS_FROM = 4  # rows from which the LM head uses the [V, D] layout (measured, see LayerStack.__init__)
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued kernels before reading a clock (no-op on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -148,9 +156,6 @@ class LayerStack:
     def measure_costs(self, context: int = 128, reps: int = 5) -> dict[str, float]:
         """Seconds for one token through one decoder layer (mean over all layers) and for one LM-head
         row, at `context` cached positions: the calibrated cost model's units. Median of `reps`."""
-        import statistics
-        import time
-
         cache = self.new_cache(context + 1)
         self.forward_layers(self.embed(torch.zeros(1, context, dtype=torch.long)), 0, self.num_layers, 0, cache)
         x = self.embed(torch.zeros(1, 1, dtype=torch.long))
@@ -159,12 +164,10 @@ class LayerStack:
             fn()  # warm-up
             times = []
             for _ in range(reps):
-                if x.device.type == "cuda":
-                    torch.cuda.synchronize(x.device)
+                synchronize(x.device)
                 t0 = time.perf_counter()
                 fn()
-                if x.device.type == "cuda":
-                    torch.cuda.synchronize(x.device)
+                synchronize(x.device)
                 times.append(time.perf_counter() - t0)
             return statistics.median(times)
 
