@@ -12,15 +12,28 @@ from omegaconf import DictConfig, OmegaConf
 from del_bench.engine.sampling import Sampling
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
-GROUPS = ("model", "task", "method", "logger", "experiment")
+GROUPS = ("model", "task", "method", "logger", "experiment", "data", "row")
 
 
 def _decoding_tag(do_sample, temperature, top_p) -> str:
     return f"sample-t{temperature}-p{top_p}" if str(do_sample).lower() == "true" else "greedy"
 
 
+def _calibrated(key: str, default, _root_):
+    """${calibrated:exit_layer,DEFAULT}: with calibration.use=true, `key` of the best LS grid point that
+    `python -m del_bench calibrate` wrote for this model and calibration.task; otherwise DEFAULT."""
+    calibration = _root_.get("calibration")
+    if calibration is None or not calibration.get("use"):
+        return default
+    from del_bench.calibration import lookup
+
+    return lookup(calibration.file, calibration.task)[key]
+
+
 if not OmegaConf.has_resolver("decoding"):
     OmegaConf.register_new_resolver("decoding", _decoding_tag)
+if not OmegaConf.has_resolver("calibrated"):
+    OmegaConf.register_new_resolver("calibrated", _calibrated)
 
 
 class ConfigError(ValueError):

@@ -20,7 +20,8 @@ from typing import Any, Iterable
 Key = tuple[str, int]  # (sample_id, repeat)
 
 # settings that may change between invocations of the same run without changing its results
-RESUMABLE_KEYS = ("limit", "out_dir", "logger", "threads", "warmup_tokens")
+# (data_dir, calibration and rows only feed other keys — task paths, method E/γ — which are compared resolved)
+RESUMABLE_KEYS = ("limit", "out_dir", "logger", "threads", "warmup_tokens", "data_dir", "calibration", "rows")
 
 
 class RunConflict(RuntimeError):
@@ -64,10 +65,19 @@ class RunDir:
         self.config_path = self.path / "run_config.json"
         self.costs_path = self.path / "costs.json"
 
+    @staticmethod
+    def fingerprint(run_config: dict) -> dict:
+        """The settings that define a run's results (what run_config.json holds)."""
+        return {k: v for k, v in run_config.items() if k not in RESUMABLE_KEYS}
+
+    def matches(self, run_config: dict) -> bool:
+        """True when the directory holds a run made with these settings."""
+        return self.config_path.exists() and json.loads(self.config_path.read_text()) == self.fingerprint(run_config)
+
     def claim(self, run_config: dict) -> None:
         """Create the directory, or check that what it holds was produced by the same settings."""
         self.path.mkdir(parents=True, exist_ok=True)
-        fingerprint = {k: v for k, v in run_config.items() if k not in RESUMABLE_KEYS}
+        fingerprint = self.fingerprint(run_config)
         if self.config_path.exists():
             previous = json.loads(self.config_path.read_text())
             changed = sorted(k for k in set(previous) | set(fingerprint) if previous.get(k) != fingerprint.get(k))

@@ -16,7 +16,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from del_bench import tracking
+from del_bench import memory, tracking
 from del_bench.config import validate
 from del_bench.engine.decode import Engine
 from del_bench.engine.sampling import Sampling
@@ -57,7 +57,30 @@ def stop_strings(strings: list[str], tokenizer, tail_tokens: int = 16):
     return stop
 
 
-def run(cfg: DictConfig) -> dict:
+def load_model(model_cfg) -> tuple[loading.Loaded, LayerStack]:
+    loaded = loading.load(model_cfg)
+    return loaded, LayerStack(loaded.model)
+
+
+def selection(cfg: DictConfig) -> dict:
+    """Which samples the run decodes; a finished summary with the same selection means the job is done."""
+    if cfg.get("sample_set", "eval") == "calibration":  # `calibrate`: samples kept apart from the evaluation
+        return {"sample_set": "calibration", "count": cfg.calibration.samples,
+                "eval_limit": cfg.calibration.eval_limit, "seed": cfg.seed}
+    return {"sample_set": "eval", "limit": cfg.limit, "seed": cfg.seed}
+
+
+def select_samples(task, cfg: DictConfig) -> list:
+    if cfg.get("sample_set", "eval") == "calibration":
+        from del_bench.calibration import calibration_samples
+
+        return calibration_samples(task, cfg.calibration.samples, cfg.seed, cfg.calibration.eval_limit)
+    return task.select(cfg.limit, cfg.seed)
+
+
+def run(cfg: DictConfig, load=None) -> dict:
+    """load: optional zero-argument callable → (Loaded, LayerStack), called only if something is left to
+    decode (`calibrate` passes one that loads the model once for its whole grid)."""
     validate(cfg)
     if cfg.threads:
         torch.set_num_threads(int(cfg.threads))
@@ -68,7 +91,7 @@ def run(cfg: DictConfig) -> dict:
         generation.update(OmegaConf.to_container(cfg.task.generation, resolve=True))
     sampling = Sampling(**generation)
     repeats = int(cfg.task.get("samples_per_prompt", 1))
-    samples = task.select(cfg.limit, cfg.seed)
+    samples = select_samples(task, cfg)
 
     run_dir = RunDir(cfg.out_dir)
     run_dir.claim(OmegaConf.to_container(cfg, resolve=True))
@@ -78,33 +101,40 @@ def run(cfg: DictConfig) -> dict:
              len(samples) * repeats - len(todo), run_dir.path)
 
     if todo:
-        loaded = loading.load(cfg.model)
-        tokenizer = loaded.tokenizer
-        engine = Engine(LayerStack(loaded.model), sampling, eos_ids(loaded.model, tokenizer),
-                        stop=stop_strings(task.stop_strings, tokenizer))
-        if method.wants_costs:  # the calibrated cost model: measured once per run (a resume reuses it)
-            costs = run_dir.costs() or engine.stack.measure_costs()
-            run_dir.write_costs(costs)
-            method.set_costs(**costs)
-        if cfg.warmup_tokens:  # untimed: first-call allocations and kernel selection
-            engine.generate(tokenizer(todo[0][0].prompt)["input_ids"], method, cfg.warmup_tokens, 0)
-        for sample, repeat in tqdm(todo, desc=f"{cfg.method.tag} on {cfg.task.name}", unit="sample"):
-            prompt_ids = list(tokenizer(sample.prompt)["input_ids"])
-            gen = engine.generate(prompt_ids, method, cfg.max_new_tokens, sample_seed(cfg.seed, sample.id, repeat))
-            text = tokenizer.decode(gen.output_ids, skip_special_tokens=True)
-            run_dir.append(
-                sample_record(sample, repeat, prompt_ids, gen, text, task, loaded.num_layers),
-                [{"sample_id": sample.id, "repeat": repeat, **r.as_dict()} for r in gen.rounds],
-            )
+        decode_all(cfg, todo, task, method, sampling, run_dir, load or (lambda: load_model(cfg.model)))
 
     wanted = {(s.id, k) for s in samples for k in range(repeats)}
     records = [r for r in run_dir.finished() if (r["sample_id"], r.get("repeat", 0)) in wanted]
     rounds = [r for r in run_dir.rounds() if (r["sample_id"], r.get("repeat", 0)) in wanted]
     summary = summarize(cfg, records, rounds, task)
     summary["measured_costs"] = run_dir.costs()
+    summary["selection"] = selection(cfg)
     write_json(run_dir.summary_path, summary)
-    tracking.mirror(cfg.get("logger"), summary, rounds, str(run_dir.path))
+    tracking.mirror(cfg.get("logger"), summary, rounds, str(run_dir.path), samples=records)
     return summary
+
+
+def decode_all(cfg, todo, task, method, sampling, run_dir: RunDir, load) -> None:
+    """Generate every (sample, repeat) in `todo`, appending its records (and its peak memory) as it finishes."""
+    loaded, stack = load()
+    tokenizer = loaded.tokenizer
+    engine = Engine(stack, sampling, eos_ids(loaded.model, tokenizer), stop=stop_strings(task.stop_strings, tokenizer))
+    if method.wants_costs:  # the calibrated cost model: measured once per run (a resume reuses it)
+        costs = run_dir.costs() or engine.stack.measure_costs()
+        run_dir.write_costs(costs)
+        method.set_costs(**costs)
+    if cfg.warmup_tokens:  # untimed: first-call allocations and kernel selection
+        engine.generate(tokenizer(todo[0][0].prompt)["input_ids"], method, cfg.warmup_tokens, 0)
+    weights = memory.model_bytes(loaded.model)
+    for sample, repeat in tqdm(todo, desc=f"{cfg.method.tag} on {cfg.task.name}", unit="sample"):
+        prompt_ids = list(tokenizer(sample.prompt)["input_ids"])
+        with memory.PeakMemory(loaded.device) as peak:  # reset/read outside the engine's timed region
+            gen = engine.generate(prompt_ids, method, cfg.max_new_tokens, sample_seed(cfg.seed, sample.id, repeat))
+        text = tokenizer.decode(gen.output_ids, skip_special_tokens=True)
+        record = sample_record(sample, repeat, prompt_ids, gen, text, task, loaded.num_layers)
+        record.update(peak_memory_bytes=peak.bytes, memory_measure=peak.measure, model_bytes=weights,
+                      kv_cache_bytes=memory.cache_bytes(engine._cache))  # the engine's preallocated cache
+        run_dir.append(record, [{"sample_id": sample.id, "repeat": repeat, **r.as_dict()} for r in gen.rounds])
 
 
 def sample_record(sample, repeat, prompt_ids, gen, text, task, num_layers) -> dict:
@@ -147,7 +177,7 @@ def summarize(cfg: DictConfig, records: list[dict], rounds: list[dict], task) ->
         "model": cfg.model.name,
         "task": cfg.task.name,
         "task_version": task.version,
-        "decoding": "sample" if cfg.generation.do_sample else "greedy",
+        "decoding": cfg.decoding,  # greedy | sample-T…-p… (the task's own generation settings win)
         "n_samples": len(records),
         "tokens_per_s": _mean(r["tokens_per_s"] for r in records),  # mean over samples (paper B.4)
         "etpl": _mean(r["etpl"] for r in records),  # mean over samples (paper B.4)
@@ -163,10 +193,25 @@ def summarize(cfg: DictConfig, records: list[dict], rounds: list[dict], task) ->
             for phase in ("draft", "verify", "policy")
         },
         "accepted_per_round": dict(sorted(Counter(r["accepted"] for r in rounds if r["drafted"]).items())),
+        **memory_summary(records),
         "quality": task.aggregate([{"sample_id": r["sample_id"], "repeat": r.get("repeat", 0), **r["scores"]}
                                    for r in records]),
         "config": OmegaConf.to_container(cfg, resolve=True),
         "provenance": provenance(),
+    }
+
+
+def memory_summary(records: list[dict]) -> dict:
+    """Table 5: the largest per-sample peak (see del_bench/memory.py for what is measured on each device)."""
+    def largest(key):
+        values = [r[key] for r in records if r.get(key) is not None]
+        return max(values) if values else None
+
+    return {
+        "peak_memory_bytes": largest("peak_memory_bytes"),
+        "memory_measure": "; ".join(sorted({r["memory_measure"] for r in records if r.get("memory_measure")})) or None,
+        "model_bytes": largest("model_bytes"),
+        "kv_cache_bytes": largest("kv_cache_bytes"),
     }
 
 

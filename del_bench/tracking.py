@@ -1,38 +1,145 @@
 """Mirror a finished run's records to Weights & Biases (logger=wandb). The records in out_dir stay the
-source of truth: tracking never blocks or fails a run — any error becomes a warning."""
+source of truth: tracking never blocks or fails a run — any error becomes a warning, and the whole mirror
+(init, logging, finish) runs in a worker thread that the run waits for at most `logger.timeout` seconds.
+
+What a W&B run holds: the resolved config, the summary's scalars (speed, eTPL, α, quality/*, time_split/*,
+memory), the per-round traces and the per-sample numbers as tables, summary.json and run_config.json as files,
+and any *.png in out_dir (plus `logger.figures` globs, e.g. the report's figures). Runs are grouped by
+experiment (group = the experiment's name when one is chosen), job_type = the method tag, and named
+model/task/method-tag/decoding.
+
+Mode: online | offline | disabled | auto (online when an API key is available — WANDB_API_KEY or a
+`wandb login` netrc entry — else offline). Online without a key, or an online init that fails (no network),
+falls back to offline: the local run directory can be uploaded later with `wandb sync`.
+"""
 
 from __future__ import annotations
 
+import glob
 import logging
 import os
+import threading
+from pathlib import Path
 
 log = logging.getLogger(__name__)
 
 ROUND_COLUMNS = ("sample_id", "repeat", "round", "exit_layer", "budget", "drafted", "accepted", "emitted",
-                 "loaded_layers", "head_calls", "draft_s", "verify_s", "policy_s", "tau", "alpha_exit")
+                 "loaded_layers", "head_calls", "draft_s", "verify_s", "policy_s", "tau", "alpha_exit",
+                 "chosen_exit_layer", "gamma_tpl")
+SAMPLE_COLUMNS = ("sample_id", "repeat", "generated_tokens", "wall_s", "tokens_per_s", "etpl", "drafted",
+                  "accepted", "loaded_layers", "head_calls", "rounds", "peak_memory_bytes")
+RECORD_FILES = ("summary.json", "run_config.json")
 
 
-def mirror(logger_cfg, summary: dict, rounds: list[dict], out_dir: str) -> None:
+def has_api_key() -> bool:
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    netrc = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
+    try:
+        return "api.wandb.ai" in netrc.read_text()
+    except OSError:
+        return False
+
+
+def resolve_mode(mode: str | None) -> str:
+    mode = (mode or "auto").lower()
+    if mode == "auto":
+        return "online" if has_api_key() else "offline"
+    if mode == "online" and not has_api_key():
+        return "offline"  # no key: keep a local run directory instead of prompting or failing
+    return mode
+
+
+def experiment_name() -> str | None:
+    """The chosen experiment (experiment=table1 → "table1") inside a Hydra job, else None."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        return HydraConfig.get().runtime.choices.get("experiment") if HydraConfig.initialized() else None
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def mirror(logger_cfg, summary: dict, rounds: list[dict], out_dir: str, samples: list[dict] | None = None) -> None:
     if logger_cfg is None or logger_cfg.get("name", "none") == "none":
         return
-    try:
-        import wandb
+    from omegaconf import DictConfig, OmegaConf
 
-        mode = logger_cfg.get("mode") or "offline"
-        if mode == "online" and not os.environ.get("WANDB_API_KEY"):
-            mode = "offline"  # no key: keep a local run directory instead of prompting or failing
-        run = wandb.init(
-            project=logger_cfg.get("project"), entity=logger_cfg.get("entity"), group=logger_cfg.get("group"),
-            tags=list(logger_cfg.get("tags") or []),
-            name=f"{summary['model']}/{summary['task']}/{summary['method_tag']}",
-            config=summary["config"], dir=out_dir, mode=mode, reinit="finish_previous",
-        )
-        scalars = {k: v for k, v in summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-        scalars.update({f"quality/{k}": v for k, v in summary.get("quality", {}).items()})
-        scalars.update({f"time_split/{k}": v for k, v in summary.get("time_split", {}).items() if v is not None})
-        run.summary.update(scalars)
-        columns = [c for c in ROUND_COLUMNS if any(c in r for r in rounds)]
-        run.log({"rounds": wandb.Table(columns=columns, data=[[r.get(c) for c in columns] for r in rounds])})
+    if isinstance(logger_cfg, DictConfig):
+        logger_cfg = OmegaConf.to_container(logger_cfg, resolve=True)
+    settings = {**logger_cfg, "group": logger_cfg.get("group") or experiment_name()}
+    timeout = float(settings.get("timeout") or 60)
+    errors: list[BaseException] = []
+
+    def work():
+        try:
+            _mirror(settings, summary, rounds, samples or [], out_dir, timeout)
+        except BaseException as err:  # noqa: BLE001 — a tracker must never cost a run its records
+            errors.append(err)
+
+    worker = threading.Thread(target=work, name="wandb-mirror", daemon=True)
+    worker.start()
+    worker.join(timeout)
+    if worker.is_alive():
+        log.warning("W&B mirror still busy after %.0f s; left behind (the records are in %s)", timeout, out_dir)
+    elif errors:
+        log.warning("W&B mirror skipped: %s", errors[0])
+
+
+def _init(wandb, settings: dict, summary: dict, out_dir: str, timeout: float):
+    mode = resolve_mode(settings.get("mode"))
+    if mode not in ("online", "offline", "disabled"):
+        raise ValueError(f"logger.mode={settings.get('mode')!r}: use online, offline, disabled or auto")
+    kwargs = dict(
+        project=settings.get("project"), entity=settings.get("entity"), group=settings.get("group"),
+        job_type=settings.get("job_type") or summary["method_tag"],
+        tags=[*(settings.get("tags") or []), summary["model"], summary["task"], summary["method"]],
+        name=f"{summary['model']}/{summary['task']}/{summary['method_tag']}/{summary['decoding']}",
+        config=summary["config"], dir=settings.get("dir") or out_dir, reinit="finish_previous",
+        settings=wandb.Settings(init_timeout=max(1.0, timeout / 2)),
+    )
+    try:
+        return wandb.init(mode=mode, **kwargs)
+    except Exception as err:  # noqa: BLE001 — no network: keep the mirror locally
+        if mode != "online":
+            raise
+        log.warning("W&B online init failed (%s); writing an offline run instead (`wandb sync` it later)", err)
+        return wandb.init(mode="offline", **kwargs)
+
+
+def _mirror(settings: dict, summary: dict, rounds: list[dict], samples: list[dict], out_dir: str,
+            timeout: float) -> None:
+    import wandb
+
+    Path(settings.get("dir") or out_dir).mkdir(parents=True, exist_ok=True)
+    run = _init(wandb, settings, summary, out_dir, timeout)
+    try:
+        run.summary.update(_scalars(summary))
+        run.log({"rounds": _table(wandb, ROUND_COLUMNS, rounds), "samples": _table(wandb, SAMPLE_COLUMNS, samples)})
+        for name in RECORD_FILES:
+            if (Path(out_dir) / name).is_file():
+                run.save(str(Path(out_dir) / name), base_path=out_dir, policy="now")
+        images = _figures(out_dir, settings.get("figures") or [])
+        if images:
+            run.log({f"figures/{Path(p).stem}": wandb.Image(p) for p in images})
+    finally:
         run.finish()
-    except Exception as err:  # noqa: BLE001 — a tracker must never cost a run its records
-        log.warning("W&B mirror skipped: %s", err)
+
+
+def _scalars(summary: dict) -> dict:
+    scalars = {k: v for k, v in summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    scalars.update({f"quality/{k}": v for k, v in (summary.get("quality") or {}).items()})
+    scalars.update({f"time_split/{k}": v for k, v in (summary.get("time_split") or {}).items() if v is not None})
+    return scalars
+
+
+def _table(wandb, wanted: tuple[str, ...], rows: list[dict]):
+    columns = [c for c in wanted if any(c in r for r in rows)] or ["sample_id"]
+    return wandb.Table(columns=columns, data=[[r.get(c) for c in columns] for r in rows])
+
+
+def _figures(out_dir: str, patterns: list[str]) -> list[str]:
+    found = sorted(glob.glob(str(Path(out_dir) / "*.png")))
+    for pattern in patterns:
+        found += sorted(glob.glob(pattern))
+    return found

