@@ -17,7 +17,8 @@ from .collect import DEFAULT_ROOTS, find_runs, load_runs
 
 def write_report(roots: Iterable[str | Path] = DEFAULT_ROOTS, out_tables: str | Path | None = "results/tables",
                  out_figures: str | Path | None = "results/figures") -> list[Path]:
-    """Read the runs under `roots` and write tables (.md + .tex) and figures (.png + .pdf); None skips one."""
+    """Read the runs under `roots` and write tables (.md + .tex) and figures (.png + .pdf); None skips one.
+    Figure files of ours that these records no longer produce are removed from out_figures (see write_figures)."""
     df = load_runs(roots)
     written = []
     if out_tables is not None:

@@ -1,7 +1,12 @@
-"""Read run records (summary.json + samples.jsonl) into pandas, and pair every run with its Vanilla run.
+"""Read run records (summary.json + samples.jsonl + rounds.jsonl) into pandas; pair runs with Vanilla.
 
 The report only reads records: it never decodes, never writes into a run directory (so it does not use
 records.RunDir, whose reader trims torn lines in place), and never guesses a missing Vanilla partner.
+
+    load_runs(roots)      one row per run (speed, eTPL, quality, memory), `speedup` vs its Vanilla partner
+    aggregate(df)         one row per configuration: mean/std/count over repeats (seeds or repeated runs)
+    load_rounds(run_dir)  one row per SD round (timings, DEL's τ/E/α trace) for the figures
+    segment_speeds(...)   tokens/s per fixed-length segment of one output, from its rounds (Figure 1b)
 """
 
 from __future__ import annotations
@@ -14,12 +19,16 @@ from typing import Iterable
 
 import pandas as pd
 
-DEFAULT_ROOTS = ("results/runs",)
+# where `run`, the `*_local` experiments, `calibrate`, Table 5's memory runs and the benchmarks write records
+DEFAULT_ROOTS = ("results/runs", "results/local", "results/calibration", "results/fig1b", "results/memory",
+                 "results/bench")
 
-# a Vanilla partner must match on all of these: same model, task, decoding, prompts and machine
-PAIR_KEYS = ["model", "task", "decoding", "prompts", "machine"]
-# runs sharing all of these are repeats of one configuration (averaged as mean ± std)
+# a Vanilla partner must match on all of these: same model, task, decoding, generation length, prompts, machine
+PAIR_KEYS = ["model", "task", "decoding", "max_new_tokens", "prompts", "machine"]
+# runs sharing all of these are repeats of one configuration (averaged as mean ± std); the seed is not a key,
+# so runs that differ only in seed (same prompts) or repeated runs into other out_dirs are repeats
 CONFIG_KEYS = PAIR_KEYS + ["method", "method_tag", "exit_layer", "gamma", "omega"]
+GIB = 2**30  # memory is reported in GiB, as torch.cuda.max_memory_allocated figures usually are
 
 
 def find_runs(roots: Iterable[str | Path] = DEFAULT_ROOTS) -> list[Path]:
@@ -62,8 +71,29 @@ def _prompts_id(samples: list[dict], summary: dict) -> str:
 
 
 def _machine(summary: dict) -> str:
+    """device/CPU (+ torch threads on CPU, which change speed as much as the hardware does): the runs a
+    speedup may pair must share it. The provenance holds no host name, so two hosts of one CPU kind look alike."""
     prov = summary.get("provenance", {})
-    return f"{prov.get('device', '?')}/{prov.get('cpu', '?')}"
+    machine = f"{prov.get('device', '?')}/{prov.get('cpu', '?')}"
+    threads = prov.get("torch_threads")
+    return machine + (f" ({threads} threads)" if prov.get("device") == "cpu" and threads else "")
+
+
+def _decoding(summary: dict) -> str:
+    """The decoding the run really used: the task's own generation settings (HumanEval pass@10 samples at
+    T = 0.6) override the run's, as in the runner; `greedy` or `sample-T<t>-p<top_p>`."""
+    cfg = summary.get("config") or {}
+    gen = dict(cfg.get("generation") or {})
+    gen.update((cfg.get("task") or {}).get("generation") or {})
+    if not gen:
+        return summary.get("decoding", "greedy")
+    if not gen.get("do_sample"):
+        return "greedy"
+    return f"sample-T{float(gen.get('temperature', 1.0)):g}-p{float(gen.get('top_p', 1.0)):g}"
+
+
+def _float(value) -> float:
+    return math.nan if value is None else float(value)
 
 
 def load_run(run_dir: str | Path) -> dict:
@@ -84,14 +114,22 @@ def load_run(run_dir: str | Path) -> dict:
         "exit_layer": method_cfg.get("exit_layer"),
         "gamma": method_cfg.get("gamma"),
         "omega": method_cfg.get("omega"),
-        "decoding": summary.get("decoding", "greedy"),
+        "decoding": _decoding(summary),
+        "max_new_tokens": str(summary.get("config", {}).get("max_new_tokens", "")),
         "n": summary.get("n_samples", len(samples)),
-        "tokens_per_s": math.nan if tps is None else float(tps),
-        "etpl": math.nan if etpl is None else float(etpl),
+        "tokens_per_s": _float(tps),
+        "etpl": _float(etpl),
         "acceptance": summary.get("acceptance_rate"),
         "machine": _machine(summary),
         "prompts": _prompts_id(samples, summary),
         "seed": summary.get("config", {}).get("seed"),
+        # "calibration" for the LS grid points of `python -m del_bench calibrate` (paper B.3), else "eval"
+        "sample_set": (summary.get("selection") or {}).get("sample_set", "eval"),
+        # written by newer runners only: peak memory of the run (CUDA max-allocated on GPU; on CPU the
+        # measure named in memory_measure), and the bytes of the model's weights
+        "peak_memory_gib": _float(summary.get("peak_memory_bytes")) / GIB,
+        "memory_measure": summary.get("memory_measure") or "",
+        "model_gib": _float(summary.get("model_bytes")) / GIB,
     }
     for name, value in (summary.get("quality") or {}).items():
         row[f"q_{name}"] = value
@@ -101,7 +139,9 @@ def load_run(run_dir: str | Path) -> dict:
 def load_runs(roots: Iterable[str | Path] = DEFAULT_ROOTS) -> pd.DataFrame:
     """All runs under the roots, one row each, with `speedup` and `vanilla_tps` filled where paired."""
     rows = [load_run(d) for d in find_runs(roots)]
-    df = pd.DataFrame(rows, columns=None if rows else ["run_dir"] + CONFIG_KEYS + ["tokens_per_s", "etpl"])
+    empty = ["run_dir"] + CONFIG_KEYS + ["n", "tokens_per_s", "etpl", "sample_set", "peak_memory_gib",
+                                         "memory_measure", "model_gib"]
+    df = pd.DataFrame(rows, columns=None if rows else empty)
     # None in the key columns (Vanilla has no E/γ/ω) would make groupby drop rows; use "" instead
     for col in ("exit_layer", "gamma", "omega"):
         df[col] = df[col].astype(object).where(df[col].notna(), "")
@@ -109,22 +149,33 @@ def load_runs(roots: Iterable[str | Path] = DEFAULT_ROOTS) -> pd.DataFrame:
 
 
 def add_speedup(df: pd.DataFrame) -> pd.DataFrame:
-    """speedup = tokens/s ÷ the Vanilla tokens/s of the same model, task, decoding, prompts, machine.
+    """speedup = tokens/s ÷ the Vanilla tokens/s of the same model, task, decoding, length, prompts, machine;
+    memory_overhead_pct = peak memory ÷ that Vanilla's peak memory − 1, in percent (Table 5).
 
     Several Vanilla runs with the same key (repeats) are averaged. No partner → NaN and has_vanilla False.
     """
     df = df.copy()
-    vanilla = (df[df["method"] == "vanilla"].groupby(PAIR_KEYS)["tokens_per_s"].mean()
-               .rename("vanilla_tps").reset_index())
-    df = df.drop(columns=["vanilla_tps"], errors="ignore").merge(vanilla, on=PAIR_KEYS, how="left")
+    if "peak_memory_gib" not in df:
+        df["peak_memory_gib"] = math.nan
+    base = df[df["method"] == "vanilla"].groupby(PAIR_KEYS)
+    vanilla = pd.concat([base["tokens_per_s"].mean().rename("vanilla_tps"),
+                         base["peak_memory_gib"].mean().rename("vanilla_memory_gib")], axis=1).reset_index()
+    df = df.drop(columns=["vanilla_tps", "vanilla_memory_gib"], errors="ignore").merge(vanilla, on=PAIR_KEYS,
+                                                                                        how="left")
     df["has_vanilla"] = df["vanilla_tps"].notna()
     df["speedup"] = df["tokens_per_s"] / df["vanilla_tps"]
+    df["memory_overhead_pct"] = (df["peak_memory_gib"] / df["vanilla_memory_gib"] - 1) * 100
     return df
 
 
 def aggregate(df: pd.DataFrame) -> pd.DataFrame:
-    """One row per configuration: mean, std and count of eTPL, tokens/s and speedup over its repeats."""
-    metrics = ["etpl", "tokens_per_s", "speedup"]
+    """One row per configuration: mean, std and count of eTPL, tokens/s, speedup, memory and each quality
+    metric (q_*) over its repeats (runs with the same CONFIG_KEYS: other seeds, or repeated runs)."""
+    optional = {"peak_memory_gib": math.nan, "vanilla_memory_gib": math.nan, "memory_overhead_pct": math.nan,
+                "memory_measure": "", "model_gib": math.nan, "sample_set": "eval"}
+    df = df.assign(**{k: v for k, v in optional.items() if k not in df})  # frames built by older code
+    metrics = ["etpl", "tokens_per_s", "speedup", "peak_memory_gib", "memory_overhead_pct"]
+    metrics += sorted(c for c in df.columns if c.startswith("q_"))
     grouped = df.groupby(CONFIG_KEYS, dropna=False, sort=False)
     out = grouped[metrics].agg(["mean", "std"])
     out.columns = [f"{m}_{stat}" for m, stat in out.columns]
@@ -132,4 +183,63 @@ def aggregate(df: pd.DataFrame) -> pd.DataFrame:
     out["n"] = grouped["n"].max()
     out["has_vanilla"] = grouped["has_vanilla"].all()
     out["vanilla_tps"] = grouped["vanilla_tps"].mean()  # the same partner for every repeat
+    out["vanilla_memory_gib"] = grouped["vanilla_memory_gib"].mean()
+    out["memory_runs"] = grouped["peak_memory_gib"].count()  # repeats that recorded their peak memory
+    out["memory_measure"] = grouped["memory_measure"].agg(lambda v: ", ".join(sorted({m for m in v if m})))
+    out["model_gib"] = grouped["model_gib"].mean()
+    out["sample_set"] = grouped["sample_set"].first()  # the prompt set decides it: one per configuration
     return out.reset_index()
+
+
+# ---------------------------------------------------------------- rounds (figures)
+
+ROUND_FIELDS = ["exit_layer", "budget", "drafted", "accepted", "emitted", "draft_s", "verify_s", "policy_s"]
+# per-round fields a method may add (Plan.trace: flattened into the round line by the engine, nested under
+# "trace" in older records). DEL writes tau, alpha_exit, chosen_exit_layer, gamma_tpl; conf_matched /
+# conf_mismatched (the decayed mean confidence of matched / mismatched shadow tokens at the chosen exit
+# layer, whose midpoint is τ) and draft_confidences (each draft candidate's top probability) are read when
+# a method records them (Figure 4b's band).
+TRACE_FIELDS = ["tau", "chosen_exit_layer", "alpha_exit", "gamma_tpl", "conf_matched", "conf_mismatched",
+                "draft_confidences"]
+ROUND_COLUMNS = ["sample_id", "repeat", "round"] + ROUND_FIELDS + TRACE_FIELDS
+
+
+def _trace(rnd: dict, name: str):
+    value = rnd.get(name)
+    return value if value is not None else (rnd.get("trace") or {}).get(name)
+
+
+def load_rounds(run_dir: str | Path) -> pd.DataFrame:
+    """rounds.jsonl of one run, one row per round (round 0 = prefill), in file order; absent fields → None."""
+    rows = [{"sample_id": str(r["sample_id"]), "repeat": r.get("repeat", 0), "round": r["round"],
+             **{k: r.get(k) for k in ROUND_FIELDS}, **{k: _trace(r, k) for k in TRACE_FIELDS}}
+            for r in read_jsonl(Path(run_dir) / "rounds.jsonl")]
+    return pd.DataFrame(rows, columns=ROUND_COLUMNS)
+
+
+def segment_speeds(rounds: pd.DataFrame, size: int = 64) -> pd.DataFrame:
+    """Tokens/s per `size`-token segment of ONE output (the rounds of one sample_id and repeat).
+
+    A round's time is draft_s + verify_s + policy_s (the decode loop minus bookkeeping between rounds; the
+    prefill round's time goes to token 0, as speed includes prefill). A round whose emitted tokens straddle
+    a segment boundary is split proportionally: each of its tokens carries time ÷ emitted. A segment's
+    tokens/s = its tokens ÷ the time its tokens carry. Columns: segment, start, end (exclusive), tokens,
+    seconds, tokens_per_s; the last segment may be shorter than `size`.
+    """
+    seconds: dict[int, float] = {}
+    tokens: dict[int, int] = {}
+    pos = 0
+    for rnd in rounds.sort_values("round").itertuples():
+        emitted = int(rnd.emitted or 0)
+        spent = float(rnd.draft_s or 0) + float(rnd.verify_s or 0) + float(rnd.policy_s or 0)
+        if emitted == 0:  # cannot happen in the engine (a round emits ≥ 1); keep its time with the next token
+            seconds[pos // size] = seconds.get(pos // size, 0.0) + spent
+            continue
+        for i in range(pos, pos + emitted):
+            seconds[i // size] = seconds.get(i // size, 0.0) + spent / emitted
+            tokens[i // size] = tokens.get(i // size, 0) + 1
+        pos += emitted
+    rows = [{"segment": k, "start": k * size, "end": k * size + tokens[k], "tokens": tokens[k],
+             "seconds": seconds[k], "tokens_per_s": tokens[k] / seconds[k] if seconds[k] > 0 else math.nan}
+            for k in sorted(tokens)]
+    return pd.DataFrame(rows, columns=["segment", "start", "end", "tokens", "seconds", "tokens_per_s"])

@@ -1,8 +1,16 @@
-"""Tables 1, 3 and 6 of the paper, regenerated from run records, with the paper's numbers beside ours.
+"""Tables 1–6 of the paper, regenerated from run records, with the paper's numbers beside ours.
 
 Every table is built as a `Table` (rows of `Cell`s) and rendered to Markdown and LaTeX from that one
 structure, so both outputs always agree. Best/second-best marks are computed from our numbers (per model
 block and column, Vanilla excluded, on the values as displayed); paper rows are printed as in the paper.
+
+    Table 1  eTPL + speedup on AQuA, CNN/DM-LM, CNN/DM-Sum, XSUM; overall speed and speedup
+    Table 2  HumanEval pass@1 (greedy) eTPL + speedup, pass@10 (sampled) eTPL + speedup + ROUGE-2
+    Table 3  speed + speedup on all seven tasks
+    Table 4  DEL's gain over LS vs SWIFT's gain over Vanilla (HumanEval, CNN/DM-LM); the paper's rows always
+    Table 5  peak memory and overhead vs Vanilla (six tasks + overall); the paper's rows always
+    Table 6  DEL's sensitivity to ω
+Deterministic: no timestamps, no absolute paths, stable row order — reruns on the same records are identical.
 """
 
 from __future__ import annotations
@@ -19,15 +27,22 @@ from .collect import aggregate
 PAPER_CSV = Path(__file__).with_name("paper_values.csv")
 
 TASK_LABELS = {"aqua_rat": "AQuA", "cnndm_lm": "CNN/DM-LM", "cnndm_sum": "CNN/DM-Sum", "xsum": "XSUM",
-               "gsm8k": "GSM8K", "humaneval": "HumanEval", "wmt14_de_en": "WMT14"}
+               "gsm8k": "GSM8K", "humaneval": "HumanEval", "wmt14_de_en": "WMT14",
+               "humaneval_pass10": "HumanEval pass@10"}
 TABLE1_TASKS = ["aqua_rat", "cnndm_lm", "cnndm_sum", "xsum"]
 TABLE3_TASKS = ["aqua_rat", "cnndm_lm", "cnndm_sum", "gsm8k", "humaneval", "xsum", "wmt14_de_en"]
+TABLE2_TASKS = {"humaneval": "pass@1", "humaneval_pass10": "pass@10"}  # our task → the paper's setting
+TABLE4_TASKS = ["humaneval", "cnndm_lm"]
+TABLE5_TASKS = ["humaneval", "cnndm_lm", "cnndm_sum", "xsum", "gsm8k", "aqua_rat"]
 METHOD_ORDER = ["vanilla", "ls", "fs", "dv", "swift", "del_gamma", "del_e", "del_e_lim", "del"]
 METHOD_LABELS = {"vanilla": "Vanilla", "ls": "LS", "fs": "FS", "dv": "DV", "swift": "SWIFT", "del": "DEL",
                  "del_e": "DEL-E", "del_gamma": "DEL-γ", "del_e_lim": "DEL-E-lim"}
 DEFAULT_OMEGA = 0.95
-DIGITS = {"etpl": 3, "tokens_per_s": 2, "speedup": 2}
-METRIC_LABELS = {"etpl": "eTPL", "tokens_per_s": "Speed", "speedup": "Speedup"}
+DIGITS = {"etpl": 3, "tokens_per_s": 2, "speedup": 2, "gain": 2, "q_rouge2": 3, "peak_memory_gib": 3,
+          "memory_overhead_pct": 2}
+METRIC_LABELS = {"etpl": "eTPL", "tokens_per_s": "Speed", "speedup": "Speedup", "q_rouge2": "ROUGE-2",
+                 "gain": "Gain", "peak_memory_gib": "Memory (GiB)", "memory_overhead_pct": "Overhead (%)"}
+PAPER_METRIC = {"q_rouge2": "rouge2", "peak_memory_gib": "memory_gb"}  # ours → paper_values.csv metric
 
 # paper §B: hardware per model (LLaMA-3-8B's is not stated in the paper)
 PAPER_HARDWARE = {"llama3.2-1b": "1× A100-40GB", "llama2-7b": "1× A100-40GB", "llama2-13b": "1× A100-40GB",
@@ -79,6 +94,27 @@ class Table:
     columns: list[tuple[str, str]]  # (key, header)
     rows: list[Row] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    unranked: set[str] = field(default_factory=set)  # columns left out of best/second marking
+    marked: bool = True  # False: a table without best/second marks (Tables 4 and 5, as in the paper)
+
+
+@dataclass(frozen=True)
+class Col:
+    """One numeric column: our (task, metric) and where the paper keeps the same cell."""
+
+    key: str
+    header: str
+    task: str  # our task name; "overall" = computed from the row's other tasks
+    metric: str
+    paper_task: str = ""  # default: task
+    paper_setting: str = ""
+
+    def paper(self) -> tuple[str, str, str]:
+        return self.paper_task or self.task, self.paper_setting, PAPER_METRIC.get(self.metric, self.metric)
+
+
+def task_cols(tasks: list[str], metrics: list[str]) -> list[Col]:
+    return [Col(f"{t}:{m}", f"{TASK_LABELS[t]} {METRIC_LABELS[m]}", t, m) for t in tasks for m in metrics]
 
 
 # ---------------------------------------------------------------- labels and paper values
@@ -111,12 +147,19 @@ def paper_values() -> pd.DataFrame:
 def paper_cell(table: int, model: str, task: str, method: str, exit_layer="", gamma="", metric="",
                setting: str = "") -> Cell | None:
     """The paper's printed value for one cell, or None when the paper has no such cell."""
-    pv = paper_values()
     e, g = _num(exit_layer), _num(gamma)
-    hit = pv[(pv.table == str(table)) & (pv.model == model) & (pv.task == task) & (pv.method == method)
-             & (pv.exit_layer == ("" if e is None else f"{e:g}")) & (pv.gamma == ("" if g is None else f"{g:g}"))
-             & (pv.metric == metric) & (pv.setting == setting)]
-    return Cell(text=hit.value.iloc[0]) if len(hit) else None
+    key = (str(table), model, task, setting, method, "" if e is None else f"{e:g}", "" if g is None else f"{g:g}",
+           metric)
+    value = _paper_index().get(key)
+    return None if value is None else Cell(text=value)
+
+
+@lru_cache(maxsize=1)
+def _paper_index() -> dict[tuple, str]:
+    """(table, model, task, setting, method, exit_layer, gamma, metric) → the printed value (a cell's identity)."""
+    keys = ["table", "model", "task", "setting", "method", "exit_layer", "gamma", "metric"]
+    pv = paper_values()
+    return dict(zip(pv[keys].itertuples(index=False, name=None), pv["value"]))
 
 
 def paper_source(model: str) -> str:
@@ -125,18 +168,26 @@ def paper_source(model: str) -> str:
 
 # ---------------------------------------------------------------- building
 
-ROW_KEYS = ["model", "machine", "decoding", "method", "method_tag", "exit_layer", "gamma", "omega"]
+ROW_KEYS = ["model", "machine", "decoding", "max_new_tokens", "method", "method_tag", "exit_layer", "gamma", "omega"]
+PAPER_MAX_NEW_TOKENS = "512"
 
 
 def _sort_key(key: dict):
     method = key["method"]
     rank = METHOD_ORDER.index(method) if method in METHOD_ORDER else len(METHOD_ORDER)
     nums = [(_num(key[k]) if _num(key[k]) is not None else -1) for k in ("exit_layer", "gamma", "omega")]
-    return (key["model"], key["machine"], key["decoding"], key.get("variant", 0), rank, *nums, key["method_tag"])
+    return (key["model"], key["machine"], key.get("decoding", ""), _num(key.get("max_new_tokens")) or 0,
+            key.get("variant", 0), rank, *nums, key["method_tag"])
 
 
-def _ours(machine: str, variant: int = 0) -> str:
-    return f"ours: {machine}" + (f" (other prompt set #{variant})" if variant else "")
+def _ours(machine: str, variant: int = 0, decoding: str = "greedy", max_new_tokens: str = "") -> str:
+    """'ours: <device>/<cpu>' + the decoding when not greedy + max_new_tokens when not the paper's 512."""
+    out = f"ours: {machine}"
+    if decoding and decoding != "greedy":
+        out += f", {decoding}"
+    if max_new_tokens not in ("", PAPER_MAX_NEW_TOKENS):
+        out += f", max_new_tokens={max_new_tokens}"
+    return out + (f" (other prompt set #{variant})" if variant else "")
 
 
 def _with_variant(agg: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
@@ -147,12 +198,25 @@ def _with_variant(agg: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
 
 
 def _cell(rec: pd.Series | None, metric: str) -> Cell:
+    digits = DIGITS.get(metric, 3)
     if rec is None:
-        return Cell(digits=DIGITS[metric])
+        return Cell(digits=digits)
     if metric == "speedup" and not rec["has_vanilla"]:
         return Cell(text="no vanilla")
-    return Cell(mean=rec[f"{metric}_mean"], std=rec[f"{metric}_std"], runs=int(rec["runs"]),
-                digits=DIGITS[metric])
+    if metric == "peak_memory_gib" and not rec["memory_runs"]:
+        return Cell(text="n/a")  # the run exists but recorded no peak memory
+    if metric == "memory_overhead_pct":
+        if rec["method"] == "vanilla":
+            return Cell(text="–")  # as in the paper
+        if not rec["memory_runs"]:
+            return Cell(text="n/a")
+        if not rec["has_vanilla"]:
+            return Cell(text="no vanilla")
+        if math.isnan(rec["vanilla_memory_gib"]):
+            return Cell(text="n/a")
+    if f"{metric}_mean" not in rec:
+        return Cell(digits=digits)
+    return Cell(mean=rec[f"{metric}_mean"], std=rec[f"{metric}_std"], runs=int(rec["runs"]), digits=digits)
 
 
 def _overall(recs: dict, tasks: list[str]) -> dict[str, Cell]:
@@ -169,90 +233,257 @@ def _overall(recs: dict, tasks: list[str]) -> dict[str, Cell]:
     return cells
 
 
-def wide_table(df: pd.DataFrame, table: int, tasks: list[str], metrics: list[str], overall: bool,
-               title: str) -> Table:
-    """One row per (model, machine, method config); columns task × metric (+ overall), paper rows beside."""
-    columns = [(f"{t}:{m}", f"{TASK_LABELS[t]} {METRIC_LABELS[m]}") for t in tasks for m in metrics]
-    if overall:
-        columns += [("overall:tokens_per_s", "Overall Speed"), ("overall:speedup", "Overall Speedup")]
-    out = Table(f"table{table}", title, columns)
+def wide_table(df: pd.DataFrame, table: int, cols: list[Col], title: str, overall=None,
+               row_keys: list[str] = ROW_KEYS, paper_rows: bool = True) -> Table:
+    """One row per (model, machine, [decoding,] method config, prompt-set variant); one column per Col;
+    columns of task "overall" are filled by overall(recs_by_task). The paper's row for the same model and
+    method config follows ours when paper_rows."""
+    out = Table(f"table{table}", title, [(c.key, c.header) for c in cols])
+    tasks = sorted({c.task for c in cols} - {"overall"})
     agg = aggregate(df[df["task"].isin(tasks)])
     if agg.empty:
         out.notes.append("No runs of these tasks were found.")
         return out
-    keys = ROW_KEYS + ["variant"]
-    agg = _with_variant(agg, ROW_KEYS + ["task"])
+    keys = row_keys + ["variant"]
+    agg = _with_variant(agg, row_keys + ["task"])
     for _, group in sorted(agg.groupby(keys, sort=False), key=lambda kv: _sort_key(dict(zip(keys, kv[0])))):
         key = dict(zip(keys, group.iloc[0][keys]))
         by_task = {rec["task"]: rec for _, rec in group.iterrows()}
-        cells = {f"{t}:{m}": _cell(by_task.get(t), m) for t in tasks for m in metrics}
+        cells = {c.key: _cell(by_task.get(c.task), c.metric) for c in cols if c.task != "overall"}
         if overall:
-            cells.update(_overall(by_task, tasks))
+            cells.update(overall(by_task))
         label = method_label(key["method"], key["exit_layer"], key["gamma"], key["omega"])
-        block = (key["model"], key["machine"], key["decoding"], key["variant"])
-        out.rows.append(Row(block, key["model"], label, _ours(key["machine"], key["variant"]), cells,
-                            ranked=key["method"] != "vanilla", tag=key["method_tag"]))
-        paper = _paper_row(table, key, tasks, metrics, overall, block, label)
+        block = tuple(key[k] for k in ("model", "machine", "decoding", "max_new_tokens", "variant") if k in key)
+        source = _ours(key["machine"], key["variant"], key.get("decoding", ""), key["max_new_tokens"])
+        out.rows.append(Row(block, key["model"], label, source, cells, ranked=key["method"] != "vanilla",
+                            tag=key["method_tag"]))
+        paper = _paper_row(table, key, cols, block, label) if paper_rows else None
         if paper:
             out.rows.append(paper)
     return out
 
 
-def _paper_row(table, key, tasks, metrics, overall, block, label) -> Row | None:
+def _paper_row(table, key, cols: list[Col], block, label) -> Row | None:
     """The paper's row for the same model and method config (DEL only at the paper's ω = 0.95)."""
     if key["method"] == "del" and _num(key["omega"]) not in (None, DEFAULT_OMEGA):
         return None
-    cols = [(t, m) for t in tasks for m in metrics] + ([("overall", "tokens_per_s"), ("overall", "speedup")]
-                                                       if overall else [])
     cells = {}
-    for t, m in cols:
-        cell = paper_cell(table, key["model"], t, key["method"], key["exit_layer"], key["gamma"], m)
-        cells[f"{t}:{m}"] = cell or Cell(text="–")
+    for c in cols:
+        task, setting, metric = c.paper()
+        cell = paper_cell(table, key["model"], task, key["method"], key["exit_layer"], key["gamma"], metric,
+                          setting)
+        cells[c.key] = cell or Cell(text="–")
     if all(c.text == "–" for c in cells.values()):
         return None
     return Row(block, key["model"], label, paper_source(key["model"]), cells)
 
 
+def paper_block(table: int, model: str, cols: list[Col]) -> list[Row]:
+    """Every row the paper prints for `model` in `table` (Tables 4 and 5: shown whatever we ran)."""
+    pv = paper_values()
+    pv = pv[(pv.table == str(table)) & (pv.model == model)]
+    configs = pv[["method", "exit_layer", "gamma"]].drop_duplicates().itertuples(index=False)
+    order = sorted(configs, key=lambda c: (METHOD_ORDER.index(c.method) if c.method in METHOD_ORDER else 99,
+                                           _num(c.exit_layer) or 0, _num(c.gamma) or 0))
+    rows = []
+    for method, e, g in order:
+        cells = {}
+        for c in cols:
+            task, setting, metric = c.paper()
+            cells[c.key] = paper_cell(table, model, task, method, e, g, metric, setting) or Cell(text="–")
+        rows.append(Row(("paper", model), model, method_label(method, e, g), paper_source(model), cells))
+    return rows
+
+
 def table1(df: pd.DataFrame) -> Table:
-    t = wide_table(df, 1, TABLE1_TASKS, ["etpl", "speedup"], overall=True,
-                   title="Table 1: eTPL and speedup per task; overall speed (tokens/s) and speedup")
+    cols = task_cols(TABLE1_TASKS, ["etpl", "speedup"])
+    cols += [Col("overall:tokens_per_s", "Overall Speed", "overall", "tokens_per_s"),
+             Col("overall:speedup", "Overall Speedup", "overall", "speedup")]
+    t = wide_table(df, 1, cols, "Table 1: eTPL and speedup per task; overall speed (tokens/s) and speedup",
+                   overall=lambda recs: _overall(recs, TABLE1_TASKS))
     t.notes.append("Overall = mean over the four tasks (speedup: overall speed ÷ the Vanilla partners' "
                    "overall speed); 'incomplete' when a task is missing.")
     return t
 
 
+def table2(df: pd.DataFrame) -> Table:
+    """HumanEval: pass@1 = task humaneval (greedy), pass@10 = task humaneval_pass10 (sampled, T 0.6, top-p
+    0.95); one row per method config across both (their decodings differ, so decoding is not a row key)."""
+    cols = []
+    for task, setting in TABLE2_TASKS.items():
+        metrics = ["etpl", "speedup"] + (["q_rouge2"] if setting == "pass@10" else [])
+        cols += [Col(f"{task}:{m}", f"{setting} {METRIC_LABELS[m]}", task, m, "humaneval", setting)
+                 for m in metrics]
+    t = wide_table(df, 2, cols, "Table 2: HumanEval pass@1 (greedy) and pass@10 (sampling): eTPL, speedup, "
+                   "ROUGE-2", row_keys=[k for k in ROW_KEYS if k != "decoding"])
+    t.unranked = {c.key for c in cols if c.metric.startswith("q_")}
+    t.notes.append("pass@1 columns: runs of task humaneval (greedy); pass@10 columns: runs of task "
+                   "humaneval_pass10 (speculative sampling, T 0.6, top-p 0.95, several samples per problem). "
+                   "ROUGE-2 (vs the canonical solution) is not ranked.")
+    return t
+
+
 def table3(df: pd.DataFrame) -> Table:
-    return wide_table(df, 3, TABLE3_TASKS, ["tokens_per_s", "speedup"], overall=False,
-                      title="Table 3: speed (tokens/s) and speedup on all seven tasks")
+    return wide_table(df, 3, task_cols(TABLE3_TASKS, ["tokens_per_s", "speedup"]),
+                      "Table 3: speed (tokens/s) and speedup on all seven tasks")
+
+
+def _by_model(ours: list[Row], paper_models: list[str], paper_rows) -> list[Row]:
+    """Our rows grouped by model, each model's paper block after its own rows; paper-only models last."""
+    rows: list[Row] = []
+    models = sorted({r.model for r in ours})
+    for model in models + [m for m in paper_models if m not in models]:
+        rows += [r for r in ours if r.model == model]
+        if model in paper_models:
+            rows += paper_rows(model)
+    return rows
+
+
+def _paper_models(table: int) -> list[str]:
+    pv = paper_values()
+    return sorted(set(pv[pv.table == str(table)].model))
+
+
+def table4(df: pd.DataFrame) -> Table:
+    """Gain = DEL speedup − LS speedup (DEL runs on LayerSkip) and SWIFT speedup − 1 (SWIFT runs on plain
+    decoding). Our LS base per block = the LS config with the best mean speedup over the tasks it covers
+    (most tasks first); our SWIFT row says "no SWIFT runs" until a `swift` method has records."""
+    cols = []
+    for t in TABLE4_TASKS:
+        cols += [Col(f"{t}:speedup", f"{TASK_LABELS[t]} Speedup", t, "speedup"),
+                 Col(f"{t}:gain", f"{TASK_LABELS[t]} Gain", t, "gain")]
+    speed_cols = [c for c in cols if c.metric == "speedup"]
+    base = wide_table(df[df["method"].isin(["vanilla", "ls", "swift", "del"])], 4, speed_cols, "",
+                      paper_rows=False)
+    out = Table("table4", "Table 4: DEL's gain over LS vs SWIFT's gain over Vanilla", [(c.key, c.header) for c in cols],
+                notes=base.notes, marked=False)
+    ours: list[Row] = []
+    blocks = list(dict.fromkeys(r.block for r in base.rows))
+    for block in blocks:
+        rows = [r for r in base.rows if r.block == block]
+        for r in rows:
+            r.ranked = False
+        if not any(r.label.startswith(("LS", "DEL", "SWIFT")) for r in rows):
+            continue  # a Vanilla run alone says nothing about gains
+        pick = [r for r in rows if r.label.startswith("LS")]
+        ls = max(pick, key=_ls_score, default=None)
+        swift = [r for r in rows if r.label.startswith("SWIFT")]
+        if not swift:
+            cells = {c.key: Cell(text="no SWIFT runs" if c.metric == "speedup" else "–") for c in cols}
+            swift = [Row(block, rows[0].model, "SWIFT", rows[0].source, cells)]
+        for r in rows:
+            for t in TABLE4_TASKS:
+                against = ls if r.label.startswith("DEL") else None
+                r.cells[f"{t}:gain"] = _gain(r.cells[f"{t}:speedup"], r.label, against.cells[f"{t}:speedup"]
+                                             if against else None)
+        for r in swift:
+            for t in TABLE4_TASKS:
+                r.cells.setdefault(f"{t}:gain", _gain(r.cells[f"{t}:speedup"], r.label, Cell(mean=1.0)))
+        ordered = [r for r in rows if r.label == "Vanilla"] + swift + ([ls] if ls else [])
+        ordered += [r for r in rows if r.label.startswith("DEL")]
+        ours += ordered
+    out.rows = _by_model(ours, _paper_models(4), lambda m: paper_block(4, m, cols))
+    out.notes += ["Gain: DEL speedup − LS speedup (DEL runs on top of LayerSkip), SWIFT speedup − 1 (SWIFT runs on "
+                  "plain decoding); a difference of mean speedups. Our LS row is the LS config with the highest mean "
+                  "speedup over these tasks among our runs (the paper's LS configs are its own).",
+                  "The paper's Table 4 rows are always shown; its CNN/DM column is language modelling (cnndm_lm)."]
+    return out
+
+
+def _ls_score(row: Row) -> tuple:
+    values = [c.number() for k, c in row.cells.items() if k.endswith(":speedup") and c.number() is not None]
+    return (len(values), sum(values) / len(values) if values else 0.0, row.label)
+
+
+def _gain(speedup: Cell, label: str, against: Cell | None) -> Cell:
+    if label == "Vanilla" or label.startswith("LS"):
+        return Cell(text="–")
+    if against is None:
+        return Cell(text="no LS run")
+    if speedup.text or against.text or math.isnan(speedup.mean) or math.isnan(against.mean):
+        return Cell(text=speedup.text or against.text or "–")
+    return Cell(mean=speedup.mean - against.mean, digits=2)
+
+
+def _overall_memory(recs: dict) -> dict[str, Cell]:
+    """Paper Table 5 'Overall': mean peak memory over the six tasks; overhead = that ÷ the Vanilla partners'
+    mean − 1 (the paper's overall overheads 0.91 % and 1.54 % are this ratio of its printed overall memories;
+    the mean of its per-task overheads would give 0.90 % for LS)."""
+    keys = ("overall:peak_memory_gib", "overall:memory_overhead_pct")
+    if any(recs.get(t) is None for t in TABLE5_TASKS):
+        return {k: Cell(text="incomplete") for k in keys}
+    vanilla = next(iter(recs.values()))["method"] == "vanilla"
+    if not all(recs[t]["memory_runs"] for t in TABLE5_TASKS):
+        return {keys[0]: Cell(text="n/a"), keys[1]: Cell(text="–" if vanilla else "n/a")}
+    memory = sum(recs[t]["peak_memory_gib_mean"] for t in TABLE5_TASKS) / len(TABLE5_TASKS)
+    cells = {keys[0]: Cell(mean=memory, digits=3)}
+    if vanilla:
+        cells[keys[1]] = Cell(text="–")
+    elif not all(recs[t]["has_vanilla"] for t in TABLE5_TASKS):
+        cells[keys[1]] = Cell(text="no vanilla")
+    else:
+        base = sum(recs[t]["vanilla_memory_gib"] for t in TABLE5_TASKS) / len(TABLE5_TASKS)
+        cells[keys[1]] = Cell(mean=(memory / base - 1) * 100, digits=2) if not math.isnan(base) else Cell(text="n/a")
+    return cells
+
+
+def table5(df: pd.DataFrame) -> Table:
+    """Peak memory of each run (summary.json `peak_memory_bytes`, GiB) and overhead vs its Vanilla partner."""
+    metrics = ["peak_memory_gib", "memory_overhead_pct"]
+    cols = task_cols(TABLE5_TASKS, metrics)
+    cols += [Col(f"overall:{m}", f"Overall {METRIC_LABELS[m]}", "overall", m) for m in metrics]
+    base = wide_table(df, 5, cols, "", overall=_overall_memory, paper_rows=False)
+    for r in base.rows:
+        r.ranked = False
+    out = Table("table5", "Table 5: peak memory (GiB) and overhead vs Vanilla (%)", base.columns, notes=base.notes,
+                marked=False)
+    out.rows = _by_model(base.rows, _paper_models(5), lambda m: paper_block(5, m, cols))
+    sub = aggregate(df[df["task"].isin(TABLE5_TASKS)]) if not df.empty else None
+    if sub is not None and not sub.empty:
+        measures = sorted({(mc, m) for mc, ms in zip(sub.machine, sub.memory_measure) for m in ms.split(", ") if m})
+        for machine, measure in measures:
+            out.notes.append(f"Memory on {machine}: {measure}.")
+        weights = sub.dropna(subset=["model_gib"]).groupby("model")["model_gib"].mean()
+        for model, gib in weights.items():
+            out.notes.append(f"{model} weights: {gib:.3f} GiB.")
+    out.notes += ["Peak memory = the run's `peak_memory_bytes` (summary.json; GPU: torch.cuda.max_memory_allocated; "
+                  "CPU: the measure named above), in GiB (2^30 bytes); 'n/a' = the run recorded none. Overhead = "
+                  "peak ÷ the Vanilla partner's peak − 1. Overall = mean over the six tasks.",
+                  "The paper's Table 5 rows (max allocated GPU memory, one random prompt per task) are always shown."]
+    return out
 
 
 def table6(df: pd.DataFrame) -> Table:
-    """ω sensitivity: one block per (model, task, machine); Vanilla and each DEL ω as rows."""
+    """ω sensitivity: one block per (model, task, machine, decoding, length, prompt set) where DEL ran at two
+    or more ω (a sweep; single-ω DEL runs are in Tables 1–3); Vanilla and each DEL ω as rows."""
     columns = [("etpl", "eTPL"), ("tokens_per_s", "Speed"), ("speedup", "Speedup")]
     out = Table("table6", "Table 6: sensitivity of DEL to the decay ω", columns)
     agg = aggregate(df[df["method"].isin(["vanilla", "del"])])
     # a block = one model, task, decoding, machine and prompt set; Vanilla rows only from that prompt set
-    bkeys = ["model", "task", "machine", "decoding", "prompts"]
-    blocks = _with_variant(agg[agg["method"] == "del"].drop_duplicates(bkeys), bkeys[:-1])
+    bkeys = ["model", "task", "machine", "decoding", "max_new_tokens", "prompts"]
+    dels = agg[agg["method"] == "del"]
+    sweeps = dels.groupby(bkeys)["omega"].transform(lambda w: len({_num(x) for x in w})) >= 2
+    blocks = _with_variant(dels[sweeps].drop_duplicates(bkeys), bkeys[:-1])
     for _, b in blocks.sort_values(bkeys[:-1] + ["variant"]).iterrows():
         sel = agg[(agg.model == b.model) & (agg.task == b.task) & (agg.machine == b.machine)
-                  & (agg.decoding == b.decoding) & (agg.prompts == b.prompts)]
+                  & (agg.decoding == b.decoding) & (agg.max_new_tokens == b.max_new_tokens)
+                  & (agg.prompts == b.prompts)]
         sel = sel.assign(_w=[_num(w) if _num(w) is not None else -1 for w in sel.omega])
         sel = sel.sort_values(["_w", "method_tag"], kind="stable")
-        block = (b.model, b.task, b.machine, b.decoding, b.prompts)
+        block = (b.model, b.task, b.machine, b.decoding, b.max_new_tokens, b.prompts)
         for _, rec in sel.iterrows():
             is_del = rec["method"] == "del"
             label = f"{TASK_LABELS.get(b.task, b.task)} " + (f"ω={_num(rec.omega):g}" if is_del else "ω=- (Vanilla)")
             cells = {m: _cell(rec, m) for m, _ in columns}
-            out.rows.append(Row(block, b.model, label, _ours(b.machine, b.variant), cells, ranked=is_del,
-                                tag=rec["method_tag"]))
+            out.rows.append(Row(block, b.model, label, _ours(b.machine, b.variant, b.decoding, b.max_new_tokens), cells,
+                                ranked=is_del, tag=rec["method_tag"]))
             setting = f"omega={_num(rec.omega):g}" if is_del else ""
             paper = {m: paper_cell(6, b.model, b.task, rec["method"], metric=m, setting=setting) for m, _ in columns}
             if any(paper.values()):
                 out.rows.append(Row(block, b.model, label, paper_source(b.model),
                                     {m: c or Cell(text="–") for m, c in paper.items()}))
     if not out.rows:
-        out.notes.append("No DEL runs were found.")
+        out.notes.append("No DEL runs at two or more ω were found.")
     return out
 
 
@@ -272,12 +503,16 @@ def disambiguate(table: Table) -> Table:
 
 def mark_best(table: Table) -> Table:
     """Bold = best, underline = second best: per block and column, over ranked rows, on displayed values."""
+    if not table.marked:
+        return table
     blocks = {r.block for r in table.rows}
     for block in blocks:
         rows = [r for r in table.rows if r.block == block and r.ranked]
         if len(rows) < 2:
             continue
         for key, _ in table.columns:
+            if key in table.unranked:
+                continue
             values = sorted({v for r in rows if (v := r.cells[key].number()) is not None}, reverse=True)
             for r in rows:
                 v = r.cells[key].number()
@@ -289,11 +524,14 @@ def mark_best(table: Table) -> Table:
 
 
 def _notes(table: Table) -> list[str]:
-    return table.notes + [
-        "Bold = best, underline = second best among our runs of the same model and machine "
-        "(Vanilla excluded), computed from the numbers; paper rows are printed as in the paper.",
-        "Mean ± std over repeats where a configuration was run more than once. Speedup is paired with the "
-        "Vanilla run of the same model, task, prompts, decoding and machine; 'no vanilla' = no such run.",
+    marks = ["Bold = best, underline = second best among our runs of the same model and machine "
+             "(Vanilla excluded), computed from the numbers; paper rows are printed as in the paper."]
+    return table.notes + (marks if table.marked else []) + [
+        "Mean ± std over repeats where a configuration was run more than once (other seeds or repeated runs "
+        "on the same prompts). Speedup is paired with the Vanilla run of the same model, task, prompts, "
+        "decoding, max_new_tokens and machine; 'no vanilla' = no such run. '–' = no run (ours) or no such "
+        "cell (paper). Ours: the machine's device/CPU (and torch threads); paper: its GPUs (paper §B.2). "
+        "Calibration grid runs (`calibrate`) are not in the tables.",
     ]
 
 
@@ -310,7 +548,9 @@ def to_markdown(table: Table) -> str:
 
 
 _TEX = {"\\": r"\textbackslash{}", "_": r"\_", "%": r"\%", "&": r"\&", "#": r"\#", "±": r"$\pm$",
-        "γ": r"$\gamma$", "ω": r"$\omega$", "×": r"$\times$", "–": "--"}
+        "γ": r"$\gamma$", "ω": r"$\omega$", "×": r"$\times$", "–": "--", "α": r"$\alpha$",
+        "τ": r"$\tau$", "÷": r"$\div$", "−": "-", "≥": r"$\geq$", "^": r"\^{}", "$": r"\$",
+        "{": r"\{", "}": r"\}", "~": r"\textasciitilde{}", "§": r"\S{}"}
 
 
 def tex_escape(text: str) -> str:
@@ -333,7 +573,12 @@ def to_latex(table: Table) -> str:
 
 
 def build_tables(df: pd.DataFrame) -> list[Table]:
-    return [mark_best(disambiguate(t)) for t in (table1(df), table3(df), table6(df))]
+    """Tables 1–6 from evaluation runs: the grid points of `calibrate` (sample_set=calibration) are left out
+    (they choose LS's (E, γ); Figures 1a and 1b draw them)."""
+    if "sample_set" in df:
+        df = df[df["sample_set"] != "calibration"]
+    builders = (table1, table2, table3, table4, table5, table6)
+    return [mark_best(disambiguate(build(df))) for build in builders]
 
 
 def write_tables(df: pd.DataFrame, out_dir: str | Path = "results/tables") -> list[Path]:
