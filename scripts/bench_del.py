@@ -1,11 +1,16 @@
-"""DEL against the static and adaptive baselines on SmolLM2, through the normal run machinery.
+"""DEL against the static and adaptive baselines, through the normal run machinery (SmolLM2 by default).
 
 Per task: Vanilla; LS over a small (E, γ) grid (the best one is reported as "LS best"); FS and DV at the
 best LS exit layer; DEL and its ablations. Every row is a normal run directory (records and all) under
---root; the table is printed and written to results/bench/del.json.
+--root; the table is printed and written to --out. "pred." is the speedup the loaded layers predict
+(eTPL × L, Vanilla's eTPL being 1/L) and "meas/pred" how much of it the wall clock delivers.
 
-    python scripts/bench_del.py [--limit 3] [--max-new-tokens 96] [--tasks humaneval,gsm8k,wmt14_de_en]
-                                [--grid 20:2,24:2,24:4,27:2,27:3] [--del-overrides method.cost_model=measured …]
+    python scripts/bench_del.py [--model smollm2-135m] [--limit 3] [--max-new-tokens 96]
+                                [--tasks humaneval,gsm8k,wmt14_de_en] [--grid 20:2,24:2,24:4,27:2,27:3]
+                                [--del-methods del,del_e,del_gamma,del_e_lim] [--del-overrides KEY=VALUE …]
+
+Task `code` (for a model trained by `train-layerskip`): code-completion prompts cut from the Python files
+its training held out (`del_bench.train.data.heldout_prompts`), written to <root>/code_prompts.jsonl.
 """
 
 from __future__ import annotations
@@ -26,7 +31,22 @@ OFFLINE = {  # how each task reads ../shared/data (HumanEval ships with human-ev
     "xsum": [f"task.data_files={DATA}/xsum/test.jsonl"],
     "cnndm_lm": [f"task.data_files={DATA}/cnn_dailymail/test_specbench80.jsonl"],
 }
-DEL_METHODS = ("del", "del_e", "del_gamma", "del_e_lim")
+
+
+def code_prompts(model: str, root: str, n: int = 16) -> list[str]:
+    """Overrides for task `code`: held-out prompts of the model's training run as a `prompts` task."""
+    from omegaconf import OmegaConf
+
+    from del_bench.models.loading import local_dir
+    from del_bench.train.data import heldout_prompts
+
+    model_cfg = OmegaConf.load(CONFIG_DIR / "model" / f"{model}.yaml")
+    train_cfg = OmegaConf.load(local_dir(model_cfg) / "train_config.yaml")
+    path = Path(root) / "code_prompts.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rows = heldout_prompts(OmegaConf.to_container(train_cfg.data), train_cfg.seed, n)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return ["task=prompts", f"task.data_files={path.resolve()}"]
 
 
 def compose(*overrides: str):
@@ -42,26 +62,30 @@ def run_row(task: str, base: list[str], root: str, label: str, *overrides: str) 
     cfg = compose(*base, *overrides)
     cfg.out_dir = f"{root}/{task}/{cfg.method.tag}"  # a re-run skips finished samples
     summary = run(cfg)
+    predicted = summary["etpl"] * cfg.model.num_layers  # loaded layers per token, Vanilla ÷ this method
     return {"task": task, "row": label, "method_tag": summary["method_tag"], "tokens_per_s": summary["tokens_per_s"],
-            "etpl": summary["etpl"], "acceptance": summary["acceptance_rate"],
+            "etpl": summary["etpl"], "predicted_speedup": predicted, "acceptance": summary["acceptance_rate"],
             "controller_share": summary["time_split"]["policy"], "out_dir": cfg.out_dir}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--limit", type=int, default=3)
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--tasks", default="humaneval,gsm8k,wmt14_de_en")
     ap.add_argument("--grid", default="20:2,24:2,24:4,27:2,27:3", help="LS (E:γ) pairs")
-    ap.add_argument("--del-overrides", nargs="*", default=[], help="extra overrides for the DEL rows")
+    ap.add_argument("--del-methods", default="del,del_e,del_gamma,del_e_lim", help="DEL-family method configs")
+    ap.add_argument("--del-overrides", nargs="*", default=[], help="extra overrides for the DEL rows but `del`")
     ap.add_argument("--root", default="results/bench/del_runs")
     ap.add_argument("--out", default="results/bench/del.json")
     args = ap.parse_args()
     grid = [tuple(int(x) for x in pair.split(":")) for pair in args.grid.split(",")]
     table = []
     for task in args.tasks.split(","):
-        base = ["model=smollm2-135m", f"task={task}", f"limit={args.limit}",
-                f"max_new_tokens={args.max_new_tokens}", *OFFLINE[task]]
+        data = code_prompts(args.model, args.root) if task == "code" else OFFLINE[task]
+        base = [f"model={args.model}", f"task={task}", f"limit={args.limit}", f"max_new_tokens={args.max_new_tokens}",
+                *data]
 
         def row(label, *overrides, task=task, base=base):
             table.append(run_row(task, base, args.root, label, *overrides))
@@ -74,20 +98,26 @@ def main() -> None:
         best_e, best_g = grid[ls_rows.index(best)]
         row(f"FS(E{best_e}-γ{best_g})", "method=fs", f"method.exit_layer={best_e}", f"method.gamma={best_g}")
         row(f"DV(E{best_e})", "method=dv", f"method.exit_layer={best_e}")
-        for name in DEL_METHODS:
+        for name in args.del_methods.split(","):
             extra = [f"method.exit_layer={best_e}"] if name == "del_gamma" else []
-            row(name.upper().replace("_", "-"), f"method={name}", *extra, *args.del_overrides)
+            if name == "del":  # the paper's configuration, always as published
+                row("DEL (paper)", "method=del", *extra)
+            else:
+                row(name.upper().replace("_", "-"), f"method={name}", *extra, *args.del_overrides)
         for r in table:
             if r["task"] == task:
                 r["speedup"] = r["tokens_per_s"] / vanilla["tokens_per_s"]
+                r["measured_over_predicted"] = r["speedup"] / r["predicted_speedup"]
 
-    print(f"\nSmolLM2-135M, {args.limit} prompts/task, {args.max_new_tokens} new tokens, greedy\n")
-    print(f"{'task':<12} {'row':<22} {'tok/s':>7} {'speedup':>8} {'eTPL':>6} {'α':>5} {'controller':>10}")
+    print(f"\n{args.model}, {args.limit} prompts/task, {args.max_new_tokens} new tokens, greedy\n")
+    print(f"{'task':<12} {'row':<22} {'tok/s':>7} {'speedup':>8} {'eTPL':>6} {'pred.':>6} {'meas/pred':>9} "
+          f"{'α':>5} {'controller':>10}")
     for r in table:
         alpha = f"{r['acceptance']:.2f}" if r["acceptance"] is not None else "-"
         share = f"{r['controller_share']:.1%}" if r["controller_share"] is not None else "-"
         print(f"{r['task']:<12} {r['row']:<22} {r['tokens_per_s']:>7.2f} {r['speedup']:>7.2f}x "
-              f"{r['etpl']:>6.3f} {alpha:>5} {share:>10}")
+              f"{r['etpl']:>6.3f} {r['predicted_speedup']:>5.2f}x {r['measured_over_predicted']:>9.2f} "
+              f"{alpha:>5} {share:>10}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"settings": vars(args), "rows": table, "provenance": provenance()}, indent=2) + "\n")

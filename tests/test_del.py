@@ -97,6 +97,11 @@ def test_calibrated_cost_model_counts_the_head():
     alpha = torch.tensor([0.3, 0.3, 0.3])
     assert best_exit(alpha, 4, 18, allowed) == (1, 1)  # 1.3/5 > 1/4
     assert best_exit(alpha, 4, 18, allowed, head_cost=5.0)[1] == 0  # 1.3/15 < 1/9
+    # the dropped candidate that stops drafting costs one more head row whenever d > 0
+    table = tpl_table(torch.tensor([0.5]), num_layers=4, d_max=2, head_cost=2.0, stop_head=True)
+    assert table[:, 0].tolist() == pytest.approx([1 / 6, 1.5 / 11, 1.75 / 14])  # d·(ℓ + h) + L + h + h
+    half = torch.tensor([0.5])
+    assert tpl_table(half, 4, 2, stop_head=True).tolist() == tpl_table(half, 4, 2).tolist()  # h = 0: paper's
     m = DEL(cost_model="measured")
     assert m.wants_costs
     m.set_costs(layer_s=0.001, head_s=0.005)

@@ -39,7 +39,8 @@ class Round:
 
     def as_dict(self) -> dict:
         row = asdict(self)
-        return {**row, **row.pop("trace")}
+        trace = row.pop("trace")  # the method's fields become columns of their own
+        return {**row, **trace}
 
 
 @dataclass
@@ -141,6 +142,7 @@ class Engine:
         drafts: list[int] = []
         draft_probs: list[torch.Tensor] = []
         candidates = 0  # draft heads applied (a dropped low-confidence candidate counts too)
+        confidences: list[float] = []  # each candidate's, in order (the last may be the dropped one)
         keep_s = 0.0  # time inside method.keep_drafting: policy, not drafting
         stop = budget == 0
         early: list[list[torch.Tensor]] | None = [] if method.wants_shadow else None  # [position][layer]
@@ -161,6 +163,7 @@ class Engine:
                 # the draft distribution's top probability: it does not depend on which token was
                 # sampled, so stopping on it keeps speculative sampling exact
                 confidence = float(q.max() if q is not None else logits.softmax(-1).max())
+                confidences.append(confidence)
                 tp = time.perf_counter()
                 keep = method.keep_drafting(len(drafts), confidence)
                 keep_s += time.perf_counter() - tp
@@ -202,7 +205,8 @@ class Engine:
         gen.rounds.append(Round(
             round=len(gen.rounds), exit_layer=E if d else None, budget=budget, drafted=d, accepted=k,
             emitted=emitted, loaded_layers=d * E + L, head_calls=candidates + len(rows),
-            draft_s=t_verify - t_draft - keep_s, verify_s=verify_s, policy_s=policy_s, trace=plan.trace,
+            draft_s=t_verify - t_draft - keep_s, verify_s=verify_s, policy_s=policy_s,
+            trace={**plan.trace, "draft_confidences": confidences} if confidences else plan.trace,
         ))
 
     def _shadow(self, early, late, E: int, k: int, rows: dict, target_row, vocab: int | None) -> Shadow:

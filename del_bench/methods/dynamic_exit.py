@@ -20,7 +20,8 @@ Decisions where the paper, its Algorithm 1 and the authors' code differ (DESIGN.
 - 0/0: with no matched position yet the matched mean is taken as 1, with no mismatched one the
   mismatched mean as 0 (the extremes a confidence can take), so τ is always defined; S(n) = 0 gives α = 0.
 Beyond the paper (`cost_model: measured`): the TPL cost counts an LM-head row as h layers, h measured at
-start-up (SmolLM2 on CPU: h ≈ 5); the default `layers` keeps the paper's d·ℓ + L so its numbers reproduce.
+start-up (SmolLM2 on CPU: h ≈ 5), including the row of the candidate that stops drafting (scored, then
+dropped); the default `layers` keeps the paper's d·ℓ + L so its numbers reproduce.
 Ablations: DEL-E = no dynamic draft-exiting, γ from TPL; DEL-γ = fixed E (`exit_layer`), τ on;
 DEL-E-lim = E restricted to 3 < ℓ < L (`min_exit_layer: 4`).
 """
@@ -32,26 +33,31 @@ import torch
 from del_bench.methods.base import Method, Plan, RoundEvidence, Shadow, check_exit_layer, check_gamma
 
 
-def tpl_table(alpha: torch.Tensor, num_layers: int, d_max: int, head_cost: float = 0.0) -> torch.Tensor:
+def tpl_table(alpha: torch.Tensor, num_layers: int, d_max: int, head_cost: float = 0.0,
+              stop_head: bool = False) -> torch.Tensor:
     """TPL(ℓ, d) for ℓ = 1..len(alpha), d = 0..d_max → [d_max+1, len(alpha)] (float64).
 
     Σ_{k=0..d} α^k instead of (1 − α^{d+1}) / (1 − α): exact at α = 1. Cost in layer units:
     d·ℓ + L (paper), or with head_cost h > 0 (the calibrated model: one LM-head row costs h layers)
-    d·(ℓ + h) + L + h — a draft is ℓ layers plus a head row, verification L layers plus a head row."""
+    d·(ℓ + h) + L + h — a draft is ℓ layers plus a head row, verification L layers plus a head row —
+    and with `stop_head` one more head row for any d > 0: the candidate whose confidence stops drafting
+    is scored and dropped (Algorithm 1), so a round that drafts pays d + 1 draft rows."""
     alpha = alpha.to(torch.float64)
     powers = alpha[None, :] ** torch.arange(d_max + 1, dtype=torch.float64)[:, None]  # [d_max+1, ℓ]
     expected_tokens = powers.cumsum(0)
     layers = torch.arange(1, len(alpha) + 1, dtype=torch.float64)
     drafts = torch.arange(d_max + 1, dtype=torch.float64)[:, None]
     cost = drafts * (layers[None, :] + head_cost) + num_layers + head_cost
+    if stop_head:
+        cost = cost + head_cost * (drafts > 0)
     return expected_tokens / cost
 
 
 def best_exit(alpha: torch.Tensor, num_layers: int, d_max: int, allowed: torch.Tensor,
-              head_cost: float = 0.0) -> tuple[int, int]:
+              head_cost: float = 0.0, stop_head: bool = False) -> tuple[int, int]:
     """(E, γ) maximising TPL over allowed layers. Ties go to the smaller d, then the smaller ℓ
     (torch.argmax returns the first maximum of the d-major flattening)."""
-    table = tpl_table(alpha, num_layers, d_max, head_cost)
+    table = tpl_table(alpha, num_layers, d_max, head_cost, stop_head)
     table[:, ~allowed] = -1.0
     flat = int(table.flatten().argmax())
     d, layer = divmod(flat, len(alpha))
@@ -128,15 +134,21 @@ class DEL(Method):
         return self.s_match / self.s_positions
 
     @property
-    def tau(self) -> torch.Tensor:
+    def confidence_means(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decayed mean confidence over matched and over mismatched positions, per layer (0/0: 1 and 0)."""
         s_mismatch = self.s_positions - self.s_match
         true_mean = torch.where(self.s_match > 0, self.s_true_conf / self.s_match.clamp_min(1e-300), 1.0)
         false_mean = torch.where(s_mismatch > 0, self.s_false_conf / s_mismatch.clamp_min(1e-300), 0.0)
+        return true_mean, false_mean
+
+    @property
+    def tau(self) -> torch.Tensor:
+        true_mean, false_mean = self.confidence_means
         return 0.5 * (true_mean + false_mean)
 
     def _choose(self) -> None:
         self.exit_layer, self.gamma = best_exit(self.alpha, self.num_layers, self.d_max, self.allowed,
-                                                self.head_cost)
+                                                self.head_cost, stop_head=self.dynamic_draft_exit)
         self.threshold = float(self.tau[self.exit_layer - 1])
 
     # ---- policy -------------------------------------------------------------------------------
@@ -148,8 +160,10 @@ class DEL(Method):
             self.update(evidence.shadow)
 
     def plan(self) -> Plan:
-        trace = {"gamma_tpl": self.gamma, "tau": self.threshold,
-                 "alpha_exit": float(self.alpha[self.exit_layer - 1])}
+        true_mean, false_mean = self.confidence_means
+        e = self.exit_layer - 1
+        trace = {"gamma_tpl": self.gamma, "tau": self.threshold, "alpha_exit": float(self.alpha[e]),
+                 "conf_matched": float(true_mean[e]), "conf_mismatched": float(false_mean[e])}  # τ = their mean
         if self.gamma == 0:  # TPL says drafting does not pay: plain decoding this round
             return Plan(exit_layer=None, max_draft=0, trace={**trace, "chosen_exit_layer": None})
         budget = self.d_max if self.draft_budget == "d_max" else self.gamma
