@@ -10,7 +10,7 @@ export HF_DATASETS_OFFLINE ?= 1
 export TRANSFORMERS_NO_ADVISORY_WARNINGS ?= 1
 
 .DEFAULT_GOAL := help
-.PHONY: help setup demo test lint tables figures bench-peer bench-parts bench-controller bench-del smoke-tasks clean
+.PHONY: help setup demo test lint tables figures bench-peer bench-parts bench-controller bench-del bench-testbed smoke-tasks testbed clean
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -38,7 +38,7 @@ test: setup ## run the test suite (tiny float64 models, offline; a few minutes)
 lint: setup ## ruff
 	$(VENV)/bin/ruff check del_bench tests scripts
 
-tables: setup ## Tables 1-6 (Markdown + LaTeX) from the run records under results/runs → results/tables
+tables: setup ## Tables 1-6 (Markdown + LaTeX) from the run records under results/ → results/tables
 	$(PY) -m del_bench report --tables-only
 
 figures: setup ## the paper's figures from the run records → results/figures (PNG + PDF)
@@ -53,11 +53,20 @@ bench-parts: setup ## per-part costs of a token on SmolLM2 (HF forward vs our la
 bench-controller: setup ## DEL's shadow-token cost and the restricted-vocabulary approximation → results/bench/controller.json
 	$(PY) scripts/bench_controller.py
 
-bench-del: setup ## DEL + ablations vs Vanilla and grid-searched LS/FS/DV on SmolLM2 (long) → results/bench/del.json
-	$(PY) scripts/bench_del.py
+bench-del: setup ## DEL + ablations vs Vanilla and grid-searched LS/FS/DV on SmolLM2 (~20 min) → results/bench/del.json
+	$(PY) scripts/bench_del.py --limit 4 --max-new-tokens 96 --del-methods del,del_cpu,del_e,del_gamma,del_e_lim \
+	  --del-overrides method.cost_model=measured method.shadow_vocab=2048
+
+bench-testbed: setup ## the paper's picture on the LayerSkip testbed: DEL vs grid-searched LS/FS/DV → results/bench/testbed.json
+	$(PY) scripts/bench_del.py --model testbed --tasks humaneval,code --limit 8 --max-new-tokens 128 \
+	  --grid 1:2,1:4,2:2,2:4,2:6,3:4,3:6,4:4,4:6,6:6 --del-methods del,del_cpu,del_e,del_gamma,del_e_lim \
+	  --root results/bench/testbed_runs --out results/bench/testbed.json
 
 smoke-tasks: setup ## every paper task offline on SmolLM2, limit=2 (data from ../shared/data)
 	scripts/smoke_tasks.sh smollm2-135m
+
+testbed: setup ## train the 16-layer LayerSkip testbed on the stdlib (~2-3 h on 2 cores; rerun resumes) → results/testbed
+	$(PY) -m del_bench train-layerskip preset=testbed
 
 clean: ## remove the venv and run outputs (not the model cache in ~/.cache/del_bench)
 	rm -rf $(VENV) results/demo results/runs outputs multirun

@@ -1,9 +1,12 @@
 """python -m del_bench {run,ls,show} …
 
   run  [-m] model=M task=T method=X [key=value …]   decode and write records (Hydra; -m sweeps)
+  calibrate [-m] model=M task=T [grid.exit_layers=[…] grid.gammas=[…]]
+                                                    LS (E, γ) grid search → results/calibration/<model>.yaml
   ls                                                models, tasks, methods, experiments, loggers
   show DIR [DIR …]                                  a table of runs' summary.json (speedup vs vanilla)
   report [--tables-only|--figures-only] [DIRS …]    paper tables and figures from run records (offline)
+  train-layerskip [preset=P] [key=value …]          LayerSkip training (configs/train; rerun resumes)
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import warnings
 from pathlib import Path
 
 from del_bench.config import CONFIG_DIR, GROUPS, ConfigError, check_overrides, choices, describe
@@ -23,34 +27,74 @@ def _user_errors():
     return (ConfigError, RunConflict, TaskError)
 
 
-def cmd_run(argv: list[str]) -> int:
+def _hydra_command(argv: list[str], config_name: str, body) -> int:
+    """Run `body(cfg)` as a Hydra app (-m sweeps, launchers). In a multirun a failing job is recorded and the
+    sweep goes on (del_bench/jobs.py); the exit code is 1 if any job failed."""
     import hydra
     from omegaconf import DictConfig
 
+    from del_bench import jobs
+
     check_overrides([a for a in argv if not a.startswith("-")])
 
-    @hydra.main(config_path=str(CONFIG_DIR), config_name="run", version_base="1.3")
+    @hydra.main(config_path=str(CONFIG_DIR), config_name=config_name, version_base="1.3")
     def _main(cfg: DictConfig) -> None:
-        from del_bench.runner import run
+        from del_bench.calibration import CalibrationError
 
         try:
-            summary = run(cfg)
+            body(cfg)
         except _user_errors() as err:
             logging.getLogger("del_bench").error("%s", err)
             raise SystemExit(2) from None
-        print(format_table([summary]))
-        print(f"records: {cfg.out_dir}")
+        except CalibrationError as err:
+            logging.getLogger("del_bench").error("%s", err)
+            raise SystemExit(1) from None
 
+    # configs/hydra/launcher/joblib.yaml replaces the plugin's config of that name on purpose (n_jobs=1)
+    warnings.filterwarnings("ignore", message=r"\s*'hydra/launcher/joblib' is validated against ConfigStore schema")
+    jobs.FAILED.clear()
     sys.argv = [sys.argv[0], *argv]
     _main()
-    return 0
+    return 1 if jobs.FAILED else 0
+
+
+def cmd_run(argv: list[str]) -> int:
+    def body(cfg) -> None:
+        from del_bench import jobs
+
+        status, summary = jobs.job(cfg, lambda: jobs.run_once(cfg), lambda: cfg.out_dir)
+        if summary:
+            print(format_table([summary]))
+            print(f"records: {cfg.out_dir}" + (" (already finished: skipped)" if status == "skipped" else ""))
+
+    return _hydra_command(argv, "run", body)
+
+
+def cmd_calibrate(argv: list[str]) -> int:
+    def body(cfg) -> None:
+        from del_bench import jobs
+        from del_bench.calibration import calibrate
+
+        def work():
+            try:
+                return "ok", calibrate(cfg)
+            except Exception as err:
+                jobs.write_error(Path(cfg.calibration.dir), err, cfg)
+                raise
+
+        status, entry = jobs.job(cfg, work, lambda: cfg.calibration.dir)
+        if entry:
+            print(f"best LS(E{entry['exit_layer']}, γ{entry['gamma']}) for {cfg.model.name}/{cfg.task.name}: "
+                  f"{entry['tokens_per_s']:.2f} tok/s ({entry['speedup'] or 0:.2f}x vanilla) → {cfg.calibration.file}")
+
+    return _hydra_command(argv, "calibrate", body)
 
 
 def cmd_ls(_: list[str]) -> int:
     for group in GROUPS:
         print(f"{group}:")
         for name in choices(group):
-            print(f"  {name:<16} {describe(group, name)}")
+            print(f"  {name:<22} {describe(group, name)}")
     return 0
 
 
@@ -87,7 +131,28 @@ def cmd_report(argv: list[str]) -> int:
     return cli(argv)
 
 
-COMMANDS = {"run": cmd_run, "ls": cmd_ls, "show": cmd_show, "report": cmd_report}
+def cmd_train_layerskip(argv: list[str]) -> int:
+    import hydra
+    from omegaconf import DictConfig
+
+    @hydra.main(config_path=str(CONFIG_DIR / "train"), config_name="layerskip", version_base="1.3")
+    def _main(cfg: DictConfig) -> None:
+        from del_bench.train.trainer import train
+
+        try:
+            out = train(cfg)
+        except ConfigError as err:
+            logging.getLogger("del_bench").error("%s", err)
+            raise SystemExit(2) from None
+        print(f"model: {out}" if out else f"stopped at step {cfg.stop_at}; rerun without stop_at to resume")
+
+    sys.argv = [sys.argv[0], *argv]
+    _main()
+    return 0
+
+
+COMMANDS = {"run": cmd_run, "calibrate": cmd_calibrate, "ls": cmd_ls, "show": cmd_show, "report": cmd_report,
+            "train-layerskip": cmd_train_layerskip}
 
 
 def main() -> int:
