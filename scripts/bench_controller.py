@@ -3,9 +3,10 @@
 
 1. Agreement: DEL runs with exact shadow tokens; a twin DEL is fed the same rounds through the
    restricted head. Per round we compare the twins' plans (E, γ) and thresholds τ_E.
-2. Cost: Vanilla, DEL exact and DEL with shadow_vocab=K, timed (controller share = policy time / wall).
+2. Cost: Vanilla, DEL as published, DEL with measured costs (exact shadow) and `del_cpu` (measured costs,
+   shadow_vocab=K), rows interleaved per prompt (controller share = policy time / wall).
 
-    python scripts/bench_controller.py [--prompts 3] [--max-new-tokens 96] [--vocab 8192]
+    python scripts/bench_controller.py [--prompts 3] [--max-new-tokens 96] [--vocab 1024] [--repeats 1]
 """
 
 from __future__ import annotations
@@ -68,7 +69,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompts", type=int, default=3)
     ap.add_argument("--max-new-tokens", type=int, default=96)
-    ap.add_argument("--vocab", type=int, default=2048)
+    ap.add_argument("--vocab", type=int, default=1024)
+    ap.add_argument("--repeats", type=int, default=1, help="passes over the prompts (rows interleaved per prompt)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default="results/bench/controller.json")
     args = ap.parse_args()
@@ -91,17 +93,34 @@ def main() -> None:
         agreement[cost_model] = {"rounds": twin.rounds, "same_plan": twin.same_plan / twin.rounds,
                                  "mean_tau_gap": statistics.fmean(twin.tau_gaps)}
 
-    rows = {"vanilla": Vanilla(), "del exact": DEL(), f"del shadow_vocab={args.vocab}": DEL(shadow_vocab=args.vocab)}
-    engine.generate(prompts[0], Vanilla(), 8, seed=0)  # warm-up
-    timing = {}
-    for name, method in rows.items():
-        speeds, policy, wall = [], 0.0, 0.0
+    costs = stack.measure_costs()
+
+    def measured(**kwargs) -> DEL:
+        method = DEL(cost_model="measured", **kwargs)
+        method.set_costs(**costs)
+        return method
+
+    rows = {"vanilla": Vanilla, "del (paper: layer costs, exact shadow)": DEL,
+            "del measured costs, exact shadow": measured,
+            f"del_cpu: measured costs, shadow_vocab={args.vocab}": lambda: measured(shadow_vocab=args.vocab)}
+    for make in rows.values():
+        engine.generate(prompts[0], make(), 8, seed=0)  # warm-up
+    # Interleaved: every prompt runs every row back to back, so drift of this shared machine over the
+    # minutes of a benchmark hits all rows alike.
+    stats = {name: {"speeds": [], "policy": 0.0, "wall": 0.0, "outputs": []} for name in rows}
+    for _ in range(args.repeats):
         for p in prompts:
-            g = engine.generate(p, method, M, seed=0)
-            speeds.append(len(g.output_ids) / g.wall_s)
-            policy += sum(r.policy_s for r in g.rounds)
-            wall += g.wall_s
-        timing[name] = {"tokens_per_s": statistics.fmean(speeds), "controller_share": policy / wall}
+            for name, make in rows.items():
+                g = engine.generate(p, make(), M, seed=0)
+                st = stats[name]
+                st["speeds"].append(len(g.output_ids) / g.wall_s)
+                st["policy"] += sum(r.policy_s for r in g.rounds)
+                st["wall"] += g.wall_s
+                st["outputs"].append(g.output_ids)
+    reference = stats["vanilla"]["outputs"]
+    timing = {name: {"tokens_per_s": statistics.fmean(st["speeds"]), "controller_share": st["policy"] / st["wall"],
+                     "equal_vanilla": all(o == r for o, r in zip(st["outputs"], reference))}
+              for name, st in stats.items()}
     base = timing["vanilla"]["tokens_per_s"]
     print(f"SmolLM2-135M, {len(prompts)} HumanEval prompts, {M} new tokens, greedy\n")
     for cost_model, a in agreement.items():
@@ -109,8 +128,8 @@ def main() -> None:
               f"{a['same_plan']:.1%} of {a['rounds']} rounds; mean |Δτ_E| = {a['mean_tau_gap']:.4f}")
     print()
     for name, t in timing.items():
-        print(f"{name:<28} {t['tokens_per_s']:7.2f} tok/s  {t['tokens_per_s'] / base:5.2f}x vanilla  "
-              f"controller {t['controller_share']:.1%} of decode time")
+        print(f"{name:<48} {t['tokens_per_s']:7.2f} tok/s  {t['tokens_per_s'] / base:5.2f}x vanilla  "
+              f"controller {t['controller_share']:.1%} of decode time  outputs = vanilla: {t['equal_vanilla']}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"settings": vars(args), "agreement": agreement, "timing": timing,
