@@ -102,7 +102,9 @@ def main() -> None:
 
     rows = {"vanilla": Vanilla, "del (paper: layer costs, exact shadow)": DEL,
             "del measured costs, exact shadow": measured,
-            f"del_cpu: measured costs, shadow_vocab={args.vocab}": lambda: measured(shadow_vocab=args.vocab)}
+            f"measured costs, shadow_vocab={args.vocab}": lambda: measured(shadow_vocab=args.vocab),
+            f"del_cpu: measured costs, shadow_vocab={args.vocab}, deferred": lambda: measured(
+                shadow_vocab=args.vocab, defer_shadow=True)}
     for make in rows.values():
         engine.generate(prompts[0], make(), 8, seed=0)  # warm-up
     # Interleaved: every prompt runs every row back to back, so drift of this shared machine over the

@@ -197,3 +197,40 @@ def test_restricted_shadow_vocabulary_is_exact_where_it_can_be(stack_and_ref):
     assert (tokens[full_tokens == targets] == targets[full_tokens == targets]).all()  # matches never missed
     # normalised over fewer tokens: never lower where the argmax was scored
     assert (conf[scored] >= full_conf[scored] - 1e-12).all()
+
+
+class CountingDEL(DEL):
+    """DEL that counts the rounds whose shadow scoring it let the engine defer."""
+
+    deferred = 0
+
+    def can_defer(self, windows):
+        ok = super().can_defer(windows)
+        CountingDEL.deferred += ok
+        return ok
+
+
+@pytest.mark.parametrize("head_cost", [0.0, 2.0, 6.0])
+def test_deferred_shadow_scoring_changes_nothing(stack_and_ref, head_cost):
+    """defer_shadow batches the shadow scoring of rounds while TPL provably keeps d = 0: the rounds, the
+    tokens and DEL's final statistics must be exactly those of scoring every round at once."""
+    stack, _, prompts, _ = stack_and_ref
+    engine = Engine(stack, Sampling(), set())
+    CountingDEL.deferred = 0
+    for p in prompts:
+        runs = []
+        for defer in (False, True):
+            method = CountingDEL(defer_shadow=defer, cost_model="measured")
+            method.head_cost = head_cost  # what set_costs would give: h layers per head row
+            gen = engine.generate(p, method, 40, seed=0)
+            runs.append((gen, method))
+        (exact, m_exact), (lazy, m_lazy) = runs
+        assert lazy.output_ids == exact.output_ids
+        assert [(r.exit_layer, r.budget, r.drafted, r.accepted) for r in lazy.rounds] == \
+               [(r.exit_layer, r.budget, r.drafted, r.accepted) for r in exact.rounds]
+        if engine._deferred:  # the pending tail, as the next plan's check would
+            engine._observe_deferred(m_lazy)
+        assert torch.allclose(m_lazy.s_match, m_exact.s_match)
+        assert m_lazy.s_positions == pytest.approx(m_exact.s_positions)
+    if head_cost == 6.0:
+        assert CountingDEL.deferred > 0  # the case where drafting does not pay: deferral really happened

@@ -11,7 +11,7 @@ stop drafting.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
@@ -67,6 +67,10 @@ class Generation:
         return sum(r.accepted for r in self.rounds)
 
 
+# rounds whose shadow scoring a method may defer (see Method.can_defer) before the engine scores them anyway
+MAX_DEFERRED = 16
+
+
 class Engine:
     def __init__(self, stack: LayerStack, sampling: Sampling, eos_ids: set[int], stop=None):
         """stop: optional callable(output_ids) → True to end generation after the latest token
@@ -95,6 +99,7 @@ class Engine:
         rng = torch.Generator(device=self.device).manual_seed(seed)
         cache = self._fresh_cache(len(prompt_ids) + max_new_tokens + 1)
         method.start(L)
+        self._deferred: list[tuple[RoundEvidence, torch.Tensor, torch.Tensor]] = []  # unscored shadow windows
         gen = Generation(output_ids=[])
         synchronize(self.device)
         t0 = time.perf_counter()
@@ -197,10 +202,15 @@ class Engine:
         cache.crop(n + k)  # keep the pending token and the accepted drafts; the new pending is next_token
         t_observe = time.perf_counter()
         verify_s = t_observe - t_verify
-        shadow = None if early is None else self._shadow(early, late, E, k, rows, target_row,
-                                                             method.shadow_vocab)
-        method.observe(RoundEvidence(exit_layer=plan.exit_layer if d else None, drafted=d, accepted=k,
-                                     budget_capped=budget < plan.max_draft, shadow=shadow))
+        evidence = RoundEvidence(exit_layer=plan.exit_layer if d else None, drafted=d, accepted=k,
+                                 budget_capped=budget < plan.max_draft)
+        if early is None:
+            method.observe(evidence)
+        else:
+            self._deferred.append((evidence, *self._window(early, late, E, k, rows, target_row)))
+            windows = [states.shape[1] for _, states, _ in self._deferred]
+            if len(windows) >= MAX_DEFERRED or not method.can_defer(windows):
+                self._observe_deferred(method)
         policy_s += keep_s + time.perf_counter() - t_observe
         gen.rounds.append(Round(
             round=len(gen.rounds), exit_layer=E if d else None, budget=budget, drafted=d, accepted=k,
@@ -209,10 +219,23 @@ class Engine:
             trace={**plan.trace, "draft_confidences": confidences} if confidences else plan.trace,
         ))
 
-    def _shadow(self, early, late, E: int, k: int, rows: dict, target_row, vocab: int | None) -> Shadow:
-        """Shadow tokens over the valid window, positions 0..k (k = accepted drafts: later positions
-        were computed on a context the model did not keep). Layers 1..E come from drafting, E+1..L−1
-        from the verification batch."""
+    def _observe_deferred(self, method: Method) -> None:
+        """Score the shadow tokens of every deferred round in one head pass ([L-1, ΣW, D] rows: the head's
+        weights are read once, not once per round) and hand the method its evidence round by round, in order."""
+        evidence, states, targets = zip(*self._deferred)
+        self._deferred.clear()
+        shadow = self._shadow_of(torch.cat(states, dim=1), torch.cat(targets), method.shadow_vocab)
+        start = 0
+        for ev, window in zip(evidence, (t.shape[0] for t in targets)):
+            part = slice(start, start + window)
+            start += window
+            method.observe(replace(ev, shadow=Shadow(shadow.tokens[:, part], shadow.confidence[:, part],
+                                                     shadow.target[part], shadow.states[:, part])))
+
+    def _window(self, early, late, E: int, k: int, rows: dict, target_row) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hidden states [L-1, W, D] and the full model's tokens [W] of the valid window, positions 0..k
+        (k = accepted drafts: later positions were computed on a context the model did not keep). Layers
+        1..E come from drafting, E+1..L−1 from the verification batch."""
         L, W = self.stack.num_layers, k + 1
         per_layer = [torch.cat([early[i][j] for i in range(W)], dim=1)[0] for j in range(min(E, L - 1))]
         per_layer += [late[j][0, :W] for j in range(L - 1 - E)]
@@ -221,7 +244,7 @@ class Engine:
             if i not in rows:
                 target_row(i)
         target = torch.tensor([rows[i] for i in range(W)], device=states.device)
-        return self._shadow_of(states, target, vocab)
+        return states, target
 
     def _shadow_of(self, states: torch.Tensor, target: torch.Tensor, vocab: int | None) -> Shadow:
         """states: [L-1, W, D] (layers 1..L−1), target: [W] the full model's tokens → Shadow."""

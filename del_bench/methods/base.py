@@ -67,6 +67,12 @@ class Method:
     def observe(self, evidence: RoundEvidence) -> None:
         """After verification of a round."""
 
+    def can_defer(self, windows: list[int]) -> bool:
+        """wants_shadow only: may the engine hold back the shadow scoring of the rounds not yet observed
+        (their valid-window sizes), because no outcome of theirs could change the next plan? Deferred rounds
+        are observed later, in order, all scored in one batch — so the statistics end up exactly the same."""
+        return False
+
     def observe_prefill(self, shadow: Shadow) -> None:
         """After prefill (wants_shadow only): shadow tokens of the last prompt positions."""
 

@@ -22,6 +22,8 @@ Decisions where the paper, its Algorithm 1 and the authors' code differ (DESIGN.
 Beyond the paper (`cost_model: measured`): the TPL cost counts an LM-head row as h layers, h measured at
 start-up (SmolLM2 on CPU: h ≈ 5), including the row of the candidate that stops drafting (scored, then
 dropped); the default `layers` keeps the paper's d·ℓ + L so its numbers reproduce.
+Beyond the paper (`defer_shadow: true`): while TPL provably keeps d = 0 whatever the pending rounds'
+shadow tokens are (`can_defer`), their scoring is batched — same statistics and decisions, fewer head passes.
 Ablations: DEL-E = no dynamic draft-exiting, γ from TPL; DEL-γ = fixed E (`exit_layer`), τ on;
 DEL-E-lim = E restricted to 3 < ℓ < L (`min_exit_layer: 4`).
 """
@@ -70,13 +72,15 @@ class DEL(Method):
 
     def __init__(self, omega: float = 0.95, d_max: int = 18, dynamic_draft_exit: bool = True,
                  draft_budget: str = "d_max", exit_layer: int | None = None, min_exit_layer: int = 1,
-                 prefill_window: int = 32, cost_model: str = "layers", shadow_vocab: int | None = None, **_):
+                 prefill_window: int = 32, cost_model: str = "layers", shadow_vocab: int | None = None,
+                 defer_shadow: bool = False, **_):
         self.omega, self.d_max = omega, d_max
         self.dynamic_draft_exit, self.draft_budget = dynamic_draft_exit, draft_budget
         self.fixed_exit_layer, self.min_exit_layer = exit_layer, min_exit_layer
         self.prefill_window = prefill_window
         self.cost_model = cost_model
         self.shadow_vocab = shadow_vocab
+        self.defer_shadow = defer_shadow
         self.wants_costs = cost_model == "measured"
         self.head_cost = 0.0  # LM-head row in layer units; set by set_costs under cost_model=measured
         self.wants_confidence = dynamic_draft_exit
@@ -159,6 +163,23 @@ class DEL(Method):
         if evidence.shadow is not None:
             self.update(evidence.shadow)
 
+    def can_defer(self, windows: list[int]) -> bool:
+        """True when even if every layer matched at every pending position, TPL would still choose d = 0.
+        TPL(ℓ, d > 0) rises with α and TPL(·, 0) does not depend on it, and the all-match α bounds the true
+        one from above (also the α without the pending rounds, which the next plan reads), so the next
+        plan is "no draft" whatever the pending shadow tokens are. Their statistics are folded in later,
+        in order, as if scored now (a batched matmul may round differently in the last bit); only the τ/α
+        fields of these rounds' traces lag behind."""
+        if not self.defer_shadow:
+            return False
+        s_match, s_positions = self.s_match, self.s_positions
+        for w in windows:
+            s_match, s_positions = self.omega * s_match + w, self.omega * s_positions + w
+        alpha_bound = s_match / s_positions
+        _, gamma = best_exit(alpha_bound, self.num_layers, self.d_max, self.allowed, self.head_cost,
+                             stop_head=self.dynamic_draft_exit)
+        return gamma == 0
+
     def plan(self) -> Plan:
         true_mean, false_mean = self.confidence_means
         e = self.exit_layer - 1
@@ -176,4 +197,5 @@ class DEL(Method):
         return {"omega": self.omega, "d_max": self.d_max, "dynamic_draft_exit": self.dynamic_draft_exit,
                 "draft_budget": self.draft_budget, "exit_layer": self.fixed_exit_layer,
                 "min_exit_layer": self.min_exit_layer, "cost_model": self.cost_model,
-                "head_cost_layers": self.head_cost, "shadow_vocab": self.shadow_vocab}
+                "head_cost_layers": self.head_cost, "shadow_vocab": self.shadow_vocab,
+                "defer_shadow": self.defer_shadow}
