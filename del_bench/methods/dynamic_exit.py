@@ -172,10 +172,11 @@ class DEL(Method):
         fields of these rounds' traces lag behind."""
         if not self.defer_shadow:
             return False
-        s_match, s_positions = self.s_match, self.s_positions
+        added = 0.0  # what the pending windows add to S(c^ℓ) (all matched) and to S(n): the same decayed sum
         for w in windows:
-            s_match, s_positions = self.omega * s_match + w, self.omega * s_positions + w
-        alpha_bound = s_match / s_positions
+            added = self.omega * added + w
+        decay = self.omega ** len(windows)
+        alpha_bound = (decay * self.s_match + added) / (decay * self.s_positions + added)
         _, gamma = best_exit(alpha_bound, self.num_layers, self.d_max, self.allowed, self.head_cost,
                              stop_head=self.dynamic_draft_exit)
         return gamma == 0
