@@ -41,3 +41,18 @@ def run_cfg(tmp_path):
                            "warmup_tokens=0", "threads=1", f"out_dir={tmp_path / 'run'}", *overrides)
 
     return make
+
+
+# ---- the report's golden mini-records (tests/data/report_golden), shared by the table and figure tests ----
+@pytest.fixture(scope="module")
+def runs_dir(tmp_path_factory):
+    from tests.data.report_golden.records import write_records
+
+    return write_records(tmp_path_factory.mktemp("golden"))
+
+
+@pytest.fixture(scope="module")
+def df(runs_dir):
+    from del_bench.report.collect import load_runs
+
+    return load_runs([runs_dir])

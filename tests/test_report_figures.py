@@ -8,23 +8,10 @@ import shutil
 from pathlib import Path
 
 import matplotlib.pyplot as plt
-import pandas as pd
-import pytest
 
 from del_bench.report import figures
 from del_bench.report.build import write_report
 from del_bench.report.collect import load_rounds, load_runs
-from tests.data.report_golden.records import write_records
-
-
-@pytest.fixture(scope="module")
-def runs_dir(tmp_path_factory) -> Path:
-    return write_records(tmp_path_factory.mktemp("golden"))
-
-
-@pytest.fixture(scope="module")
-def df(runs_dir) -> pd.DataFrame:
-    return load_runs([runs_dir])
 
 
 def _labels(fig: plt.Figure) -> list[tuple[str, str]]:

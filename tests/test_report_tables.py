@@ -18,21 +18,10 @@ import pandas as pd
 import pytest
 
 from del_bench.report import tables
-from del_bench.report.collect import aggregate, load_runs, segment_speeds
-from tests.data.report_golden.records import write_records
+from del_bench.report.collect import aggregate, segment_speeds
 
 GOLDEN = Path(__file__).parent / "data" / "report_golden"
 UPDATE = os.environ.get("DEL_BENCH_UPDATE_GOLDEN") == "1"
-
-
-@pytest.fixture(scope="module")
-def runs_dir(tmp_path_factory) -> Path:
-    return write_records(tmp_path_factory.mktemp("golden"))
-
-
-@pytest.fixture(scope="module")
-def df(runs_dir) -> pd.DataFrame:
-    return load_runs([runs_dir])
 
 
 @pytest.fixture(scope="module")
