@@ -1,10 +1,11 @@
 """DEL's statistics and choices on hand-computed values."""
 
+import numpy as np
 import pytest
 import torch
 
 from del_bench.methods.base import RoundEvidence, Shadow
-from del_bench.methods.dynamic_exit import DEL, best_exit, tpl_table
+from del_bench.methods.dynamic_exit import DEL, best_exit, drafting_alpha, tpl_table
 
 
 def shadow(tokens, confidence, target):
@@ -106,3 +107,35 @@ def test_calibrated_cost_model_counts_the_head():
     assert m.wants_costs
     m.set_costs(layer_s=0.001, head_s=0.005)
     assert m.head_cost == pytest.approx(5.0)
+
+
+def test_drafting_alpha_is_the_closed_form_for_one_draft():
+    # d_max = 1, layer costs, no stop head: TPL(ℓ, 1) = (1 + α)/(ℓ + L) beats 1/L exactly when α > ℓ/L
+    assert drafting_alpha(8, d_max=1).tolist() == pytest.approx([ell / 8 for ell in range(1, 8)], abs=1e-8)
+
+
+@pytest.mark.parametrize("head_cost", [0.0, 5.0])
+def test_no_draft_bound_is_sound_and_tight(head_cost):
+    star = drafting_alpha(12, 18, head_cost, stop_head=True)
+    allowed = np.ones(11, dtype=bool)
+    rng = np.random.default_rng(0)
+    for _ in range(200):  # below every layer's bound TPL keeps d = 0
+        alpha = np.minimum(star, 1.0) * rng.random(11)
+        assert best_exit(alpha, 12, 18, allowed, head_cost, stop_head=True)[1] == 0
+    for ell in range(11):  # just above one layer's bound, drafting (at that layer) wins
+        if star[ell] <= 1:
+            alpha = np.zeros(11)
+            alpha[ell] = star[ell] + 1e-6
+            exit_layer, gamma = best_exit(alpha, 12, 18, allowed, head_cost, stop_head=True)
+            assert (exit_layer, gamma > 0) == (ell + 1, True)
+
+
+def test_the_plan_trace_reads_the_chosen_layers_statistics():
+    m = DEL(omega=0.5)
+    m.start(4)
+    m.observe_prefill(shadow([[5, 6], [5, 7], [5, 7]], [[0.9, 0.4], [0.8, 0.6], [0.7, 0.7]], [5, 7]))
+    trace, e = m.plan().trace, m.exit_layer - 1
+    assert trace["tau"] == m.threshold == float(m.tau[e])
+    assert trace["alpha_exit"] == float(m.alpha[e])
+    true_mean, false_mean = m.confidence_means
+    assert (trace["conf_matched"], trace["conf_mismatched"]) == (float(true_mean[e]), float(false_mean[e]))

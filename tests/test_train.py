@@ -181,6 +181,21 @@ def test_a_few_steps_reduce_the_early_exit_loss():
     assert after["agreement"][-1] == 1.0 and all(0 <= a <= 1 for a in after["agreement"])
 
 
+def test_distill_trains_an_exit_towards_the_last_layer():
+    model, _ = tiny_model()
+    ids, labels = torch.randint(3, 200, (2, 9)), torch.randint(3, 200, (2, 9))
+    scales = {1: 0.5, 3: 0.5}
+    plain, ce = layerskip_loss(model, ids, labels, scales, None, None)
+    assert layerskip_loss(model, ids, labels, scales, None, None, distill=0.0)[0] == plain
+    h = run_layers(model, ids, {1, 3})
+    z1, z3 = (exit_logits(model, h[i]).flatten(0, 1) for i in (1, 3))
+    to_last = torch.nn.functional.cross_entropy(z1, z3.softmax(-1))  # soft target: the last layer's distribution
+    mixed, ce_mixed = layerskip_loss(model, ids, labels, scales, None, None, distill=0.25)
+    expected = 0.5 * (0.75 * ce[1] + 0.25 * float(to_last)) + 0.5 * ce[3]
+    assert float(mixed) == pytest.approx(expected, rel=1e-6)  # the loss is in float32
+    assert ce_mixed == ce  # the logged CE stays the label CE of each exit
+
+
 # ---- data ---------------------------------------------------------------------------------------------------------
 def test_corpus_excludes_site_packages_tests_and_machine_files(tmp_path):
     for rel in (

@@ -237,9 +237,11 @@ class Engine:
         (k = accepted drafts: later positions were computed on a context the model did not keep). Layers
         1..E come from drafting, E+1..L−1 from the verification batch."""
         L, W = self.stack.num_layers, k + 1
-        per_layer = [torch.cat([early[i][j] for i in range(W)], dim=1)[0] for j in range(min(E, L - 1))]
-        per_layer += [late[j][0, :W] for j in range(L - 1 - E)]
-        states = torch.stack(per_layer)  # [L-1, W, D]
+        m = min(E, L - 1)  # layers 1..m come from drafting
+        # early[i][j]: position i after layer j + 1, [1, 1, D] → [m, W, D]
+        states = torch.cat([torch.cat(layers[:m]) for layers in early[:W]], dim=1)
+        if m < L - 1:  # late[j]: layers E+1.., each [1, d+1, D] → [L-1-E, W, D]
+            states = torch.cat([states, torch.cat(late[: L - 1 - m])[:, :W]])  # [L-1, W, D]
         for i in range(W):  # acceptance computed rows 0..k already; this only guards the invariant
             if i not in rows:
                 target_row(i)

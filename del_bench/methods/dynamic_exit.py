@@ -30,40 +30,70 @@ DEL-E-lim = E restricted to 3 < ℓ < L (`min_exit_layer: 4`).
 
 from __future__ import annotations
 
-import torch
+from functools import lru_cache
+
+import numpy as np
 
 from del_bench.methods.base import Method, Plan, RoundEvidence, Shadow, check_exit_layer, check_gamma
 
 
-def tpl_table(alpha: torch.Tensor, num_layers: int, d_max: int, head_cost: float = 0.0,
-              stop_head: bool = False) -> torch.Tensor:
+def tpl_table(alpha, num_layers: int, d_max: int, head_cost: float = 0.0, stop_head: bool = False) -> np.ndarray:
     """TPL(ℓ, d) for ℓ = 1..len(alpha), d = 0..d_max → [d_max+1, len(alpha)] (float64).
 
     Σ_{k=0..d} α^k instead of (1 − α^{d+1}) / (1 − α): exact at α = 1. Cost in layer units:
     d·ℓ + L (paper), or with head_cost h > 0 (the calibrated model: one LM-head row costs h layers)
     d·(ℓ + h) + L + h — a draft is ℓ layers plus a head row, verification L layers plus a head row —
     and with `stop_head` one more head row for any d > 0: the candidate whose confidence stops drafting
-    is scored and dropped (Algorithm 1), so a round that drafts pays d + 1 draft rows."""
-    alpha = alpha.to(torch.float64)
-    powers = alpha[None, :] ** torch.arange(d_max + 1, dtype=torch.float64)[:, None]  # [d_max+1, ℓ]
-    expected_tokens = powers.cumsum(0)
-    layers = torch.arange(1, len(alpha) + 1, dtype=torch.float64)
-    drafts = torch.arange(d_max + 1, dtype=torch.float64)[:, None]
-    cost = drafts * (layers[None, :] + head_cost) + num_layers + head_cost
-    if stop_head:
-        cost = cost + head_cost * (drafts > 0)
+    is scored and dropped (Algorithm 1), so a round that drafts pays d + 1 draft rows.
+    NumPy, not torch: on a [19, 30] table torch's per-op overhead is ~10× the arithmetic, every round."""
+    alpha = np.asarray(alpha, dtype=np.float64)
+    drafts, cost = _round_costs(num_layers, len(alpha), d_max, head_cost, stop_head)
+    expected_tokens = (alpha[None, :] ** drafts).cumsum(0)  # [d_max+1, ℓ]
     return expected_tokens / cost
 
 
-def best_exit(alpha: torch.Tensor, num_layers: int, d_max: int, allowed: torch.Tensor,
-              head_cost: float = 0.0, stop_head: bool = False) -> tuple[int, int]:
-    """(E, γ) maximising TPL over allowed layers. Ties go to the smaller d, then the smaller ℓ
-    (torch.argmax returns the first maximum of the d-major flattening)."""
+@lru_cache(maxsize=64)
+def _round_costs(num_layers: int, n: int, d_max: int, head_cost: float, stop_head: bool):
+    """→ (d [d_max+1, 1], cost of a round in layer units [d_max+1, n]) for tpl_table; read-only, cached."""
+    layers = np.arange(1, n + 1, dtype=np.float64)
+    drafts = np.arange(d_max + 1, dtype=np.float64)[:, None]
+    cost = drafts * (layers[None, :] + head_cost) + num_layers + head_cost
+    if stop_head:
+        cost = cost + head_cost * (drafts > 0)
+    drafts.flags.writeable = cost.flags.writeable = False
+    return drafts, cost
+
+
+def best_exit(alpha, num_layers: int, d_max: int, allowed, head_cost: float = 0.0,
+              stop_head: bool = False) -> tuple[int, int]:
+    """(E, γ) maximising TPL over allowed layers ([L-1] bool). Ties go to the smaller d, then the smaller ℓ
+    (argmax returns the first maximum of the d-major flattening)."""
     table = tpl_table(alpha, num_layers, d_max, head_cost, stop_head)
-    table[:, ~allowed] = -1.0
-    flat = int(table.flatten().argmax())
+    table[:, ~np.asarray(allowed, dtype=bool)] = -1.0
+    flat = int(table.argmax())
     d, layer = divmod(flat, len(alpha))
     return layer + 1, d
+
+
+@lru_cache(maxsize=64)
+def drafting_alpha(num_layers: int, d_max: int, head_cost: float = 0.0, stop_head: bool = False) -> np.ndarray:
+    """[L-1] per layer ℓ, an α below which no d ≥ 1 beats d = 0 at ℓ (TPL(ℓ, d) ≤ TPL(·, 0); ties go to d = 0),
+    found by bisection and lowered by 1e-9 so that float rounding cannot make it unsound; 2 where drafting at ℓ
+    never wins. TPL(·, 0) is the same for every ℓ, so "α_ℓ below it at every allowed ℓ" means TPL picks d = 0."""
+    def drafting_wins(alpha: np.ndarray) -> np.ndarray:  # [L-1] bool
+        table = tpl_table(alpha, num_layers, d_max, head_cost, stop_head)
+        return (table[1:] > table[:1]).any(0)
+
+    n = num_layers - 1
+    lo, hi = np.zeros(n), np.ones(n)
+    never = ~drafting_wins(hi)
+    for _ in range(60):  # invariant: drafting does not win at lo
+        mid = (lo + hi) / 2
+        wins = drafting_wins(mid)
+        lo, hi = np.where(wins, lo, mid), np.where(wins, mid, hi)
+    out = np.where(never, 2.0, lo - 1e-9)
+    out.flags.writeable = False
+    return out
 
 
 class DEL(Method):
@@ -111,49 +141,80 @@ class DEL(Method):
     def start(self, num_layers: int) -> None:
         super().start(num_layers)
         n = num_layers - 1
-        self.s_match = torch.zeros(n, dtype=torch.float64)  # S(c^ℓ)
-        self.s_true_conf = torch.zeros(n, dtype=torch.float64)  # S(tcs^ℓ)
-        self.s_false_conf = torch.zeros(n, dtype=torch.float64)  # S(fcs^ℓ)
+        self.s_match = np.zeros(n)  # S(c^ℓ), float64 [L-1]
+        self.s_true_conf = np.zeros(n)  # S(tcs^ℓ)
+        self.s_false_conf = np.zeros(n)  # S(fcs^ℓ)
         self.s_positions = 0.0  # S(n)
-        self.allowed = torch.arange(1, num_layers) >= self.min_exit_layer
+        self.allowed = np.arange(1, num_layers) >= self.min_exit_layer
         if self.fixed_exit_layer is not None:
-            self.allowed = torch.arange(1, num_layers) == self.fixed_exit_layer
-        self._choose()
+            self.allowed = np.arange(1, num_layers) == self.fixed_exit_layer
+        self._changed()
 
     def update(self, shadow: Shadow) -> None:
         """One round's evidence into the decayed sums (shadow covers exactly the valid window)."""
-        match = (shadow.tokens == shadow.target[None, :]).to(torch.float64)  # [L-1, W]
-        conf = shadow.confidence.to(torch.float64)
+        match = (shadow.tokens == shadow.target[None, :]).cpu().numpy().astype(np.float64)  # [L-1, W]
+        conf = shadow.confidence.cpu().numpy().astype(np.float64)
         w = self.omega
         self.s_match = w * self.s_match + match.sum(1)
         self.s_true_conf = w * self.s_true_conf + (conf * match).sum(1)
         self.s_false_conf = w * self.s_false_conf + (conf * (1 - match)).sum(1)
         self.s_positions = w * self.s_positions + match.shape[1]
-        self._choose()
+        self._changed()
 
     @property
-    def alpha(self) -> torch.Tensor:
+    def alpha(self) -> np.ndarray:
         if self.s_positions == 0:
-            return torch.zeros_like(self.s_match)
+            return np.zeros_like(self.s_match)
         return self.s_match / self.s_positions
 
     @property
-    def confidence_means(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def confidence_means(self) -> tuple[np.ndarray, np.ndarray]:
         """Decayed mean confidence over matched and over mismatched positions, per layer (0/0: 1 and 0)."""
         s_mismatch = self.s_positions - self.s_match
-        true_mean = torch.where(self.s_match > 0, self.s_true_conf / self.s_match.clamp_min(1e-300), 1.0)
-        false_mean = torch.where(s_mismatch > 0, self.s_false_conf / s_mismatch.clamp_min(1e-300), 0.0)
+        true_mean = np.where(self.s_match > 0, self.s_true_conf / np.maximum(self.s_match, 1e-300), 1.0)
+        false_mean = np.where(s_mismatch > 0, self.s_false_conf / np.maximum(s_mismatch, 1e-300), 0.0)
         return true_mean, false_mean
 
     @property
-    def tau(self) -> torch.Tensor:
+    def tau(self) -> np.ndarray:
         true_mean, false_mean = self.confidence_means
         return 0.5 * (true_mean + false_mean)
 
-    def _choose(self) -> None:
-        self.exit_layer, self.gamma = best_exit(self.alpha, self.num_layers, self.d_max, self.allowed,
-                                                self.head_cost, stop_head=self.dynamic_draft_exit)
-        self.threshold = float(self.tau[self.exit_layer - 1])
+    def _changed(self) -> None:
+        """The statistics moved: forget the cached choice and plan (recomputed when read, so folding in a
+        batch of deferred rounds chooses once, not once per round)."""
+        self._choice: dict | None = None
+        self._plan: Plan | None = None
+
+    def _chosen(self) -> dict:
+        """The TPL argmax (E, γ) and the chosen layer's statistics, computed once per change of the statistics
+        (plain floats for layer E alone: the per-round path stays off array ops, which cost µs each)."""
+        if self._choice is None:
+            exit_layer, gamma = best_exit(self.alpha, self.num_layers, self.d_max, self.allowed,
+                                          self.head_cost, stop_head=self.dynamic_draft_exit)
+            e = exit_layer - 1
+            match, positions = float(self.s_match[e]), self.s_positions
+            matched = self.s_true_conf[e] / match if match > 0 else 1.0  # 0/0 as in confidence_means
+            mismatched = self.s_false_conf[e] / (positions - match) if positions - match > 0 else 0.0
+            self._choice = {"exit_layer": exit_layer, "gamma": gamma, "tau": float(0.5 * (matched + mismatched)),
+                            "alpha_exit": match / positions if positions else 0.0,
+                            "conf_matched": float(matched), "conf_mismatched": float(mismatched)}
+        return self._choice
+
+    @property
+    def exit_layer(self) -> int:
+        """E of the TPL argmax under the current statistics."""
+        return self._chosen()["exit_layer"]
+
+    @property
+    def gamma(self) -> int:
+        """γ of the TPL argmax (0 = do not speculate)."""
+        return self._chosen()["gamma"]
+
+    @property
+    def threshold(self) -> float:
+        """τ of the chosen exit layer."""
+        return self._chosen()["tau"]
 
     # ---- policy -------------------------------------------------------------------------------
     def observe_prefill(self, shadow: Shadow) -> None:
@@ -169,27 +230,30 @@ class DEL(Method):
         one from above (also the α without the pending rounds, which the next plan reads), so the next
         plan is "no draft" whatever the pending shadow tokens are. Their statistics are folded in later,
         in order, as if scored now (a batched matmul may round differently in the last bit); only the τ/α
-        fields of these rounds' traces lag behind."""
+        fields of these rounds' traces lag behind. Answering False is always safe (the engine scores now)."""
         if not self.defer_shadow:
             return False
         added = 0.0  # what the pending windows add to S(c^ℓ) (all matched) and to S(n): the same decayed sum
         for w in windows:
             added = self.omega * added + w
         decay = self.omega ** len(windows)
-        alpha_bound = (decay * self.s_match + added) / (decay * self.s_positions + added)
-        _, gamma = best_exit(alpha_bound, self.num_layers, self.d_max, self.allowed, self.head_cost,
-                             stop_head=self.dynamic_draft_exit)
-        return gamma == 0
+        alpha_bound = (decay * self.s_match + added) / (decay * self.s_positions + added)  # [L-1]
+        below = alpha_bound < drafting_alpha(self.num_layers, self.d_max, self.head_cost, self.dynamic_draft_exit)
+        return bool(below[self.allowed].all())
 
     def plan(self) -> Plan:
-        true_mean, false_mean = self.confidence_means
-        e = self.exit_layer - 1
-        trace = {"gamma_tpl": self.gamma, "tau": self.threshold, "alpha_exit": float(self.alpha[e]),
-                 "conf_matched": float(true_mean[e]), "conf_mismatched": float(false_mean[e])}  # τ = their mean
-        if self.gamma == 0:  # TPL says drafting does not pay: plain decoding this round
+        if self._plan is None:  # the same statistics give the same plan (rounds while scoring is deferred)
+            self._plan = self._make_plan()
+        return self._plan
+
+    def _make_plan(self) -> Plan:
+        c = self._chosen()
+        trace = {"gamma_tpl": c["gamma"], "tau": c["tau"], "alpha_exit": c["alpha_exit"],
+                 "conf_matched": c["conf_matched"], "conf_mismatched": c["conf_mismatched"]}  # τ = their mean
+        if c["gamma"] == 0:  # TPL says drafting does not pay: plain decoding this round
             return Plan(exit_layer=None, max_draft=0, trace={**trace, "chosen_exit_layer": None})
-        budget = self.d_max if self.draft_budget == "d_max" else self.gamma
-        return Plan(exit_layer=self.exit_layer, max_draft=budget, trace={**trace, "chosen_exit_layer": self.exit_layer})
+        budget = self.d_max if self.draft_budget == "d_max" else c["gamma"]
+        return Plan(exit_layer=c["exit_layer"], max_draft=budget, trace={**trace, "chosen_exit_layer": c["exit_layer"]})
 
     def keep_drafting(self, drafted: int, confidence: float) -> bool:
         return confidence >= self.threshold

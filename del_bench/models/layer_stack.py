@@ -259,7 +259,10 @@ class LayerStack:
             self._head_top = self.head_t[:, :vocab].contiguous()  # [D, K]; BPE ids ≈ frequency order
         hn = self.norm(states[None])[0]  # [N, D]
         sub = hn @ self._head_top  # [N, K]
-        target_logit = (hn * self.head_t[:, targets].t()).sum(-1)  # [N]
+        # the targets' head rows: a row gather from the [V, D] copy where there is one (a column gather
+        # from [D, V] touches a cache line per element)
+        target_rows = self.head_rows[targets] if self.head_rows is not None else self.head_t[:, targets].t()
+        target_logit = (hn * target_rows).sum(-1)  # [N]
         if self.head_bias is not None:
             sub = sub + self.head_bias[:vocab]
             target_logit = target_logit + self.head_bias[targets]

@@ -160,14 +160,23 @@ def layerskip_loss(
     scales: dict[int, float],
     drop_rates: list[float] | None,
     generator: torch.Generator | None,
+    distill: float = 0.0,
 ):
-    """Σ_l ẽ(l)·CE_l over the enabled exits.  ids, labels: [B, T] → (loss [], {layer: CE_l as float})"""
+    """Σ_l ẽ(l)·CE_l over the enabled exits.  ids, labels: [B, T] → (loss [], {layer: CE_l as float})
+
+    distill = λ > 0 (beyond LayerSkip, which trains every exit on the labels only): an intermediate exit's term
+    becomes (1 − λ)·CE(labels) + λ·CE(the last layer's detached distribution) — self-distillation, which trains
+    the exits on what greedy self-speculation accepts (agreement with the last layer), not only on the data."""
     hiddens = run_layers(model, ids, set(scales), drop_rates, generator)
+    last = max(hiddens)
+    logits = {i: exit_logits(model, h).flatten(0, 1).float() for i, h in hiddens.items()}  # [B·T, V] each
+    teacher = logits[last].detach().softmax(-1) if distill > 0 else None
     loss = torch.zeros((), device=ids.device)
     ce = {}
-    for i, h in hiddens.items():
-        ce_i = F.cross_entropy(exit_logits(model, h).flatten(0, 1).float(), labels.flatten())
-        loss = loss + scales[i] * ce_i
+    for i, z in logits.items():
+        ce_i = F.cross_entropy(z, labels.flatten())
+        term = ce_i if teacher is None or i == last else (1 - distill) * ce_i + distill * F.cross_entropy(z, teacher)
+        loss = loss + scales[i] * term
         ce[i] = ce_i.item()
     return loss, ce
 

@@ -241,7 +241,8 @@ def train_step(cfg, model, opt, sched, train_tokens, n_seq, weights, gen, step: 
     d = cfg.layer_dropout
     rates = dropout_rates(num_layers, d.p_max, d.scale, d.first_layer_zero, step, cfg.max_steps, d.time_scale)
     model.train()
-    loss, ce = layerskip_loss(model, ids, labels, normalised_scales(exits, weights), rates, gen)
+    loss, ce = layerskip_loss(model, ids, labels, normalised_scales(exits, weights), rates, gen,
+                              cfg.early_exit.distill)
     opt.zero_grad(set_to_none=True)
     loss.backward()
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
@@ -284,6 +285,8 @@ def train(cfg: DictConfig) -> Path | None:
     """Train (or resume) to max_steps and export the model to out_dir → out_dir; None if stopped at stop_at."""
     from tqdm import tqdm
 
+    if not 0.0 <= cfg.early_exit.distill <= 1.0:
+        raise ConfigError(f"early_exit.distill={cfg.early_exit.distill} must be in [0, 1]")
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     out = Path(cfg.out_dir)
