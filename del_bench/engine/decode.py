@@ -108,6 +108,10 @@ class Engine:
             # seq length N = prompt + emitted; the last emitted token is not yet in any layer's cache
             while not self._done(gen, max_new_tokens):
                 self._round(len(prompt_ids) + len(gen.output_ids), cache, gen, method, max_new_tokens, rng)
+            if self._deferred:  # rounds still held back: scored inside the timed region, as without deferral
+                t = time.perf_counter()
+                self._observe_deferred(method)
+                gen.rounds[-1].policy_s += time.perf_counter() - t
         synchronize(self.device)
         gen.wall_s = time.perf_counter() - t0
         return gen
