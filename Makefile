@@ -65,8 +65,9 @@ bench-testbed: setup ## the paper's picture on the LayerSkip testbed: DEL vs gri
 smoke-tasks: setup ## every paper task offline on SmolLM2, limit=2 (data from ../shared/data)
 	scripts/smoke_tasks.sh smollm2-135m
 
-testbed: setup ## train the 16-layer LayerSkip testbed on the stdlib (~2-3 h on 2 cores; rerun resumes) → results/testbed
+testbed: setup ## train the 16-layer LayerSkip testbed on the stdlib, two stages (~1 h 10 min on 2 cores; rerun resumes) → results/testbed
 	$(PY) -m del_bench train-layerskip preset=testbed
+	$(PY) -m del_bench train-layerskip preset=testbed_stage2
 
 clean: ## remove the venv and run outputs (not the model cache in ~/.cache/del_bench)
 	rm -rf $(VENV) results/demo results/runs outputs multirun

@@ -10,13 +10,11 @@ from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 
 from del_bench.engine.sampling import Sampling
+from del_bench.models.loading import weights_digest
+from del_bench.records import decoding_tag
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 GROUPS = ("model", "task", "method", "logger", "experiment", "data", "row")
-
-
-def _decoding_tag(do_sample, temperature, top_p) -> str:
-    return f"sample-t{temperature}-p{top_p}" if str(do_sample).lower() == "true" else "greedy"
 
 
 def _calibrated(key: str, default, _root_):
@@ -31,9 +29,11 @@ def _calibrated(key: str, default, _root_):
 
 
 if not OmegaConf.has_resolver("decoding"):
-    OmegaConf.register_new_resolver("decoding", _decoding_tag)
+    OmegaConf.register_new_resolver("decoding", decoding_tag)
 if not OmegaConf.has_resolver("calibrated"):
     OmegaConf.register_new_resolver("calibrated", _calibrated)
+if not OmegaConf.has_resolver("weights_digest"):  # cached: a config resolved twice hashes the weights once
+    OmegaConf.register_new_resolver("weights_digest", weights_digest, use_cache=True)
 
 
 class ConfigError(ValueError):

@@ -24,6 +24,11 @@ Key = tuple[str, int]  # (sample_id, repeat)
 RESUMABLE_KEYS = ("limit", "out_dir", "logger", "threads", "warmup_tokens", "data_dir", "calibration", "rows")
 
 
+def decoding_tag(do_sample, temperature, top_p) -> str:
+    """`greedy` or `sample-t<T>-p<top_p>`: run directories, summaries and the report's decoding column."""
+    return f"sample-t{temperature}-p{top_p}" if str(do_sample).lower() == "true" else "greedy"
+
+
 class RunConflict(RuntimeError):
     pass
 

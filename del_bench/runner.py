@@ -177,7 +177,7 @@ def summarize(cfg: DictConfig, records: list[dict], rounds: list[dict], task) ->
         "model": cfg.model.name,
         "task": cfg.task.name,
         "task_version": task.version,
-        "decoding": cfg.decoding,  # greedy | sample-T…-p… (the task's own generation settings win)
+        "decoding": cfg.decoding,  # greedy | sample-t…-p… (the task's own generation settings win)
         "n_samples": len(records),
         "tokens_per_s": _mean(r["tokens_per_s"] for r in records),  # mean over samples (paper B.4)
         "etpl": _mean(r["etpl"] for r in records),  # mean over samples (paper B.4)

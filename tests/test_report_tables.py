@@ -91,7 +91,7 @@ def test_calibration_grid_points_stay_out_of_the_tables(df, built):
 def test_task_generation_settings_define_the_decoding(df):
     """humaneval_pass10 samples (its task config says so) although the runner's summary says greedy."""
     pass10 = df[df.task == "humaneval_pass10"]
-    assert set(pass10.decoding) == {"sample-T0.6-p0.95"}
+    assert set(pass10.decoding) == {"sample-t0.6-p0.95"}
     assert set(df[df.task == "humaneval"].decoding) == {"greedy"}
 
 

@@ -15,6 +15,7 @@ from omegaconf import OmegaConf
 
 from del_bench.config import CONFIG_DIR, ConfigError, validate
 from del_bench.models.loading import REPO_ROOT, load, local_dir
+from del_bench.records import RunConflict, RunDir
 from del_bench.train import data as corpus
 from del_bench.train.layerskip import (
     dropout_rates,
@@ -26,7 +27,7 @@ from del_bench.train.layerskip import (
     normalised_scales,
     run_layers,
 )
-from del_bench.train.trainer import train
+from del_bench.train.trainer import identity, train
 from tests.conftest import compose_run, tiny_model
 
 SNIPPET = '''def add(a, b):
@@ -271,6 +272,36 @@ def test_continue_training_from_a_saved_hf_llama(code_dir, trained, tmp_path):
     assert first["ce"]["3"] < scratch["ce"]["3"] - 0.3
     mine, base = (json.loads((d / "config.json").read_text()) for d in (tmp_path, trained))
     assert mine["num_hidden_layers"] == 3 and mine["vocab_size"] == base["vocab_size"]  # model.* ignored
+    for record in ("train_config.yaml", "train_log.jsonl"):  # the continued model keeps its history
+        assert (tmp_path / "init_from" / record).read_bytes() == (trained / record).read_bytes()
+
+
+def test_options_added_later_keep_older_checkpoints_resumable(code_dir, tmp_path):
+    cfg = train_cfg(code_dir, tmp_path)
+    older = OmegaConf.to_container(cfg)  # a config written before distill and val_seed existed
+    del older["early_exit"]["distill"], older["data"]["val_seed"]
+    assert identity(cfg) == identity(OmegaConf.create(older))
+    assert identity(train_cfg(code_dir, tmp_path, "early_exit.distill=0.5")) != identity(cfg)
+    assert identity(train_cfg(code_dir, tmp_path, "data.val_seed=0")) != identity(cfg)
+
+
+def test_a_continued_run_must_hold_out_its_parents_files(code_dir, trained, tmp_path):
+    with pytest.raises(ConfigError, match="data.val_seed=0"):  # seed 1 would draw other validation files
+        train(train_cfg(code_dir, tmp_path, f"init_from={trained}", "seed=1"))
+    assert not (tmp_path / "train_log.jsonl").exists()  # refused before any training
+    cfg = train_cfg(code_dir, tmp_path, f"init_from={trained}", "seed=1", "data.val_seed=0", "max_steps=1")
+    assert train(cfg) == tmp_path
+
+
+def test_heldout_prompts_come_from_the_held_out_files(code_dir):
+    files = corpus.corpus_files(code_dir, [], [])
+    held = {str(p.relative_to(code_dir)) for p in corpus.split_files(files, 2, 3)[1]}
+    train_config = {"seed": 0, "data": {"root": str(code_dir), "exclude_dirs": [], "exclude_files": [],
+                                        "val_files": 2, "val_seed": 3}}
+    prompts = corpus.heldout_prompts(train_config, n=5)
+    assert {p["id"] for p in prompts} == held
+    assert all(p["prompt"].rstrip().split("\n")[-1].lstrip().startswith("def ") for p in prompts)
+    assert held != {str(p.relative_to(code_dir)) for p in corpus.split_files(files, 2, 0)[1]}  # val_seed was read
 
 
 def test_cli_train_layerskip(code_dir, tmp_path):
@@ -298,6 +329,29 @@ def test_missing_local_model_says_how_to_build_it(tmp_path):
         load(cfg)
 
 
+def test_a_retrained_local_model_is_a_different_run(tmp_path):
+    """model.weights, the digest of the weight files, is part of a run's settings: a checkpoint retrained at the
+    same path can neither resume into nor be skipped as a run of the old one."""
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+
+    def settings() -> dict:
+        cfg = compose_run("model=testbed", f"model.path={model_dir}", f"out_dir={tmp_path / 'run'}")
+        return OmegaConf.to_container(cfg, resolve=True)
+
+    assert settings()["model"]["weights"] == "missing"
+    (model_dir / "model.safetensors").write_bytes(b"stage 1")
+    old = settings()
+    RunDir(old["out_dir"]).claim(old)
+    assert RunDir(old["out_dir"]).matches(settings())
+    (model_dir / "model.safetensors").write_bytes(b"stage 2")
+    new = settings()
+    assert new["model"]["weights"] not in (old["model"]["weights"], "missing")
+    assert not RunDir(old["out_dir"]).matches(new)  # a finished old run is not taken for this one
+    with pytest.raises(RunConflict, match="model"):
+        RunDir(old["out_dir"]).claim(new)
+
+
 def test_testbed_preset_fits_the_commit_budget():
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -306,7 +360,7 @@ def test_testbed_preset_fits_the_commit_budget():
     m = cfg.model
     expected = dict(num_layers=16, hidden_size=256, num_heads=8, num_kv_heads=4, intermediate_size=640)
     assert {k: m[k] for k in expected} == expected
-    run = dict(seq_len=512, batch_size=8, max_steps=600, out_dir="results/testbed", save_dtype="float16")
+    run = dict(seq_len=512, batch_size=8, max_steps=600, out_dir="results/train/testbed_stage1", save_dtype="float16")
     assert {k: cfg[k] for k in run} == run
     assert (cfg.early_exit.curriculum, cfg.early_exit.k, cfg.layer_dropout.scale) == ("random_k", 2, "linear")
     config = LlamaConfig(
@@ -321,3 +375,13 @@ def test_testbed_preset_fits_the_commit_budget():
     with torch.device("meta"):
         n = sum(p.numel() for p in LlamaForCausalLM(config).parameters())
     assert n * 2 / 1e6 < 25 and math.isclose(n, 11_542_784, rel_tol=0.01)
+
+
+def test_testbed_stage2_continues_stage1_into_the_model_path():
+    with initialize_config_dir(config_dir=str(CONFIG_DIR / "train"), version_base="1.3"):
+        stage1 = compose("layerskip", overrides=["preset=testbed"])
+        stage2 = compose("layerskip", overrides=["preset=testbed_stage2"])
+    assert stage2.init_from == stage1.out_dir
+    assert REPO_ROOT / stage2.out_dir == local_dir(compose_run("model=testbed").model)
+    assert (stage2.seq_len, stage2.save_dtype) == (stage1.seq_len, stage1.save_dtype)
+    assert (stage2.early_exit.loss_scale, stage2.early_exit.k) == ("uniform", 3)

@@ -19,6 +19,8 @@ from typing import Iterable
 
 import pandas as pd
 
+from del_bench.records import decoding_tag
+
 # where `run`, the `*_local` experiments, `calibrate`, Table 5's memory runs and the benchmarks write records
 DEFAULT_ROOTS = ("results/runs", "results/local", "results/calibration", "results/fig1b", "results/memory",
                  "results/bench")
@@ -81,15 +83,14 @@ def _machine(summary: dict) -> str:
 
 def _decoding(summary: dict) -> str:
     """The decoding the run really used: the task's own generation settings (HumanEval pass@10 samples at
-    T = 0.6) override the run's, as in the runner; `greedy` or `sample-T<t>-p<top_p>`."""
+    T = 0.6) override the run's, as in the runner; `greedy` or `sample-t<T>-p<top_p>`,
+    spelled as in the run's directory and summary (records.decoding_tag)."""
     cfg = summary.get("config") or {}
     gen = dict(cfg.get("generation") or {})
     gen.update((cfg.get("task") or {}).get("generation") or {})
     if not gen:
         return summary.get("decoding", "greedy")
-    if not gen.get("do_sample"):
-        return "greedy"
-    return f"sample-T{float(gen.get('temperature', 1.0)):g}-p{float(gen.get('top_p', 1.0)):g}"
+    return decoding_tag(gen.get("do_sample"), gen.get("temperature", 1.0), gen.get("top_p", 1.0))
 
 
 def _float(value) -> float:

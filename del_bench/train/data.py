@@ -122,14 +122,22 @@ def _epoch_order(n_seq: int, seed: int, epoch: int) -> list[int]:
     return torch.randperm(n_seq, generator=torch.Generator().manual_seed(seed * 7919 + epoch)).tolist()
 
 
-def heldout_prompts(data_cfg, seed: int, n: int, context_chars: int = 1000) -> list[dict]:
+def val_seed(train_cfg) -> int:
+    """The seed of the held-out file draw: data.val_seed, or the run's seed where that is null (or absent, in
+    configs written before it existed). train_cfg: a training config (DictConfig or dict)."""
+    seed = train_cfg["data"].get("val_seed")
+    return train_cfg["seed"] if seed is None else seed
+
+
+def heldout_prompts(train_cfg, n: int, context_chars: int = 1000) -> list[dict]:
     """Code-completion prompts from the validation files a training run held out (never trained on): in each
     file the middle `def` line, preceded by up to `context_chars` characters of the file cut at a line start.
-    data_cfg: the `data` section of the run's train_config.yaml; seed: its `seed`. → [{"id", "prompt"}]"""
+    train_cfg: the run's train_config.yaml (as a dict). → [{"id", "prompt"}]"""
+    data_cfg = train_cfg["data"]
     root = corpus_root(data_cfg.get("root"))
     files = corpus_files(root, list(data_cfg["exclude_dirs"]), list(data_cfg["exclude_files"]))
     prompts = []
-    for path in split_files(files, data_cfg["val_files"], seed)[1]:
+    for path in split_files(files, data_cfg["val_files"], val_seed(train_cfg))[1]:
         text = read_text(path)
         defs = [i for i, line in enumerate(text.splitlines(keepends=True)) if line.lstrip().startswith("def ")]
         if not defs:

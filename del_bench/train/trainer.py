@@ -5,6 +5,8 @@ out_dir layout:
   config.json, model.safetensors (save_dtype), tokenizer files, generation_config.json   the trained model
   train_config.yaml    the resolved config plus corpus / environment facts
   train_log.jsonl      one line per logged train step and per validation ({"split": "train" | "val", ...})
+  init_from/           with init_from= a checkpoint trained here: its train_config.yaml and train_log.jsonl
+                       (and its own init_from/), so a continued model carries its whole training history
   work/                checkpoint.pt (+ the tokenised corpus): resumable state, not part of the model (.gitignore)
 
 Re-running the same command resumes from work/checkpoint.pt; the batch and the exits of step s are functions of
@@ -19,6 +21,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -44,6 +47,9 @@ SAVE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": t
 # A checkpoint may only be resumed by a run that trains the same thing; other keys (max_steps, stop_at, logging,
 # threads) may change between invocations.
 IDENTITY_KEYS = ("seed", "init_from", "model", "data", "batch_size", "seq_len", "layer_dropout", "early_exit", "optim")
+# options added after checkpoints were written: left out of the identity at the value that means "as before", so
+# those checkpoints still resume (and setting one to anything else is a different training)
+ADDED_OPTIONS = {("early_exit", "distill"): 0.0, ("data", "val_seed"): None}
 
 
 class TrainLog:
@@ -79,10 +85,10 @@ def prepare_data(cfg: DictConfig, work: Path):
 
     root = corpus.corpus_root(cfg.data.root)
     files = corpus.corpus_files(root, list(cfg.data.exclude_dirs), list(cfg.data.exclude_files))
-    train_files, val_files = corpus.split_files(files, cfg.data.val_files, cfg.seed)
+    train_files, val_files = corpus.split_files(files, cfg.data.val_files, corpus.val_seed(cfg))
     fp = corpus.fingerprint(root, files)
     tok_source = resolve_source(cfg.init_from) if cfg.init_from else f"bpe-{cfg.data.vocab_size}"
-    key = hashlib.sha1(f"{fp}:{cfg.data.val_files}:{cfg.seed}:{tok_source}".encode()).hexdigest()[:12]
+    key = hashlib.sha1(f"{fp}:{cfg.data.val_files}:{corpus.val_seed(cfg)}:{tok_source}".encode()).hexdigest()[:12]
     cache = work / f"data-{key}"
     if not (cache / "tokens.pt").is_file():
         log.info("tokenising %d train + %d val files from %s", len(train_files), len(val_files), root)
@@ -171,10 +177,14 @@ def build_optimizer(cfg: DictConfig, model):
 
 
 def identity(cfg: DictConfig) -> dict:
-    return {
+    out = {
         k: OmegaConf.to_container(cfg[k], resolve=True) if isinstance(cfg[k], DictConfig) else cfg[k]
         for k in IDENTITY_KEYS
     }
+    for (section, key), as_before in ADDED_OPTIONS.items():
+        if key in out[section] and out[section][key] == as_before:
+            del out[section][key]
+    return out
 
 
 def save_checkpoint(path: Path, cfg, model, opt, sched, gen: torch.Generator, step: int) -> None:
@@ -281,12 +291,52 @@ def write_config(cfg: DictConfig, out: Path, facts: dict) -> None:
     OmegaConf.save(OmegaConf.create(flat), out / "train_config.yaml")
 
 
+def parent_config(cfg: DictConfig) -> DictConfig | None:
+    """The train_config.yaml of the checkpoint init_from names, when it was trained here (None otherwise)."""
+    if not cfg.init_from:
+        return None
+    path = Path(resolve_source(cfg.init_from)) / "train_config.yaml"
+    return OmegaConf.load(path) if path.is_file() else None
+
+
+def check_same_heldout_files(cfg: DictConfig) -> None:
+    """Continuing a checkpoint trained here on the same corpus: hold out exactly its validation files. Another
+    draw would train on the parent's held-out files and hold out files the parent trained on (its validation
+    and the benches' held-out code prompts would leak)."""
+    parent = parent_config(cfg)
+    if parent is None or any(parent.data.get(k) != cfg.data.get(k) for k in ("root", "exclude_dirs", "exclude_files")):
+        return
+    theirs, ours = (corpus.val_seed(parent), parent.data.val_files), (corpus.val_seed(cfg), cfg.data.val_files)
+    if theirs != ours:
+        raise ConfigError(
+            f"init_from={cfg.init_from} held out other files of this corpus (data.val_seed={theirs[0]}, "
+            f"data.val_files={theirs[1]}); a continued run must hold out the same ones: "
+            f"add data.val_seed={theirs[0]} data.val_files={theirs[1]}")
+
+
+def keep_parent_records(cfg: DictConfig, out: Path) -> None:
+    """out/init_from/ ← the training records of the checkpoint this run continues (nothing for hub models)."""
+    if not cfg.init_from:
+        return
+    parent = Path(resolve_source(cfg.init_from))
+    if not (parent / "train_config.yaml").is_file():
+        return
+    dest = out / "init_from"
+    shutil.rmtree(dest, ignore_errors=True)
+    dest.mkdir()
+    for name in ("train_config.yaml", "train_log.jsonl"):
+        shutil.copy2(parent / name, dest / name)
+    if (parent / "init_from").is_dir():
+        shutil.copytree(parent / "init_from", dest / "init_from")
+
+
 def train(cfg: DictConfig) -> Path | None:
     """Train (or resume) to max_steps and export the model to out_dir → out_dir; None if stopped at stop_at."""
     from tqdm import tqdm
 
     if not 0.0 <= cfg.early_exit.distill <= 1.0:
         raise ConfigError(f"early_exit.distill={cfg.early_exit.distill} must be in [0, 1]")
+    check_same_heldout_files(cfg)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     out = Path(cfg.out_dir)
@@ -303,6 +353,7 @@ def train(cfg: DictConfig) -> Path | None:
         "train_sequences": n_seq,
     }
     write_config(cfg, out, facts)
+    keep_parent_records(cfg, out)
     opt, sched = build_optimizer(cfg, model)
     gen = torch.Generator().manual_seed(cfg.seed + 1)  # layer dropout's own stream: checkpointed with the model
     ckpt, train_log = work / "checkpoint.pt", TrainLog(out / "train_log.jsonl")
