@@ -22,3 +22,18 @@ def test_report_without_a_vanilla_partner_says_so(run_cfg, tmp_path):
     runner.run(run_cfg("method=ls", "method.exit_layer=1", "method.gamma=2", "limit=1", f"out_dir={runs / 'ls'}"))
     write_report([runs], out_tables=tmp_path / "tables", out_figures=None)
     assert "no vanilla" in (tmp_path / "tables" / "table3.md").read_text()
+
+
+def test_runs_of_other_weights_are_another_model(run_cfg, tmp_path):
+    """A local model retrained at the same path: its runs record another model.weights and the report keeps them
+    apart (no speedup against the old weights' Vanilla, no mean over both)."""
+    from del_bench.report.collect import load_runs
+
+    runs = tmp_path / "runs"
+    runner.run(run_cfg("method=vanilla", "limit=1", "+model.weights=aaaa1111", f"out_dir={runs / 'old-vanilla'}"))
+    runner.run(run_cfg("method=ls", "method.exit_layer=1", "method.gamma=2", "limit=1", "+model.weights=bbbb2222",
+                       f"out_dir={runs / 'new-ls'}"))
+    df = load_runs([runs]).set_index("method")
+    assert (df.loc["vanilla", "model"], df.loc["ls", "model"]) == ("tiny-random@aaaa1111", "tiny-random@bbbb2222")
+    assert not df.loc["ls", "has_vanilla"]
+

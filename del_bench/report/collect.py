@@ -109,6 +109,7 @@ def load_run(run_dir: str | Path) -> dict:
     row = {
         "run_dir": str(run_dir),
         "model": summary["model"],
+        "weights": (summary.get("config", {}).get("model") or {}).get("weights") or "",  # local models' digest
         "task": summary["task"],
         "method": summary["method"],
         "method_tag": summary.get("method_tag", summary["method"]),
@@ -146,7 +147,17 @@ def load_runs(roots: Iterable[str | Path] = DEFAULT_ROOTS) -> pd.DataFrame:
     # None in the key columns (Vanilla has no E/γ/ω) would make groupby drop rows; use "" instead
     for col in ("exit_layer", "gamma", "omega"):
         df[col] = df[col].astype(object).where(df[col].notna(), "")
-    return add_speedup(df)
+    return add_speedup(tell_weights_apart(df))
+
+
+def tell_weights_apart(df: pd.DataFrame) -> pd.DataFrame:
+    """Runs of one model name made with different weights (a testbed retrained at the same path) are runs of
+    different models: such names become `name@<digest>`, so they are neither paired nor averaged together."""
+    if "weights" not in df or df.empty:
+        return df
+    clash = df.groupby("model")["weights"].transform("nunique") > 1
+    df.loc[clash, "model"] = df.loc[clash, "model"] + "@" + df.loc[clash, "weights"].str[:8]
+    return df
 
 
 def add_speedup(df: pd.DataFrame) -> pd.DataFrame:
