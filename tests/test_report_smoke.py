@@ -36,4 +36,3 @@ def test_runs_of_other_weights_are_another_model(run_cfg, tmp_path):
     df = load_runs([runs]).set_index("method")
     assert (df.loc["vanilla", "model"], df.loc["ls", "model"]) == ("tiny-random@aaaa1111", "tiny-random@bbbb2222")
     assert not df.loc["ls", "has_vanilla"]
-

@@ -382,6 +382,7 @@ def test_testbed_stage2_continues_stage1_into_the_model_path():
         stage1 = compose("layerskip", overrides=["preset=testbed"])
         stage2 = compose("layerskip", overrides=["preset=testbed_stage2"])
     assert stage2.init_from == stage1.out_dir
+    assert corpus.val_seed(stage2) == corpus.val_seed(stage1)  # the same held-out files in both stages
     assert REPO_ROOT / stage2.out_dir == local_dir(compose_run("model=testbed").model)
     assert (stage2.seq_len, stage2.save_dtype) == (stage1.seq_len, stage1.save_dtype)
     assert (stage2.early_exit.loss_scale, stage2.early_exit.k) == ("uniform", 3)
