@@ -133,7 +133,7 @@ def decode_all(cfg, todo, task, method, sampling, run_dir: RunDir, load) -> None
         text = tokenizer.decode(gen.output_ids, skip_special_tokens=True)
         record = sample_record(sample, repeat, prompt_ids, gen, text, task, loaded.num_layers)
         record.update(peak_memory_bytes=peak.bytes, memory_measure=peak.measure, model_bytes=weights,
-                      kv_cache_bytes=memory.cache_bytes(engine._cache))  # the engine's preallocated cache
+                      kv_cache_bytes=memory.cache_bytes(engine.cache))
         run_dir.append(record, [{"sample_id": sample.id, "repeat": repeat, **r.as_dict()} for r in gen.rounds])
 
 

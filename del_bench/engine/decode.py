@@ -82,6 +82,11 @@ class Engine:
         self.device = stack.embed_weight.device
         self._cache: KVCache | None = None
 
+    @property
+    def cache(self) -> KVCache | None:
+        """The preallocated KV cache, reused across prompts (None before the first generate): what memory reports."""
+        return self._cache
+
     def _fresh_cache(self, max_len: int) -> KVCache:
         # One allocation reused across prompts; stale slots are overwritten before they are read.
         if self._cache is None or self._cache.max_len < max_len:
