@@ -69,10 +69,11 @@ def table_row(task: str, label: str, cfg, summary: dict) -> dict:
     """tokens/s and eTPL are means over prompts (paper B.4); the pooled ones (all tokens ÷ all seconds, all
     tokens ÷ all loaded layers) weigh every token alike, so a few easy prompts cannot carry the row."""
     L, tokens = cfg.model.num_layers, summary["generated_tokens"]
+    pooled_etpl = tokens / summary["loaded_layers"]
     return {"task": task, "row": label, "method_tag": summary["method_tag"], "tokens_per_s": summary["tokens_per_s"],
             "etpl": summary["etpl"], "predicted_speedup": summary["etpl"] * L,  # Vanilla loads L layers a token
-            "pooled_tokens_per_s": tokens / summary["wall_s"], "pooled_etpl": tokens / summary["loaded_layers"],
-            "pooled_predicted_speedup": tokens / summary["loaded_layers"] * L,
+            "pooled_tokens_per_s": tokens / summary["wall_s"], "pooled_etpl": pooled_etpl,
+            "pooled_predicted_speedup": pooled_etpl * L,
             "acceptance": summary["acceptance_rate"], "controller_share": summary["time_split"]["policy"],
             "out_dir": cfg.out_dir}
 

@@ -85,10 +85,11 @@ def prepare_data(cfg: DictConfig, work: Path):
 
     root = corpus.corpus_root(cfg.data.root)
     files = corpus.corpus_files(root, list(cfg.data.exclude_dirs), list(cfg.data.exclude_files))
-    train_files, val_files = corpus.split_files(files, cfg.data.val_files, corpus.val_seed(cfg))
+    val_seed = corpus.val_seed(cfg)
+    train_files, val_files = corpus.split_files(files, cfg.data.val_files, val_seed)
     fp = corpus.fingerprint(root, files)
     tok_source = resolve_source(cfg.init_from) if cfg.init_from else f"bpe-{cfg.data.vocab_size}"
-    key = hashlib.sha1(f"{fp}:{cfg.data.val_files}:{corpus.val_seed(cfg)}:{tok_source}".encode()).hexdigest()[:12]
+    key = hashlib.sha1(f"{fp}:{cfg.data.val_files}:{val_seed}:{tok_source}".encode()).hexdigest()[:12]
     cache = work / f"data-{key}"
     if not (cache / "tokens.pt").is_file():
         log.info("tokenising %d train + %d val files from %s", len(train_files), len(val_files), root)
@@ -291,12 +292,18 @@ def write_config(cfg: DictConfig, out: Path, facts: dict) -> None:
     OmegaConf.save(OmegaConf.create(flat), out / "train_config.yaml")
 
 
-def parent_config(cfg: DictConfig) -> DictConfig | None:
-    """The train_config.yaml of the checkpoint init_from names, when it was trained here (None otherwise)."""
+def trained_parent(cfg: DictConfig) -> Path | None:
+    """The directory init_from names when it holds a checkpoint trained here (its train_config.yaml); else None."""
     if not cfg.init_from:
         return None
-    path = Path(resolve_source(cfg.init_from)) / "train_config.yaml"
-    return OmegaConf.load(path) if path.is_file() else None
+    parent = Path(resolve_source(cfg.init_from))
+    return parent if (parent / "train_config.yaml").is_file() else None
+
+
+def parent_config(cfg: DictConfig) -> DictConfig | None:
+    """The train_config.yaml of the checkpoint init_from names, when it was trained here (None otherwise)."""
+    parent = trained_parent(cfg)
+    return OmegaConf.load(parent / "train_config.yaml") if parent else None
 
 
 def check_same_heldout_files(cfg: DictConfig) -> None:
@@ -316,10 +323,8 @@ def check_same_heldout_files(cfg: DictConfig) -> None:
 
 def keep_parent_records(cfg: DictConfig, out: Path) -> None:
     """out/init_from/ ← the training records of the checkpoint this run continues (nothing for hub models)."""
-    if not cfg.init_from:
-        return
-    parent = Path(resolve_source(cfg.init_from))
-    if not (parent / "train_config.yaml").is_file():
+    parent = trained_parent(cfg)
+    if parent is None:
         return
     dest = out / "init_from"
     shutil.rmtree(dest, ignore_errors=True)
