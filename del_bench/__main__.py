@@ -98,30 +98,42 @@ def cmd_ls(_: list[str]) -> int:
     return 0
 
 
-def format_table(summaries: list[dict]) -> str:
-    """Speed, speedup (vs the vanilla summary of the same model/task/decoding among them), eTPL, α."""
-    vanilla = {(s["model"], s["task"], s["decoding"]): s for s in summaries if s["method"] == "vanilla"}
+def format_table(summaries: list[dict], keys: list | None = None) -> str:
+    """Speed, speedup (vs the mean of the Vanilla summaries among them that pair with it: RunKey.pairs_with, the
+    report's rule), eTPL, α; then a line for each run that drafted nothing (why its α is '-')."""
+    from del_bench.records import run_key_of
+
+    keys = keys or [run_key_of(s) for s in summaries]
     header = (f"{'model':<14} {'task':<10} {'method':<16} {'n':>3} {'tok/s':>7} {'speedup':>8} {'eTPL':>6} {'α':>5}"
               "  quality")
-    lines = [header, "-" * len(header)]
-    for s in summaries:
-        base = vanilla.get((s["model"], s["task"], s["decoding"]))
-        speedup = f"{s['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base and s["tokens_per_s"] else "n/a"
+    lines, notes = [header, "-" * len(header)], []
+    for s, key in zip(summaries, keys):
+        partners = [v["tokens_per_s"] for v, k in zip(summaries, keys) if key.pairs_with(k) and v["tokens_per_s"]]
+        base = sum(partners) / len(partners) if partners else None
+        speedup = f"{s['tokens_per_s'] / base:.2f}x" if base and s["tokens_per_s"] else "n/a"
         alpha = f"{s['acceptance_rate']:.2f}" if s["acceptance_rate"] is not None else "-"
         quality = " ".join(f"{k}={v:.3g}" for k, v in s.get("quality", {}).items() if not k.startswith("bleu_"))
         lines.append(f"{s['model']:<14} {s['task']:<10} {s['method_tag']:<16} {s['n_samples']:>3} "
                      f"{s['tokens_per_s'] or 0:>7.2f} {speedup:>8} {s['etpl'] or 0:>6.3f} {alpha:>5}  {quality}")
-    return "\n".join(lines)
+        if s["method"] != "vanilla" and not s.get("drafted"):
+            notes.append(f"{s['method_tag']} drafted no token on {s['model']}: its policy never expected an early "
+                         "exit to pay on this model, so every round was a full pass (eTPL = 1/L, α '-'), as Vanilla's.")
+    return "\n".join(lines + notes)
 
 
 def cmd_show(argv: list[str]) -> int:
+    from del_bench.records import run_key_of
+    from del_bench.report.collect import read_jsonl
+
     paths = [Path(a) / "summary.json" if Path(a).is_dir() else Path(a) for a in argv]
     missing = [str(p) for p in paths if not p.is_file()]
     if not paths or missing:
         print(f"show: give run directories holding summary.json (missing: {', '.join(missing) or 'none given'})",
               file=sys.stderr)
         return 2
-    print(format_table([json.loads(p.read_text()) for p in paths]))
+    summaries = [json.loads(p.read_text()) for p in paths]
+    keys = [run_key_of(s, read_jsonl(p.parent / "samples.jsonl")) for s, p in zip(summaries, paths)]
+    print(format_table(summaries, keys))
     return 0
 
 

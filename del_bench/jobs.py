@@ -27,7 +27,7 @@ from typing import Any, Callable
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from del_bench.records import RunDir, write_json
+from del_bench.records import RunDir, add_experiment, write_json
 
 log = logging.getLogger(__name__)
 LOCK_NAME = ".lock"
@@ -80,11 +80,13 @@ def run_once(cfg: DictConfig, run: Callable | None = None, **kwargs) -> tuple[st
     done = completed_summary(cfg)
     if done:
         log.info("skipped (finished): %s", cfg.out_dir)
+        add_experiment(cfg.out_dir, cfg.get("experiment_name"))  # this sweep covers the run too
         return "skipped", done
     try:
         with exclusive(cfg.out_dir):
             done = completed_summary(cfg)  # finished by another job between the check and the lock
             if done:
+                add_experiment(cfg.out_dir, cfg.get("experiment_name"))
                 return "skipped", done
             summary = run(cfg, **kwargs)
     except Busy as busy:

@@ -4,7 +4,13 @@
     costs.json        measured layer/head costs of a calibrated run (reused on resume)
     samples.jsonl     one line per generated output (written after its rounds)
     rounds.jsonl      one line per round
-    summary.json      written atomically at the end, recomputed from samples.jsonl
+    summary.json      written atomically at the end, recomputed from samples.jsonl; its `run_key` says
+                      which run this is (RunKey) and so which Vanilla run it pairs with
+
+This module is the record contract every reader shares: the per-round line (`Round`, defined beside the engine
+that fills it: del_bench/engine/decode.py), the per-sample line (`SampleRecord`), the run's identity (`RunKey`)
+and the one pairing rule (`RunKey.pairs_with`). The runner writes them; `show`, `report`, `calibrate` and the
+bench scripts read them through `run_key_of`, which also adapts records written before run_key existed.
 
 A sample counts as finished once its samples.jsonl line is complete. On resume, a torn last line and
 the rounds of unfinished samples are dropped, so nothing is lost or duplicated.
@@ -12,8 +18,10 @@ the rounds of unfinished samples are dropped, so nothing is lost or duplicated.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -21,7 +29,9 @@ Key = tuple[str, int]  # (sample_id, repeat)
 
 # settings that may change between invocations of the same run without changing its results
 # (data_dir, calibration and rows only feed other keys — task paths, method E/γ — which are compared resolved)
-RESUMABLE_KEYS = ("limit", "out_dir", "logger", "threads", "warmup_tokens", "data_dir", "calibration", "rows")
+# (records_root only feeds out_dir; experiment_name says which sweep asked for the run: one run serves several)
+RESUMABLE_KEYS = ("limit", "out_dir", "logger", "threads", "warmup_tokens", "data_dir", "calibration", "rows",
+                  "records_root", "experiment_name")
 
 
 def decoding_tag(do_sample, temperature, top_p) -> str:
@@ -31,6 +41,151 @@ def decoding_tag(do_sample, temperature, top_p) -> str:
 
 class RunConflict(RuntimeError):
     pass
+
+
+# ---------------------------------------------------------------- the contract
+
+@dataclass
+class SampleRecord:
+    """One line of samples.jsonl: one generated output (a prompt's `repeat`-th sample)."""
+
+    sample_id: str
+    repeat: int
+    task_version: str
+    prompt: str
+    prompt_ids: list[int]  # what the model saw
+    output_ids: list[int]
+    output_text: str
+    generated_tokens: int
+    num_layers: int
+    loaded_layers: int  # Σ over rounds of drafted·E + L (prefill: L)
+    head_calls: int  # LM-head rows
+    rounds: int  # rounds.jsonl lines of this output, prefill included
+    wall_s: float  # prefill + rounds, tokenisation excluded
+    tokens_per_s: float | None
+    etpl: float | None  # generated_tokens ÷ loaded_layers
+    drafted: int
+    accepted: int
+    scores: dict  # the task's per-sample quality (pass, rouge2, …)
+    peak_memory_bytes: int | None = None
+    memory_measure: str | None = None
+    model_bytes: int | None = None
+    kv_cache_bytes: int | None = None
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def machine_of(provenance: dict) -> str:
+    """device/CPU (+ torch threads on CPU, which change speed as much as the hardware does): the runs a speedup
+    may pair must share it. The provenance holds no host name, so two hosts of one CPU kind look alike."""
+    machine = f"{provenance.get('device', '?')}/{provenance.get('cpu', '?')}"
+    threads = provenance.get("torch_threads")
+    return machine + (f" ({threads} threads)" if provenance.get("device") == "cpu" and threads else "")
+
+
+def prompts_fingerprint(task_version, sample_ids: Iterable) -> str:
+    """Short fingerprint of a prompt set (the task's version and its sample ids): runs compare only on one set."""
+    text = f"{task_version}|" + "\n".join(sorted({str(i) for i in sample_ids}))
+    return hashlib.sha1(text.encode()).hexdigest()[:10]
+
+
+@dataclass(frozen=True)
+class RunKey:
+    """Which run this is. Every reader pairs, groups and selects runs through it.
+
+    Two runs pair (a speedup is one's tokens/s ÷ the other's) when they share PAIR_FIELDS: the same model and
+    weights, task and task version, decoding, generation length, prompt set and machine. Runs that also share
+    the method and its hyperparameters are repeats of one configuration (other seeds, or repeated runs).
+    `experiments` lists the sweeps (configs/experiment) that asked for the run: one run can serve several
+    (Tables 1 and 3 share theirs); it is membership, not identity."""
+
+    model: str
+    weights: str  # digest of a local model's weight files ("" for hub checkpoints)
+    task: str
+    task_version: str
+    method: str
+    method_tag: str
+    hyperparameters: tuple[tuple[str, Any], ...]  # Method.describe(), sorted by name
+    decoding: str  # greedy | sample-t<T>-p<top_p>
+    max_new_tokens: int
+    prompts: str  # prompts_fingerprint of the selected samples
+    machine: str  # machine_of(provenance)
+    experiments: tuple[str, ...] = field(default=(), compare=False)
+
+    PAIR_FIELDS = ("model", "weights", "task", "task_version", "decoding", "max_new_tokens", "prompts", "machine")
+
+    def pair_id(self) -> tuple:
+        return tuple(getattr(self, f) for f in self.PAIR_FIELDS)
+
+    def pairs_with(self, vanilla: RunKey) -> bool:
+        """True when `vanilla` is a Vanilla run this run's speedup may be computed against."""
+        return vanilla.method == "vanilla" and self.pair_id() == vanilla.pair_id()
+
+    def hyperparameter(self, name: str, default=None):
+        return dict(self.hyperparameters).get(name, default)
+
+    def with_experiment(self, name: str | None) -> RunKey:
+        if not name or name in self.experiments:
+            return self
+        return replace(self, experiments=tuple(sorted({*self.experiments, name})))
+
+    def as_dict(self) -> dict:
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["hyperparameters"] = dict(self.hyperparameters)
+        out["experiments"] = list(self.experiments)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict) -> RunKey:
+        data = dict(data)
+        data["hyperparameters"] = tuple(sorted((data.get("hyperparameters") or {}).items()))
+        data["experiments"] = tuple(data.get("experiments") or ())
+        data["max_new_tokens"] = int(data["max_new_tokens"])
+        return cls(**data)
+
+
+def run_key_of(summary: dict, samples: list[dict] | None = None) -> RunKey:
+    """The RunKey a summary.json records; for records written before run_key existed, the same key rebuilt
+    from the summary (the one adapter for older records): its config, provenance and sample ids."""
+    if summary.get("run_key"):
+        return RunKey.from_dict(summary["run_key"])
+    cfg = summary.get("config") or {}
+    method_cfg = {k: v for k, v in (cfg.get("method") or {}).items()
+                  if k not in ("name", "tag") and not k.startswith("_")}
+    ids = [s["sample_id"] for s in samples or []]
+    if not ids:  # no samples file: what the summary says about the prompt set
+        ids = [f"limit={cfg.get('limit')}", f"n={summary.get('n_samples')}"]
+    return RunKey(
+        model=summary["model"], weights=(cfg.get("model") or {}).get("weights") or "", task=summary["task"],
+        task_version=str(summary.get("task_version")), method=summary["method"],
+        method_tag=summary.get("method_tag", summary["method"]),
+        hyperparameters=tuple(sorted(method_cfg.items())), decoding=_decoding_of(summary),
+        max_new_tokens=int(cfg.get("max_new_tokens", 0)), prompts=prompts_fingerprint(summary.get("task_version"), ids),
+        machine=machine_of(summary.get("provenance") or {}))
+
+
+def _decoding_of(summary: dict) -> str:
+    """The decoding the run really used: the task's own generation settings (HumanEval pass@10 samples at
+    T = 0.6) override the run's, as in the runner."""
+    cfg = summary.get("config") or {}
+    gen = dict(cfg.get("generation") or {})
+    gen.update((cfg.get("task") or {}).get("generation") or {})
+    if not gen:
+        return summary.get("decoding", "greedy")
+    return decoding_tag(gen.get("do_sample"), gen.get("temperature", 1.0), gen.get("top_p", 1.0))
+
+
+def add_experiment(run_dir: str | Path, name: str | None) -> None:
+    """Record that the sweep `name` covers this finished run (a job skipped because the run already exists)."""
+    path = Path(run_dir) / "summary.json"
+    if not name or not path.is_file():
+        return
+    summary = json.loads(path.read_text())
+    key = run_key_of(summary, _read_jsonl(Path(run_dir) / "samples.jsonl"))
+    if name not in key.experiments:
+        summary["run_key"] = key.with_experiment(name).as_dict()
+        write_json(path, summary)
 
 
 def _read_jsonl(path: Path) -> list[dict]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import logging
 import platform
 import statistics
@@ -22,7 +23,7 @@ from del_bench.engine.decode import Engine
 from del_bench.engine.sampling import Sampling
 from del_bench.models import loading
 from del_bench.models.layer_stack import LayerStack
-from del_bench.records import RunDir, write_json
+from del_bench.records import RunDir, RunKey, SampleRecord, machine_of, prompts_fingerprint, run_key_of, write_json
 
 log = logging.getLogger(__name__)
 PACKAGES = ("torch", "transformers", "tokenizers", "hydra-core", "datasets", "torchmetrics", "sacrebleu",
@@ -109,9 +110,24 @@ def run(cfg: DictConfig, load=None) -> dict:
     summary = summarize(cfg, records, rounds, task)
     summary["measured_costs"] = run_dir.costs()
     summary["selection"] = selection(cfg)
+    summary["run_key"] = run_key(cfg, method, task, samples, summary["provenance"], run_dir).as_dict()
     write_json(run_dir.summary_path, summary)
     tracking.mirror(cfg.get("logger"), summary, rounds, str(run_dir.path), samples=records)
     return summary
+
+
+def run_key(cfg: DictConfig, method, task, samples: list, provenance: dict, run_dir: RunDir) -> RunKey:
+    """The run's identity, computed once here and written into summary.json (see records.RunKey). A run that
+    other sweeps already claimed (an earlier summary's experiments) keeps them."""
+    previous = ()
+    if run_dir.summary_path.is_file():
+        previous = run_key_of(json.loads(run_dir.summary_path.read_text())).experiments
+    key = RunKey(model=cfg.model.name, weights=cfg.model.get("weights") or "", task=cfg.task.name,
+                 task_version=str(task.version), method=cfg.method.name, method_tag=cfg.method.tag,
+                 hyperparameters=tuple(sorted(method.describe().items())), decoding=cfg.decoding,
+                 max_new_tokens=int(cfg.max_new_tokens), machine=machine_of(provenance), experiments=tuple(previous),
+                 prompts=prompts_fingerprint(task.version, [s.id for s in samples]))
+    return key.with_experiment(cfg.get("experiment_name"))
 
 
 def decode_all(cfg, todo, task, method, sampling, run_dir: RunDir, load) -> None:
@@ -132,33 +148,21 @@ def decode_all(cfg, todo, task, method, sampling, run_dir: RunDir, load) -> None
             gen = engine.generate(prompt_ids, method, cfg.max_new_tokens, sample_seed(cfg.seed, sample.id, repeat))
         text = tokenizer.decode(gen.output_ids, skip_special_tokens=True)
         record = sample_record(sample, repeat, prompt_ids, gen, text, task, loaded.num_layers)
-        record.update(peak_memory_bytes=peak.bytes, memory_measure=peak.measure, model_bytes=weights,
-                      kv_cache_bytes=memory.cache_bytes(engine.cache))
-        run_dir.append(record, [{"sample_id": sample.id, "repeat": repeat, **r.as_dict()} for r in gen.rounds])
+        record.peak_memory_bytes, record.memory_measure = peak.bytes, peak.measure
+        record.model_bytes, record.kv_cache_bytes = weights, memory.cache_bytes(engine.cache)
+        rounds = [{"sample_id": sample.id, "repeat": repeat, **r.as_dict()} for r in gen.rounds]
+        run_dir.append(record.as_dict(), rounds)
 
 
-def sample_record(sample, repeat, prompt_ids, gen, text, task, num_layers) -> dict:
+def sample_record(sample, repeat, prompt_ids, gen, text, task, num_layers) -> SampleRecord:
     tokens = len(gen.output_ids)
-    return {
-        "sample_id": sample.id,
-        "repeat": repeat,
-        "task_version": task.version,
-        "prompt": sample.prompt,
-        "prompt_ids": prompt_ids,
-        "output_ids": gen.output_ids,
-        "output_text": text,
-        "generated_tokens": tokens,
-        "num_layers": num_layers,
-        "loaded_layers": gen.loaded_layers,
-        "head_calls": gen.head_calls,
-        "rounds": len(gen.rounds),
-        "wall_s": gen.wall_s,
-        "tokens_per_s": tokens / gen.wall_s if gen.wall_s > 0 else None,
-        "etpl": tokens / gen.loaded_layers if gen.loaded_layers else None,
-        "drafted": gen.drafted,
-        "accepted": gen.accepted,
-        "scores": task.score(sample, text),
-    }
+    return SampleRecord(
+        sample_id=sample.id, repeat=repeat, task_version=task.version, prompt=sample.prompt, prompt_ids=prompt_ids,
+        output_ids=gen.output_ids, output_text=text, generated_tokens=tokens, num_layers=num_layers,
+        loaded_layers=gen.loaded_layers, head_calls=gen.head_calls, rounds=len(gen.rounds), wall_s=gen.wall_s,
+        tokens_per_s=tokens / gen.wall_s if gen.wall_s > 0 else None,
+        etpl=tokens / gen.loaded_layers if gen.loaded_layers else None,
+        drafted=gen.drafted, accepted=gen.accepted, scores=task.score(sample, text))
 
 
 def _mean(values) -> float | None:

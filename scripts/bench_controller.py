@@ -7,7 +7,7 @@
    shadow_vocab=K), rows interleaved per prompt (controller share = policy time / wall).
 
     python scripts/bench_controller.py [--model smollm2-135m] [--prompts 3] [--max-new-tokens 96] [--vocab 1024]
-                                       [--repeats 1] [--out results/bench/controller.json]
+                                       [--repeats 1] [--out results/runs/bench/controller.json]
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=1024)
     ap.add_argument("--repeats", type=int, default=1, help="passes over the prompts (rows interleaved per prompt)")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", default="results/bench/controller.json")
+    ap.add_argument("--out", default="results/runs/bench/controller.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     loaded = loading.load(OmegaConf.load(CONFIG_DIR / "model" / f"{args.model}.yaml"))

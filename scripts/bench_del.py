@@ -10,8 +10,10 @@ method that is slower in total.
 
 Rows are interleaved prompt by prompt (each row decodes prompt i before any decodes prompt i + 1), so drift of
 a shared machine over the minutes of a bench hits every row alike. FS, DV and DEL need the best LS point, so a
-task runs in two phases — Vanilla + the LS grid, then Vanilla again + the rest — and each row's speedup is
-against the Vanilla of its own phase (both are printed; their gap shows the drift).
+task runs in two phases — Vanilla + the LS grid, then Vanilla again + the rest. Each row's speedup is against
+the mean of the Vanilla runs it pairs with (records.RunKey.pairs_with, the report's rule): both phases' Vanilla,
+which are repeats of one configuration (both are printed; their gap shows the drift). Every row records the
+bench as its experiment (--experiment), so its runs reach no paper table.
 
     python scripts/bench_del.py [--model smollm2-135m] [--limit 3] [--max-new-tokens 96]
                                 [--tasks humaneval,gsm8k,wmt14_de_en] [--grid 20:2,24:2,24:4,27:2,27:3]
@@ -29,6 +31,7 @@ import os
 from pathlib import Path
 
 from del_bench.config import CONFIG_DIR
+from del_bench.records import run_key_of
 from del_bench.runner import load_model, provenance, run
 
 DATA = Path(os.environ.get("DEL_BENCH_DATA", CONFIG_DIR.parent.parent / "shared" / "data"))
@@ -75,7 +78,18 @@ def table_row(task: str, label: str, cfg, summary: dict) -> dict:
             "pooled_tokens_per_s": tokens / summary["wall_s"], "pooled_etpl": pooled_etpl,
             "pooled_predicted_speedup": pooled_etpl * L,
             "acceptance": summary["acceptance_rate"], "controller_share": summary["time_split"]["policy"],
-            "out_dir": cfg.out_dir}
+            "out_dir": cfg.out_dir, "_key": run_key_of(summary)}
+
+
+def add_speedups(rows: list[dict]) -> None:
+    """Each row's speedup against the mean of the Vanilla rows it pairs with (RunKey.pairs_with)."""
+    for r in rows:
+        partners = [v for v in rows if r["_key"].pairs_with(v["_key"])]
+        for name, base in (("speedup", "tokens_per_s"), ("pooled_speedup", "pooled_tokens_per_s")):
+            r[name] = r[base] / (sum(v[base] for v in partners) / len(partners)) if partners else None
+        r["measured_over_predicted"] = r["speedup"] / r["predicted_speedup"] if partners else None
+        r["pooled_measured_over_predicted"] = (r["pooled_speedup"] / r["pooled_predicted_speedup"]
+                                               if partners else None)
 
 
 def run_interleaved(rows: list[tuple[str, object]], limit: int, load) -> list[tuple[str, object, dict]]:
@@ -97,8 +111,9 @@ def main() -> None:
     ap.add_argument("--grid", default="20:2,24:2,24:4,27:2,27:3", help="LS (E:γ) pairs")
     ap.add_argument("--del-methods", default="del,del_e,del_gamma,del_e_lim", help="DEL-family method configs")
     ap.add_argument("--del-overrides", nargs="*", default=[], help="extra overrides for the DEL rows but `del`")
-    ap.add_argument("--root", default="results/bench/del_runs")
-    ap.add_argument("--out", default="results/bench/del.json")
+    ap.add_argument("--root", default="results/runs/bench/del_runs")
+    ap.add_argument("--out", default="results/runs/bench/del.json")
+    ap.add_argument("--experiment", default="bench-del", help="recorded in every row's run_key.experiments")
     args = ap.parse_args()
     grid = [tuple(int(x) for x in pair.split(":")) for pair in args.grid.split(",")]
     loaded = []
@@ -116,16 +131,12 @@ def main() -> None:
         def spec(label, *overrides, suffix="", task=task, base=base):
             cfg = compose(*base, *overrides)
             cfg.out_dir = f"{args.root}/{task}/{cfg.method.tag}{suffix}"  # a re-run skips finished samples
+            cfg.experiment_name = args.experiment
             return label, cfg
 
         def phase(specs, task=task):
             done = [table_row(task, label, cfg, summary) for label, cfg, summary in
                     run_interleaved(specs, args.limit, load)]
-            for r in done:  # against this phase's Vanilla
-                r["speedup"] = r["tokens_per_s"] / done[0]["tokens_per_s"]
-                r["measured_over_predicted"] = r["speedup"] / r["predicted_speedup"]
-                r["pooled_speedup"] = r["pooled_tokens_per_s"] / done[0]["pooled_tokens_per_s"]
-                r["pooled_measured_over_predicted"] = r["pooled_speedup"] / r["pooled_predicted_speedup"]
             table.extend(done)
             return done
 
@@ -145,6 +156,7 @@ def main() -> None:
             else:
                 rest.append(spec(name.upper().replace("_", "-"), f"method={name}", *extra, *args.del_overrides))
         phase(rest)
+        add_speedups([r for r in table if r["task"] == task])
 
     print(f"\n{args.model}, {args.limit} prompts/task, {args.max_new_tokens} new tokens, greedy\n")
     print("means over prompts (paper B.4); pooled = all tokens ÷ all seconds (or loaded layers)\n")
@@ -159,7 +171,8 @@ def main() -> None:
               f"{r['pooled_measured_over_predicted']:>6.2f} {alpha:>5} {share:>10}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"settings": vars(args), "rows": table, "provenance": provenance()}, indent=2) + "\n")
+    rows = [{k: v for k, v in r.items() if k != "_key"} for r in table]
+    out.write_text(json.dumps({"settings": vars(args), "rows": rows, "provenance": provenance()}, indent=2) + "\n")
     print(f"written: {out}")
 
 

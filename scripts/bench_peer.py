@@ -4,7 +4,7 @@ Rows: our Vanilla; HF `model.generate`; a plain loop over HF's forward with its 
 per-call overhead costs); and for each (E, γ): our LS vs HF `generate(assistant_early_exit=E,
 num_assistant_tokens=γ)` (confidence threshold 0, so both draft exactly γ tokens). HF rows run on a
 separately loaded, untouched model; our rows on the LayerStack view. Every row gets one untimed
-warm-up generation. Prints a table and writes results/bench/peer.json.
+warm-up generation. Prints a table and writes results/runs/bench/peer.json (--out).
 
     python scripts/bench_peer.py [--prompts 4] [--max-new-tokens 96] [--configs 24:4,27:3]
 """
@@ -68,7 +68,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--configs", default="24:4,27:3", help="comma-separated E:γ pairs")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", default="results/bench/peer.json")
+    ap.add_argument("--out", default="results/runs/bench/peer.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     configs = [tuple(int(x) for x in c.split(":")) for c in args.configs.split(",")]

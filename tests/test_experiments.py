@@ -138,7 +138,7 @@ def test_local_experiments_read_data_through_data_dir(monkeypatch, tmp_path):
     assert cfg.model.name == "smollm2-135m" and cfg.limit <= 3 and cfg.max_new_tokens <= 64
     assert cfg.task.data_files == f"{tmp_path}/data/gsm8k/test.jsonl"
     assert cfg.task.shots_files == f"{tmp_path}/data/gsm8k/train.jsonl"
-    assert cfg.out_dir.startswith("results/local/smollm2-135m/gsm8k/")
+    assert cfg.out_dir.startswith("results/runs/local/smollm2-135m/gsm8k/")
     monkeypatch.delenv("DEL_BENCH_DATA")
     assert compose_cfg("run", "data=local", "task=xsum").task.data_files == "../shared/data/xsum/test.jsonl"
     assert compose_cfg("run", "task=xsum").task.data_files is None  # the hub by default

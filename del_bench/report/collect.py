@@ -4,6 +4,8 @@ The report only reads records: it never decodes, never writes into a run directo
 records.RunDir, whose reader trims torn lines in place), and never guesses a missing Vanilla partner.
 
     load_runs(roots)      one row per run (speed, eTPL, quality, memory), `speedup` vs its Vanilla partner
+                          (records.RunKey.pairs_with: the one pairing rule) and, for greedy runs, how many
+                          outputs equal that partner's token for token (`outputs_equal` of `outputs_compared`)
     aggregate(df)         one row per configuration: mean/std/count over repeats (seeds or repeated runs)
     load_rounds(run_dir)  one row per SD round (timings, DEL's τ/E/α trace) for the figures
     segment_speeds(...)   tokens/s per fixed-length segment of one output, from its rounds (Figure 1b)
@@ -19,14 +21,14 @@ from typing import Iterable
 
 import pandas as pd
 
-from del_bench.records import decoding_tag
+from del_bench.records import RunKey, run_key_of
 
-# where `run`, the `*_local` experiments, `calibrate`, Table 5's memory runs and the benchmarks write records
-DEFAULT_ROOTS = ("results/runs", "results/local", "results/calibration", "results/fig1b", "results/memory",
-                 "results/bench")
+# the committed reference records behind results/tables and results/figures (working runs: results/runs)
+REFERENCE_ROOT = "results/reference"
+DEFAULT_ROOTS = (REFERENCE_ROOT,)
 
-# a Vanilla partner must match on all of these: same model, task, decoding, generation length, prompts, machine
-PAIR_KEYS = ["model", "task", "decoding", "max_new_tokens", "prompts", "machine"]
+# a Vanilla partner must match on all of these (RunKey.PAIR_FIELDS: the one pairing rule)
+PAIR_KEYS = list(RunKey.PAIR_FIELDS)
 # runs sharing all of these are repeats of one configuration (averaged as mean ± std); the seed is not a key,
 # so runs that differ only in seed (same prompts) or repeated runs into other out_dirs are repeats
 CONFIG_KEYS = PAIR_KEYS + ["method", "method_tag", "exit_layer", "gamma", "omega"]
@@ -62,68 +64,34 @@ def _mean(values: list) -> float:
     return sum(values) / len(values) if values else math.nan
 
 
-def _prompts_id(samples: list[dict], summary: dict) -> str:
-    """Short fingerprint of the prompt set: runs are only comparable on the same sample ids."""
-    ids = sorted({str(s["sample_id"]) for s in samples})
-    if not ids:  # no samples file: fall back to what the summary says about the prompt set
-        cfg = summary.get("config", {})
-        ids = [f"limit={cfg.get('limit')}", f"n={summary.get('n_samples')}"]
-    text = f"{summary.get('task_version')}|" + "\n".join(ids)
-    return hashlib.sha1(text.encode()).hexdigest()[:10]
-
-
-def _machine(summary: dict) -> str:
-    """device/CPU (+ torch threads on CPU, which change speed as much as the hardware does): the runs a
-    speedup may pair must share it. The provenance holds no host name, so two hosts of one CPU kind look alike."""
-    prov = summary.get("provenance", {})
-    machine = f"{prov.get('device', '?')}/{prov.get('cpu', '?')}"
-    threads = prov.get("torch_threads")
-    return machine + (f" ({threads} threads)" if prov.get("device") == "cpu" and threads else "")
-
-
-def _decoding(summary: dict) -> str:
-    """The decoding the run really used: the task's own generation settings (HumanEval pass@10 samples at
-    T = 0.6) override the run's, as in the runner; `greedy` or `sample-t<T>-p<top_p>`,
-    spelled as in the run's directory and summary (records.decoding_tag)."""
-    cfg = summary.get("config") or {}
-    gen = dict(cfg.get("generation") or {})
-    gen.update((cfg.get("task") or {}).get("generation") or {})
-    if not gen:
-        return summary.get("decoding", "greedy")
-    return decoding_tag(gen.get("do_sample"), gen.get("temperature", 1.0), gen.get("top_p", 1.0))
-
-
 def _float(value) -> float:
     return math.nan if value is None else float(value)
 
 
 def load_run(run_dir: str | Path) -> dict:
-    """One row: the run's identity, its speed/eTPL (means over samples, as in the summary) and quality."""
+    """One row: the run's identity (its RunKey), speed/eTPL (means over samples, as in the summary), quality,
+    memory, and a digest of each output (for the lossless check against its Vanilla partner)."""
     run_dir = Path(run_dir)
     summary = json.loads((run_dir / "summary.json").read_text())
     samples = read_jsonl(run_dir / "samples.jsonl")
-    method_cfg = summary.get("config", {}).get("method", {})
+    key = run_key_of(summary, samples)
     # paper B.4: speed and eTPL are means over samples; recomputed from samples when present
     tps = _mean([s.get("tokens_per_s") for s in samples]) if samples else summary.get("tokens_per_s")
     etpl = _mean([s.get("etpl") for s in samples]) if samples else summary.get("etpl")
     row = {
         "run_dir": str(run_dir),
-        "model": summary["model"],
-        "weights": (summary.get("config", {}).get("model") or {}).get("weights") or "",  # local models' digest
-        "task": summary["task"],
-        "method": summary["method"],
-        "method_tag": summary.get("method_tag", summary["method"]),
-        "exit_layer": method_cfg.get("exit_layer"),
-        "gamma": method_cfg.get("gamma"),
-        "omega": method_cfg.get("omega"),
-        "decoding": _decoding(summary),
-        "max_new_tokens": str(summary.get("config", {}).get("max_new_tokens", "")),
+        **{f: getattr(key, f) for f in PAIR_KEYS},
+        "max_new_tokens": str(key.max_new_tokens),
+        "method": key.method,
+        "method_tag": key.method_tag,
+        "exit_layer": key.hyperparameter("exit_layer"),
+        "gamma": key.hyperparameter("gamma"),
+        "omega": key.hyperparameter("omega"),
+        "experiments": key.experiments,
         "n": summary.get("n_samples", len(samples)),
         "tokens_per_s": _float(tps),
         "etpl": _float(etpl),
         "acceptance": summary.get("acceptance_rate"),
-        "machine": _machine(summary),
-        "prompts": _prompts_id(samples, summary),
         "seed": summary.get("config", {}).get("seed"),
         # "calibration" for the LS grid points of `python -m del_bench calibrate` (paper B.3), else "eval"
         "sample_set": (summary.get("selection") or {}).get("sample_set", "eval"),
@@ -132,27 +100,54 @@ def load_run(run_dir: str | Path) -> dict:
         "peak_memory_gib": _float(summary.get("peak_memory_bytes")) / GIB,
         "memory_measure": summary.get("memory_measure") or "",
         "model_gib": _float(summary.get("model_bytes")) / GIB,
+        "outputs": {(str(s["sample_id"]), s.get("repeat", 0)): _digest(s.get("output_ids")) for s in samples},
     }
     for name, value in (summary.get("quality") or {}).items():
         row[f"q_{name}"] = value
     return row
 
 
+def _digest(output_ids) -> str:
+    return hashlib.sha1(json.dumps(output_ids).encode()).hexdigest()
+
+
 def load_runs(roots: Iterable[str | Path] = DEFAULT_ROOTS) -> pd.DataFrame:
     """All runs under the roots, one row each, with `speedup` and `vanilla_tps` filled where paired."""
     rows = [load_run(d) for d in find_runs(roots)]
     empty = ["run_dir"] + CONFIG_KEYS + ["n", "tokens_per_s", "etpl", "sample_set", "peak_memory_gib",
-                                         "memory_measure", "model_gib"]
+                                         "memory_measure", "model_gib", "experiments", "outputs"]
     df = pd.DataFrame(rows, columns=None if rows else empty)
     # None in the key columns (Vanilla has no E/γ/ω) would make groupby drop rows; use "" instead
     for col in ("exit_layer", "gamma", "omega"):
         df[col] = df[col].astype(object).where(df[col].notna(), "")
-    return add_speedup(tell_weights_apart(df))
+    return add_lossless(add_speedup(df))
+
+
+def add_lossless(df: pd.DataFrame) -> pd.DataFrame:
+    """outputs_equal / outputs_compared: of a greedy run's outputs that its Vanilla partner also decoded, how many
+    are token-identical to the partner's (Spec-Bench's equality check, from records alone). NaN where there is
+    nothing to compare: Vanilla itself, sampling runs, no partner. With several partner runs (repeats), the first
+    by run_dir is the reference: greedy Vanilla repeats on one machine decode the same tokens."""
+    reference: dict[tuple, dict] = {}
+    for _, v in df[df["method"] == "vanilla"].sort_values("run_dir").iterrows():
+        reference.setdefault(tuple(v[k] for k in PAIR_KEYS), v["outputs"])
+    equal, compared = [], []
+    for _, r in df.iterrows():
+        base = reference.get(tuple(r[k] for k in PAIR_KEYS))
+        if r["method"] == "vanilla" or r["decoding"] != "greedy" or base is None:
+            equal.append(math.nan)
+            compared.append(math.nan)
+            continue
+        common = [k for k in r["outputs"] if k in base]
+        equal.append(sum(r["outputs"][k] == base[k] for k in common))
+        compared.append(len(common))
+    return df.assign(outputs_equal=equal, outputs_compared=compared)
 
 
 def tell_weights_apart(df: pd.DataFrame) -> pd.DataFrame:
     """Runs of one model name made with different weights (a testbed retrained at the same path) are runs of
     different models: such names become `name@<digest>`, so they are neither paired nor averaged together."""
+    df = df.copy()
     if "weights" not in df or df.empty:
         return df
     clash = df.groupby("model")["weights"].transform("nunique") > 1
@@ -166,7 +161,7 @@ def add_speedup(df: pd.DataFrame) -> pd.DataFrame:
 
     Several Vanilla runs with the same key (repeats) are averaged. No partner → NaN and has_vanilla False.
     """
-    df = df.copy()
+    df = tell_weights_apart(df)
     if "peak_memory_gib" not in df:
         df["peak_memory_gib"] = math.nan
     base = df[df["method"] == "vanilla"].groupby(PAIR_KEYS)
@@ -184,7 +179,8 @@ def aggregate(df: pd.DataFrame) -> pd.DataFrame:
     """One row per configuration: mean, std and count of eTPL, tokens/s, speedup, memory and each quality
     metric (q_*) over its repeats (runs with the same CONFIG_KEYS: other seeds, or repeated runs)."""
     optional = {"peak_memory_gib": math.nan, "vanilla_memory_gib": math.nan, "memory_overhead_pct": math.nan,
-                "memory_measure": "", "model_gib": math.nan, "sample_set": "eval"}
+                "memory_measure": "", "model_gib": math.nan, "sample_set": "eval", "outputs_equal": math.nan,
+                "outputs_compared": math.nan}
     df = df.assign(**{k: v for k, v in optional.items() if k not in df})  # frames built by older code
     metrics = ["etpl", "tokens_per_s", "speedup", "peak_memory_gib", "memory_overhead_pct"]
     metrics += sorted(c for c in df.columns if c.startswith("q_"))
@@ -200,6 +196,8 @@ def aggregate(df: pd.DataFrame) -> pd.DataFrame:
     out["memory_measure"] = grouped["memory_measure"].agg(lambda v: ", ".join(sorted({m for m in v if m})))
     out["model_gib"] = grouped["model_gib"].mean()
     out["sample_set"] = grouped["sample_set"].first()  # the prompt set decides it: one per configuration
+    out["outputs_equal"] = grouped["outputs_equal"].sum(min_count=1)  # over repeats; NaN: nothing compared
+    out["outputs_compared"] = grouped["outputs_compared"].sum(min_count=1)
     return out.reset_index()
 
 

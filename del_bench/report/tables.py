@@ -10,6 +10,12 @@ block and column, Vanilla excluded, on the values as displayed); paper rows are 
     Table 4  DEL's gain over LS vs SWIFT's gain over Vanilla (HumanEval, CNN/DM-LM); the paper's rows always
     Table 5  peak memory and overhead vs Vanilla (six tasks + overall); the paper's rows always
     Table 6  DEL's sensitivity to ω
+
+Each table shows the runs of its own experiments (configs/experiment/tableN*.yaml: a run records the sweeps that
+asked for it in run_key.experiments), plus the Vanilla partners of those runs; other sweeps (the ω and d_max
+sweeps, the memory runs, the benchmarks) reach only their own artefacts. Runs of no experiment (ad hoc `run`s)
+join every table only when asked (`report DIRS…` or --ad-hoc). A greedy row whose outputs are not all
+token-identical to its Vanilla partner's says so in its label ("outputs = Vanilla k/n").
 Deterministic: no timestamps, no absolute paths, stable row order — reruns on the same records are identical.
 """
 
@@ -22,7 +28,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from .collect import aggregate
+from .collect import PAIR_KEYS, aggregate
 
 PAPER_CSV = Path(__file__).with_name("paper_values.csv")
 
@@ -219,6 +225,18 @@ def _cell(rec: pd.Series | None, metric: str) -> Cell:
     return Cell(mean=rec[f"{metric}_mean"], std=rec[f"{metric}_std"], runs=int(rec["runs"]), digits=digits)
 
 
+def lossless_note(recs) -> str:
+    """' (outputs = Vanilla k/n)' when some greedy outputs of these aggregated runs differ from their Vanilla
+    partner's (summed over the runs); '' when all that could be compared are equal."""
+    equal = sum(r["outputs_equal"] for r in recs if not _isnan(r.get("outputs_equal")))
+    compared = sum(r["outputs_compared"] for r in recs if not _isnan(r.get("outputs_compared")))
+    return f" (outputs = Vanilla {int(equal)}/{int(compared)})" if equal < compared else ""
+
+
+def _isnan(value) -> bool:
+    return value is None or (isinstance(value, float) and math.isnan(value))
+
+
 def _overall(recs: dict, tasks: list[str]) -> dict[str, Cell]:
     """Paper Table 1 'Overall': mean speed over the tasks, and that ÷ the Vanilla partners' mean speed."""
     if any(recs.get(t) is None for t in tasks):
@@ -253,6 +271,7 @@ def wide_table(df: pd.DataFrame, table: int, cols: list[Col], title: str, overal
         if overall:
             cells.update(overall(by_task))
         label = method_label(key["method"], key["exit_layer"], key["gamma"], key["omega"])
+        label += lossless_note(by_task.values())
         block = tuple(key[k] for k in ("model", "machine", "decoding", "max_new_tokens", "variant") if k in key)
         source = _ours(key["machine"], key["variant"], key.get("decoding", ""), key["max_new_tokens"])
         out.rows.append(Row(block, key["model"], label, source, cells, ranked=key["method"] != "vanilla",
@@ -474,6 +493,7 @@ def table6(df: pd.DataFrame) -> Table:
         for _, rec in sel.iterrows():
             is_del = rec["method"] == "del"
             label = f"{TASK_LABELS.get(b.task, b.task)} " + (f"ω={_num(rec.omega):g}" if is_del else "ω=- (Vanilla)")
+            label += lossless_note([rec])
             cells = {m: _cell(rec, m) for m, _ in columns}
             out.rows.append(Row(block, b.model, label, _ours(b.machine, b.variant, b.decoding, b.max_new_tokens), cells,
                                 ranked=is_del, tag=rec["method_tag"]))
@@ -531,7 +551,8 @@ def _notes(table: Table) -> list[str]:
         "on the same prompts). Speedup is paired with the Vanilla run of the same model, task, prompts, "
         "decoding, max_new_tokens and machine; 'no vanilla' = no such run. '–' = no run (ours) or no such "
         "cell (paper). Ours: the machine's device/CPU (and torch threads); paper: its GPUs (paper §B.2). "
-        "Calibration grid runs (`calibrate`) are not in the tables.",
+        "Calibration grid runs (`calibrate`) are not in the tables. Rows: this table's experiment runs and their "
+        "Vanilla partners; '(outputs = Vanilla k/n)' = only k of n greedy outputs equal the partner's.",
     ]
 
 
@@ -572,21 +593,40 @@ def to_latex(table: Table) -> str:
     return "\n".join(lines) + "\n"
 
 
-def build_tables(df: pd.DataFrame) -> list[Table]:
-    """Tables 1–6 from evaluation runs: the grid points of `calibrate` (sample_set=calibration) are left out
-    (they choose LS's (E, γ); Figures 1a and 1b draw them)."""
+def in_experiment(experiments, table: str) -> bool:
+    """A run belongs to table N when one of its sweeps is `tableN` or a variant of it (`tableN_local`, …)."""
+    return any(e.split("_")[0] == table for e in experiments or ())
+
+
+def select_runs(df: pd.DataFrame, table: str, adhoc: bool) -> pd.DataFrame:
+    """The runs `table` shows: its experiments' runs (+ runs of no experiment when adhoc) and their Vanilla
+    partners (the baseline row of a sweep that did not run Vanilla itself, e.g. Table 6's ω sweep)."""
+    if "experiments" not in df:
+        return df
+    own = df["experiments"].map(lambda e: in_experiment(e, table))
+    if adhoc:
+        own |= df["experiments"].map(lambda e: not e)
+    pairs = {tuple(r) for r in df.loc[own, PAIR_KEYS].itertuples(index=False)}
+    paired = [tuple(r) in pairs for r in df[PAIR_KEYS].itertuples(index=False)]
+    partner = (df["method"] == "vanilla") & pd.Series(paired, index=df.index, dtype=bool)
+    return df[own | partner]
+
+
+def build_tables(df: pd.DataFrame, adhoc: bool = True) -> list[Table]:
+    """Tables 1–6, each from the runs select_runs gives it; the grid points of `calibrate`
+    (sample_set=calibration) are left out (they choose LS's (E, γ); Figures 1a and 1b draw them)."""
     if "sample_set" in df:
         df = df[df["sample_set"] != "calibration"]
     builders = (table1, table2, table3, table4, table5, table6)
-    return [mark_best(disambiguate(build(df))) for build in builders]
+    return [mark_best(disambiguate(build(select_runs(df, build.__name__, adhoc)))) for build in builders]
 
 
-def write_tables(df: pd.DataFrame, out_dir: str | Path = "results/tables") -> list[Path]:
+def write_tables(df: pd.DataFrame, out_dir: str | Path = "results/tables", adhoc: bool = True) -> list[Path]:
     """tableN.md and tableN.tex for every table; returns the files written."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
-    for table in build_tables(df):
+    for table in build_tables(df, adhoc):
         for suffix, render in ((".md", to_markdown), (".tex", to_latex)):
             path = out_dir / f"{table.name}{suffix}"
             path.write_text(render(table))

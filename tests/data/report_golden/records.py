@@ -18,6 +18,9 @@ What the spec covers, by design:
   falls back to its grid point); DEL and its ablations on HumanEval (Figures 3a, 3b, 4a–4c; the DEL run
   records conf_matched / conf_mismatched, so Figure 4b draws its band); DEL with E fixed at 20 and
   d_max 2 / 4 without draft-exiting on CNN/DM-LM (Figure 3b at a fixed E, as the paper's).
+- experiment membership (run_key.experiments): the ω sweep belongs to table6 and the d_max sweep to fig3b, so
+  neither may appear in Tables 1–3; every other run is ad hoc (older records without run_key, read through the
+  adapter). DEL-E on SmolLM2 HumanEval decodes one output that differs from Vanilla's (the lossless check).
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
+
+from del_bench.records import run_key_of
 
 MODELS = {  # layers, ms per decoder layer per token, ms per LM-head row, weight bytes
     "llama2-7b": dict(L=32, layer_ms=0.9, head_ms=0.4, model_bytes=13_476_839_424),
@@ -48,9 +53,10 @@ def spec() -> list[dict]:
     """One dict per run: model, task, method, hyperparameters and record options."""
     runs = []
 
-    def add(model, task, method, seed=42, memory=None, calibration=False, **hp):
+    def add(model, task, method, seed=42, memory=None, calibration=False, experiments=(), differs=(), **hp):
         runs.append(dict(model=model, task=task, method=method, seed=seed, hp=hp, calibration=calibration,
-                         memory=memory if memory is not None else model != "smollm2-135m" and method != "dv"))
+                         memory=memory if memory is not None else model != "smollm2-135m" and method != "dv",
+                         experiments=experiments, differs=differs))
 
     for task in SIX:
         add("llama2-7b", task, "vanilla")
@@ -62,7 +68,7 @@ def spec() -> list[dict]:
     add("llama2-7b", "wmt14_de_en", "ls", exit_layer=7, gamma=6)
     add("llama2-7b", "cnndm_sum", "del", seed=43, omega=0.95)
     for omega in (0.5, 0.9, 1.0):
-        add("llama2-7b", "cnndm_sum", "del", omega=omega)
+        add("llama2-7b", "cnndm_sum", "del", omega=omega, experiments=("table6",))
     for task in ("humaneval", "humaneval_pass10"):
         add("codellama-7b", task, "vanilla")
         add("codellama-7b", task, "ls", exit_layer=7, gamma=6)
@@ -78,11 +84,11 @@ def spec() -> list[dict]:
         if task != "xsum":  # XSUM's best is left unevaluated on XSUM itself: Figure 1a uses its grid point
             add("smollm2-135m", task, "ls", exit_layer=12, gamma=4)
     add("smollm2-135m", "humaneval", "del", omega=0.95, band=True)
-    add("smollm2-135m", "humaneval", "del_e", omega=0.95)
+    add("smollm2-135m", "humaneval", "del_e", omega=0.95, differs=("s1",))
     add("smollm2-135m", "humaneval", "del_gamma", omega=0.95, exit_layer=20)
     add("smollm2-135m", "humaneval", "del_e_lim", omega=0.95)
     for d_max in (2, 4):
-        add("smollm2-135m", "cnndm_lm", "del", omega=0.95, exit_layer=20, d_max=d_max)
+        add("smollm2-135m", "cnndm_lm", "del", omega=0.95, exit_layer=20, d_max=d_max, experiments=("fig3b",))
     return runs
 
 
@@ -209,7 +215,8 @@ def write_run(root: Path, run: dict) -> Path:
             rouge = 0.08 + 0.01 * ((n_tokens + repeat) % 5)
             samples.append({
                 "sample_id": sid, "repeat": repeat, "task_version": "1", "prompt": f"prompt {sid}",
-                "prompt_ids": [1, 2, 3], "output_ids": [7] * n_tokens, "output_text": "x" * n_tokens,
+                "prompt_ids": [1, 2, 3], "output_ids": [8 if sid in run["differs"] else 7] * n_tokens,
+                "output_text": "x" * n_tokens,
                 "generated_tokens": n_tokens, "num_layers": m["L"], "loaded_layers": loaded,
                 "head_calls": sum(r["head_calls"] for r in rounds), "rounds": len(rounds), "wall_s": wall,
                 "tokens_per_s": n_tokens / wall, "etpl": n_tokens / loaded, "drafted": drafted,
@@ -247,6 +254,11 @@ def write_run(root: Path, run: dict) -> Path:
         summary["peak_memory_bytes"] = int(m["model_bytes"] + extra + 1e6 * (run["seed"] - 42))
         summary["memory_measure"] = "peak RSS growth (synthetic)"
         summary["model_bytes"] = m["model_bytes"]
+    if run["experiments"]:  # as the runner writes it; the other runs exercise the adapter for older records
+        key = run_key_of(summary, samples)
+        for name in run["experiments"]:
+            key = key.with_experiment(name)
+        summary["run_key"] = key.as_dict()
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     (out / "run_config.json").write_text(json.dumps(config, indent=2) + "\n")
     _write_jsonl(out / "samples.jsonl", samples)

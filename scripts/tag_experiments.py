@@ -1,0 +1,71 @@
+"""Record in finished runs which experiment sweeps cover them (run_key.experiments), decoding nothing.
+
+A run records the sweep that asked for it when it is made, and a later sweep that finds it finished adds its own
+name (del_bench.jobs.run_once). This script does the same for records made before run_key existed, or for runs
+made outside a sweep: it expands each experiment's sweep (hydra.sweeper.params), composes every job as
+`run -m experiment=NAME` would, and tags the job's out_dir when it holds a finished run of the same sample
+selection. Jobs that cannot be composed here (e.g. calibration.use=true without its calibration file) are
+counted and skipped.
+
+    python scripts/tag_experiments.py table1_local table3_local … [--records-root results/reference]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from omegaconf import OmegaConf
+
+from del_bench.config import CONFIG_DIR
+from del_bench.records import add_experiment
+from del_bench.runner import selection
+
+
+def sweep_jobs(name: str) -> list[list[str]]:
+    """The override lists of every job of experiment `name`'s sweep (a cartesian product, as Hydra's basic
+    sweeper expands it)."""
+    params = OmegaConf.load(CONFIG_DIR / "experiment" / f"{name}.yaml").get("hydra", {}).get("sweeper", {})
+    params = params.get("params") or {}
+    parsed = OverridesParser.create().parse_overrides([f"{k}={v}" for k, v in params.items()])
+    axes = [[f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()] if o.is_sweep_override()
+            else [f"{o.get_key_element()}={o.get_value_element_as_str()}"] for o in parsed]
+    return [list(job) for job in itertools.product(*axes)]
+
+
+def tag(name: str, records_root: str) -> tuple[int, int, int]:
+    """→ (jobs, tagged, not composable)."""
+    tagged = failed = 0
+    jobs = sweep_jobs(name)
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        for job in jobs:
+            try:
+                cfg = compose(config_name="run", overrides=[f"experiment={name}", f"records_root={records_root}",
+                                                             *job])
+                out_dir, wanted = Path(cfg.out_dir), selection(cfg)
+            except Exception:  # noqa: BLE001 — a job this checkout cannot compose is reported, not fatal
+                failed += 1
+                continue
+            summary = out_dir / "summary.json"
+            if summary.is_file() and json.loads(summary.read_text()).get("selection") == wanted:
+                add_experiment(out_dir, name)
+                tagged += 1
+    return len(jobs), tagged, failed
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("experiments", nargs="+")
+    ap.add_argument("--records-root", default="results/runs")
+    args = ap.parse_args()
+    for name in args.experiments:
+        jobs, tagged, failed = tag(name, args.records_root)
+        print(f"{name}: {jobs} jobs, {tagged} finished runs tagged, {failed} not composable here")
+
+
+if __name__ == "__main__":
+    main()
