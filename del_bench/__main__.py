@@ -17,14 +17,10 @@ import sys
 import warnings
 from pathlib import Path
 
-from del_bench.config import CONFIG_DIR, GROUPS, ConfigError, check_overrides, choices, describe
+from del_bench.config import CONFIG_DIR, GROUPS, check_overrides, choices, describe
+from del_bench.errors import CalibrationError, ConfigError, RunConflict, TaskError
 
-
-def _user_errors():
-    from del_bench.records import RunConflict
-    from del_bench.tasks.base import TaskError
-
-    return (ConfigError, RunConflict, TaskError)
+USER_ERRORS = (ConfigError, RunConflict, TaskError)  # reported in one line, exit code 2
 
 
 def _hydra_command(argv: list[str], config_name: str, body) -> int:
@@ -39,11 +35,9 @@ def _hydra_command(argv: list[str], config_name: str, body) -> int:
 
     @hydra.main(config_path=str(CONFIG_DIR), config_name=config_name, version_base="1.3")
     def _main(cfg: DictConfig) -> None:
-        from del_bench.calibration import CalibrationError
-
         try:
             body(cfg)
-        except _user_errors() as err:
+        except USER_ERRORS as err:
             logging.getLogger("del_bench").error("%s", err)
             raise SystemExit(2) from None
         except CalibrationError as err:

@@ -8,94 +8,33 @@ point with the highest mean tokens/s is written under the task's name into `cali
 (results/calibration/<model>.yaml), together with the whole grid. `calibration.use=true` then makes LS, FS,
 DV and DEL-γ take their E (and γ) from it (the `${calibrated:…}` resolver in their configs).
 
+The file itself (read, lookup, write_entry) is del_bench/calibration_store.py, which the config resolver reads.
+
 Calibration samples are kept apart from the evaluation: they are drawn (with their own RNG, seeded by `seed`)
 from the records outside the evaluation selection (`limit=calibration.eval_limit`, `seed`; null = the task's
 `n`, the paper's evaluation set). Where fewer than `calibration.samples` records are left — HumanEval and
 AQuA-RAT, which the paper evaluates in full — they are drawn from the whole set, and the file says
-`disjoint_from_eval: false`.
+`disjoint_from_eval: false` (del_bench/selection.py draws them).
 """
 
 from __future__ import annotations
 
 import copy
-import fcntl
 import functools
 import logging
-import os
-import random
-from contextlib import contextmanager
-from pathlib import Path
 
-import yaml
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from del_bench.config import CONFIG_DIR, ConfigError
+from del_bench import calibration_store
+from del_bench.config import CONFIG_DIR, validate
+from del_bench.errors import CalibrationError, ConfigError
+from del_bench.jobs import run_once
+from del_bench.runner import load_model
+from del_bench.selection import calibration_samples
 
 log = logging.getLogger(__name__)
 CALIBRATE_ONLY_KEYS = ("grid", "grids")  # not part of a grid point's run config
-
-
-class CalibrationError(RuntimeError):
-    pass
-
-
-# ---- the file ---------------------------------------------------------------------------------------------
-_READ: dict[Path, tuple[int, dict]] = {}  # path → (mtime_ns, entries): a sweep resolves the file once per job
-
-
-def read(path: str | Path) -> dict:
-    path = Path(path)
-    if not path.is_file():
-        return {}
-    mtime = path.stat().st_mtime_ns
-    if path not in _READ or _READ[path][0] != mtime:
-        _READ[path] = (mtime, yaml.safe_load(path.read_text()) or {})
-    return copy.deepcopy(_READ[path][1])
-
-
-def lookup(path: str | Path, task: str) -> dict:
-    """The calibrated entry of `task` in `path`; a ConfigError that says how to make it when missing."""
-    entry = read(path).get(task)
-    if not entry:
-        raise ConfigError(f"calibration.use=true but {path} has no entry for task {task!r}; run "
-                          f"`python -m del_bench calibrate model=… task={task}` first (or calibration.use=false)")
-    return entry
-
-
-@contextmanager
-def _locked(path: Path):
-    """Several calibrations (one per task) may update one model's file at once: serialise the rewrite."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_name(path.name + ".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        yield
-
-
-def write_entry(path: str | Path, task: str, entry: dict) -> None:
-    path = Path(path)
-    with _locked(path):
-        data = read(path)
-        data[task] = entry
-        tmp = path.with_name(path.name + ".tmp")
-        header = "# written by `python -m del_bench calibrate`: per task, the LS (E, γ) with the highest tokens/s\n"
-        tmp.write_text(header + yaml.safe_dump(data, sort_keys=False, allow_unicode=True))
-        os.replace(tmp, path)
-
-
-# ---- samples ----------------------------------------------------------------------------------------------
-def calibration_samples(task, count: int, seed: int, eval_limit: int | None) -> list:
-    """`count` samples outside the evaluation selection when the task has enough records, else from all."""
-    pool = task.load()
-    evaluation = {s.id for s in task.select(eval_limit, seed)}
-    rest = [s for s in pool if s.id not in evaluation]
-    source = rest if len(rest) >= count else pool
-    if source is pool:
-        log.warning("task %s: only %d records outside the evaluation set; calibration samples overlap it",
-                    task.name, len(rest))
-    rng = random.Random(f"calibration:{seed}")  # its own stream: not the evaluation's draw
-    keep = sorted(rng.sample(range(len(source)), min(count, len(source))))
-    return [source[i] for i in keep]
 
 
 # ---- the grid ---------------------------------------------------------------------------------------------
@@ -134,10 +73,6 @@ def point_configs(cfg: DictConfig) -> list[tuple[str, DictConfig]]:
 
 def calibrate(cfg: DictConfig) -> dict:
     """Run every grid point (skipping finished ones), then write the best (E, γ) for this model and task."""
-    from del_bench.config import validate
-    from del_bench.jobs import run_once
-    from del_bench.runner import load_model
-
     points = point_configs(cfg)
     for _, point in points:  # every point is checked before any weights load
         validate(point)
@@ -156,7 +91,7 @@ def calibrate(cfg: DictConfig) -> dict:
         raise CalibrationError(f"{cfg.model.name}/{cfg.task.name}: grid points failed {failed} or busy in another "
                                f"job {busy}; nothing written (a re-run skips the finished points)")
     entry = best_entry(cfg, points, results)
-    write_entry(cfg.calibration.file, cfg.task.name, entry)
+    calibration_store.write_entry(cfg.calibration.file, cfg.task.name, entry)
     log.info("calibration %s/%s: best LS(E%s, γ%s) at %.2f tok/s → %s", cfg.model.name, cfg.task.name,
              entry["exit_layer"], entry["gamma"], entry["tokens_per_s"], cfg.calibration.file)
     return entry

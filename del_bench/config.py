@@ -9,7 +9,9 @@ from pathlib import Path
 from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 
+from del_bench import calibration_store
 from del_bench.engine.sampling import Sampling
+from del_bench.errors import ConfigError
 from del_bench.models.loading import weights_digest
 from del_bench.records import decoding_tag
 
@@ -23,9 +25,7 @@ def _calibrated(key: str, default, _root_):
     calibration = _root_.get("calibration")
     if calibration is None or not calibration.get("use"):
         return default
-    from del_bench.calibration import lookup
-
-    return lookup(calibration.file, calibration.task)[key]
+    return calibration_store.lookup(calibration.file, calibration.task)[key]
 
 
 if not OmegaConf.has_resolver("decoding"):
@@ -34,10 +34,6 @@ if not OmegaConf.has_resolver("calibrated"):
     OmegaConf.register_new_resolver("calibrated", _calibrated)
 if not OmegaConf.has_resolver("weights_digest"):  # cached: a config resolved twice hashes the weights once
     OmegaConf.register_new_resolver("weights_digest", weights_digest, use_cache=True)
-
-
-class ConfigError(ValueError):
-    """A config that cannot run; raised before any model is loaded."""
 
 
 def choices(group: str) -> list[str]:

@@ -27,7 +27,10 @@ from typing import Any, Callable
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from del_bench import runner
+from del_bench.errors import Busy
 from del_bench.records import RunDir, add_experiment, write_json
+from del_bench.selection import selection
 
 log = logging.getLogger(__name__)
 LOCK_NAME = ".lock"
@@ -36,15 +39,9 @@ STATUS_NAME = "status.json"
 FAILED: list[dict] = []  # the failed jobs of the last multirun in this process (set by SweepReport)
 
 
-class Busy(RuntimeError):
-    """Another process is writing this out_dir."""
-
-
 def completed_summary(cfg: DictConfig) -> dict | None:
     """The summary of a finished run of exactly these settings in cfg.out_dir, else None. Cheap: reads two
     small JSON files, loads neither model nor task."""
-    from del_bench.runner import selection
-
     run_dir = RunDir(cfg.out_dir)
     if not run_dir.summary_path.is_file():
         return None
@@ -74,8 +71,6 @@ def run_once(cfg: DictConfig, run: Callable | None = None, **kwargs) -> tuple[st
     """(status, summary) with status skipped | busy | ok. A failure is written to out_dir/error.json and
     re-raised. `run` defaults to del_bench.runner.run (kwargs are passed on)."""
     if run is None:
-        from del_bench import runner
-
         run = runner.run
     done = completed_summary(cfg)
     if done:

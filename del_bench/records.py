@@ -25,6 +25,8 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Iterable
 
+from del_bench.errors import RunConflict
+
 Key = tuple[str, int]  # (sample_id, repeat)
 
 # settings that may change between invocations of the same run without changing its results
@@ -37,10 +39,6 @@ RESUMABLE_KEYS = ("limit", "out_dir", "logger", "threads", "warmup_tokens", "dat
 def decoding_tag(do_sample, temperature, top_p) -> str:
     """`greedy` or `sample-t<T>-p<top_p>`: run directories, summaries and the report's decoding column."""
     return f"sample-t{temperature}-p{top_p}" if str(do_sample).lower() == "true" else "greedy"
-
-
-class RunConflict(RuntimeError):
-    pass
 
 
 # ---------------------------------------------------------------- the contract

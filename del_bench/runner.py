@@ -24,6 +24,7 @@ from del_bench.engine.sampling import Sampling
 from del_bench.models import loading
 from del_bench.models.layer_stack import LayerStack
 from del_bench.records import RunDir, RunKey, SampleRecord, machine_of, prompts_fingerprint, run_key_of, write_json
+from del_bench.selection import select_samples, selection
 
 log = logging.getLogger(__name__)
 PACKAGES = ("torch", "transformers", "tokenizers", "hydra-core", "datasets", "torchmetrics", "sacrebleu",
@@ -61,22 +62,6 @@ def stop_strings(strings: list[str], tokenizer, tail_tokens: int = 16):
 def load_model(model_cfg) -> tuple[loading.Loaded, LayerStack]:
     loaded = loading.load(model_cfg)
     return loaded, LayerStack(loaded.model)
-
-
-def selection(cfg: DictConfig) -> dict:
-    """Which samples the run decodes; a finished summary with the same selection means the job is done."""
-    if cfg.get("sample_set", "eval") == "calibration":  # `calibrate`: samples kept apart from the evaluation
-        return {"sample_set": "calibration", "count": cfg.calibration.samples,
-                "eval_limit": cfg.calibration.eval_limit, "seed": cfg.seed}
-    return {"sample_set": "eval", "limit": cfg.limit, "seed": cfg.seed}
-
-
-def select_samples(task, cfg: DictConfig) -> list:
-    if cfg.get("sample_set", "eval") == "calibration":
-        from del_bench.calibration import calibration_samples
-
-        return calibration_samples(task, cfg.calibration.samples, cfg.seed, cfg.calibration.eval_limit)
-    return task.select(cfg.limit, cfg.seed)
 
 
 def run(cfg: DictConfig, load=None) -> dict:

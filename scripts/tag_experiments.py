@@ -23,7 +23,7 @@ from omegaconf import OmegaConf
 
 from del_bench.config import CONFIG_DIR
 from del_bench.records import add_experiment
-from del_bench.runner import selection
+from del_bench.selection import selection
 
 
 def sweep_jobs(name: str) -> list[list[str]]:

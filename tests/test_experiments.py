@@ -17,7 +17,7 @@ from hydra.utils import get_class
 from omegaconf import OmegaConf, open_dict
 
 from del_bench import __main__ as cli
-from del_bench import calibration, jobs, runner, tracking
+from del_bench import calibration, jobs, runner, selection, tracking
 from del_bench.config import CONFIG_DIR, GROUPS, choices, validate
 from del_bench.models import loading
 from del_bench.records import RunDir
@@ -233,9 +233,9 @@ def test_calibration_samples_avoid_the_evaluation_set(tmp_path):
 
     task = Prompts(data_files=str(write_prompts(tmp_path / "p.jsonl", 6)))
     evaluation = {s.id for s in task.select(2, 42)}
-    chosen = calibration.calibration_samples(task, 3, 42, eval_limit=2)
+    chosen = selection.calibration_samples(task, 3, 42, eval_limit=2)
     assert len(chosen) == 3 and not {s.id for s in chosen} & evaluation
-    assert len(calibration.calibration_samples(task, 3, 42, eval_limit=None)) == 3  # all evaluated: overlap
+    assert len(selection.calibration_samples(task, 3, 42, eval_limit=None)) == 3  # all evaluated: overlap
 
 
 def test_calibrate_writes_the_best_point_and_ls_uses_it(tmp_path, monkeypatch):

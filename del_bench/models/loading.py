@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from del_bench.errors import ConfigError
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -98,8 +100,6 @@ def weights_digest(path: str) -> str:
 
 def _load_local(cfg, dtype):
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from del_bench.config import ConfigError
 
     path = local_dir(cfg)
     if not (path / "config.json").is_file():

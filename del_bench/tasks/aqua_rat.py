@@ -20,9 +20,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from del_bench.errors import TaskError
 from del_bench.metrics.accuracy import aqua_letter
 from del_bench.metrics.rouge import rouge2
-from del_bench.tasks.base import Sample, TaskError
+from del_bench.tasks.base import Sample
 from del_bench.tasks.hub import HubTask
 
 OFFLINE_SHOTS = "../shared/data/aqua_rat/fewshot_sirius/aqua_cot_prompts_5shot.txt"

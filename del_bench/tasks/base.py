@@ -11,6 +11,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
+from del_bench.errors import TaskError  # noqa: F401  (re-exported: tasks and tests import it from here)
+
 
 @dataclass
 class Sample:
@@ -18,10 +20,6 @@ class Sample:
     prompt: str  # the exact text the model is given
     reference: Any = None  # what `score` compares the output with
     meta: dict = field(default_factory=dict)
-
-
-class TaskError(ValueError):
-    """A task's data cannot be read; the message names the task, the source and the way out."""
 
 
 class Task(ABC):

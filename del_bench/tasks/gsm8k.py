@@ -12,9 +12,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from del_bench.errors import TaskError
 from del_bench.metrics.accuracy import gsm8k_flexible, gsm8k_reference, gsm8k_strict
 from del_bench.metrics.rouge import rouge2
-from del_bench.tasks.base import Sample, TaskError
+from del_bench.tasks.base import Sample
 from del_bench.tasks.hub import FewShotTask
 
 

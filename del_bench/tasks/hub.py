@@ -8,7 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from del_bench.tasks.base import Sample, Task, TaskError
+from del_bench.errors import TaskError
+from del_bench.tasks.base import Sample, Task
 
 
 def _files(files: Any) -> str | list[str] | None:

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from del_bench.errors import TaskError
 from del_bench.metrics.passk import CODE_STOPS, pass_at_k, run_completion
 from del_bench.metrics.rouge import rouge2
 from del_bench.metrics.text import cut_at
-from del_bench.tasks.base import Sample, TaskError
+from del_bench.tasks.base import Sample
 from del_bench.tasks.hub import HubTask, check_records
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from del_bench.tasks.base import Sample, Task, TaskError
+from del_bench.errors import TaskError
+from del_bench.tasks.base import Sample, Task
 
 
 class Prompts(Task):

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from del_bench.errors import TaskError
 from del_bench.metrics.bleu import bleu_stats, corpus_bleu
 from del_bench.metrics.rouge import rouge2
 from del_bench.metrics.text import first_line
-from del_bench.tasks.base import Sample, TaskError
+from del_bench.tasks.base import Sample
 from del_bench.tasks.hub import HubTask
 
 INSTRUCTION = "You are a professional translator. Translate the following German sentence into English."

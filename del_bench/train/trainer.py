@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from del_bench.config import ConfigError
+from del_bench.errors import ConfigError
 from del_bench.models.loading import REPO_ROOT
 from del_bench.train import data as corpus
 from del_bench.train.layerskip import (

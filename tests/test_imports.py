@@ -1,0 +1,151 @@
+"""The import graph of del_bench has no cycle.
+
+Every module under del_bench/ is parsed with `ast` (nothing is imported) and every `import` / `from … import`
+statement is counted, at ANY depth: inside functions, methods, `if TYPE_CHECKING:` and try blocks too, since
+an import inside a function is how a circle hides (it only fails when the function runs). Each import is
+resolved to the del_bench modules it executes:
+
+  - `import del_bench.a.b` and `from del_bench.a import b`: del_bench.a.b when that is a module (a file or a
+    package), else the deepest module the dotted name reaches (`from del_bench.config import validate` →
+    del_bench.config; `from del_bench import x` with x not a module → del_bench, its __init__);
+  - relative imports are resolved against the importing module's package (an __init__ is its own package);
+  - package __init__ files are nodes of the graph (del_bench.models is del_bench/models/__init__.py), and
+    importing del_bench.a.b also executes del_bench.a, so an edge goes to every package on the way — except
+    the importer's own ancestors: those have already run before the importer's first line, so a submodule
+    importing a sibling through its package (a package that re-exports its submodules) is not a cycle.
+
+Imports of other packages are ignored, and so are dynamic imports (Hydra `_target_` strings, importlib): they
+name leaf classes (tasks, methods, jobs.SweepReport) that are loaded by the top of the graph. Function-level
+imports are allowed (heavy optional dependencies: matplotlib, wandb, hydra in the CLI) — only cycles fail.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = "del_bench"
+ROOT = Path(__file__).resolve().parent.parent / PACKAGE
+
+
+def _modules() -> dict[str, Path]:
+    modules = {}
+    for path in sorted(ROOT.rglob("*.py")):
+        parts = path.relative_to(ROOT.parent).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        modules[".".join(parts)] = path
+    return modules
+
+
+def _ancestors(name: str) -> list[str]:
+    parts = name.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
+def _imported(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The del_bench modules whose code an import statement in `name` targets (at any depth)."""
+    is_package = path.name == "__init__.py"
+    found: set[str] = set()
+
+    def resolve(dotted: str) -> str | None:
+        """`dotted` itself when a module, else the deepest module prefix (a name inside a module)."""
+        while dotted:
+            if dotted in modules:
+                return dotted
+            dotted = dotted.rpartition(".")[0]
+        return None
+
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                package = name if is_package else name.rpartition(".")[0]
+                base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                origin = ".".join(base + ([node.module] if node.module else []))
+            else:
+                origin = node.module or ""
+            targets = [origin] + [f"{origin}.{alias.name}" for alias in node.names if alias.name != "*"]
+        else:
+            continue
+        for target in targets:
+            if target != PACKAGE and not target.startswith(PACKAGE + "."):
+                continue
+            module = resolve(target)
+            if module is not None:
+                found.add(module)
+                found.update(_ancestors(module))
+    own = set(_ancestors(name)) | {name}
+    return found - own
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {name: _imported(name, path, modules) for name, path in modules.items()}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle as a path [a, b, …, a], or None (iterative DFS, modules in sorted order: deterministic)."""
+    WHITE, GREY, BLACK = 0, 1, 2
+    colour = dict.fromkeys(graph, WHITE)
+    for start in sorted(graph):
+        if colour[start] != WHITE:
+            continue
+        stack = [(start, iter(sorted(graph[start])))]
+        colour[start] = GREY
+        while stack:
+            node, children = stack[-1]
+            for child in children:
+                if colour.get(child, BLACK) == GREY:
+                    path = [n for n, _ in stack]
+                    return path[path.index(child):] + [child]
+                if colour.get(child) == WHITE:
+                    colour[child] = GREY
+                    stack.append((child, iter(sorted(graph[child]))))
+                    break
+            else:
+                colour[node] = BLACK
+                stack.pop()
+    return None
+
+
+def test_the_import_graph_sees_function_level_and_relative_imports():
+    graph = import_graph()
+    assert "del_bench.engine.sampling" in graph["del_bench.engine.decode"]  # top-level, absolute
+    assert "del_bench.report.collect" in graph["del_bench.report.build"]  # relative (`from .collect import`)
+    assert "del_bench.report.figures" in graph["del_bench.report.build"]  # relative, inside a function
+    assert "del_bench.train.data" in graph["del_bench.train.trainer"]  # `from del_bench.train import data`
+    assert "del_bench.calibration" in graph["del_bench.__main__"]  # inside a function
+
+
+def tangled(graph: dict[str, set[str]]) -> list[str]:
+    """Every module that lies on some cycle (reaches itself)."""
+    def reach(start):
+        seen, todo = set(), [start]
+        while todo:
+            for child in graph.get(todo.pop(), ()):
+                if child not in seen:
+                    seen.add(child)
+                    todo.append(child)
+        return seen
+
+    return sorted(name for name in graph if name in reach(name))
+
+
+def test_find_cycle_reports_the_circle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
+
+
+def test_no_import_cycle_in_del_bench():
+    graph = import_graph()
+    cycle = find_cycle(graph)
+    assert cycle is None, f"import cycle: {' → '.join(cycle)} (modules on cycles: {', '.join(tangled(graph))})"
+
+
+def test_errors_is_the_bottom_and_main_the_top():
+    graph = import_graph()
+    assert graph["del_bench.errors"] == set(), "del_bench.errors must import nothing from del_bench"
+    importers = sorted(name for name, targets in graph.items() if "del_bench.__main__" in targets)
+    assert not importers, f"nothing may import del_bench.__main__: {importers}"
