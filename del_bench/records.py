@@ -22,6 +22,8 @@ Key = tuple[str, int]  # (sample_id, repeat)
 # settings that may change between invocations of the same run without changing its results
 # (data_dir, calibration and rows only feed other keys — task paths, method E/γ — which are compared resolved)
 RESUMABLE_KEYS = ("limit", "out_dir", "logger", "threads", "warmup_tokens", "data_dir", "calibration", "rows")
+# task settings of how outputs are scored, not of what the scores are (HumanEval's sandbox and its pool)
+RESUMABLE_TASK_KEYS = ("score_workers", "sandbox")
 
 
 def decoding_tag(do_sample, temperature, top_p) -> str:
@@ -73,7 +75,10 @@ class RunDir:
     @staticmethod
     def fingerprint(run_config: dict) -> dict:
         """The settings that define a run's results (what run_config.json holds)."""
-        return {k: v for k, v in run_config.items() if k not in RESUMABLE_KEYS}
+        fingerprint = {k: v for k, v in run_config.items() if k not in RESUMABLE_KEYS}
+        if isinstance(fingerprint.get("task"), dict):
+            fingerprint["task"] = {k: v for k, v in fingerprint["task"].items() if k not in RESUMABLE_TASK_KEYS}
+        return fingerprint
 
     def matches(self, run_config: dict) -> bool:
         """True when the directory holds a run made with these settings."""
@@ -110,6 +115,14 @@ class RunDir:
                 f.write("".join(json.dumps(r) + "\n" for r in rows))
                 f.flush()
                 os.fsync(f.fileno())
+
+    def set_scores(self, fields: dict[Key, dict]) -> None:
+        """Merge `fields` ({(sample_id, repeat): {"scores": …, …}}) into the finished sample records; one atomic
+        rewrite of samples.jsonl (the runner scores a batch-scoring task's outputs after generating them)."""
+        rows = _read_jsonl(self.samples_path)
+        for row in rows:
+            row.update(fields.get(key_of(row), {}))
+        _write_jsonl(self.samples_path, rows)
 
     def rounds(self) -> list[dict]:
         return _read_jsonl(self.rounds_path)

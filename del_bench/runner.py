@@ -22,7 +22,7 @@ from del_bench.engine.decode import Engine
 from del_bench.engine.sampling import Sampling
 from del_bench.models import loading
 from del_bench.models.layer_stack import LayerStack
-from del_bench.records import RunDir, write_json
+from del_bench.records import RunDir, key_of, write_json
 
 log = logging.getLogger(__name__)
 PACKAGES = ("torch", "transformers", "tokenizers", "hydra-core", "datasets", "torchmetrics", "sacrebleu",
@@ -95,13 +95,19 @@ def run(cfg: DictConfig, load=None) -> dict:
 
     run_dir = RunDir(cfg.out_dir)
     run_dir.claim(OmegaConf.to_container(cfg, resolve=True))
-    finished = {(r["sample_id"], r.get("repeat", 0)) for r in run_dir.finished()}
+    done = run_dir.finished()
+    finished = {(r["sample_id"], r.get("repeat", 0)) for r in done}
     todo = [(s, k) for s in samples for k in range(repeats) if (s.id, k) not in finished]
     log.info("%s: %d outputs to generate, %d already in %s", cfg.method.tag, len(todo),
              len(samples) * repeats - len(todo), run_dir.path)
+    # A batch-scoring task scores after generation; its scorer is checked (HumanEval: which sandbox) before it.
+    scoring = task.batch_scoring and (bool(todo) or any(r.get("scores") is None for r in done))
+    info = task.scoring_info() if scoring else {}
 
     if todo:
         decode_all(cfg, todo, task, method, sampling, run_dir, load or (lambda: load_model(cfg.model)))
+    if scoring:
+        score_pending(task, samples, run_dir, info)
 
     wanted = {(s.id, k) for s in samples for k in range(repeats)}
     records = [r for r in run_dir.finished() if (r["sample_id"], r.get("repeat", 0)) in wanted]
@@ -137,6 +143,20 @@ def decode_all(cfg, todo, task, method, sampling, run_dir: RunDir, load) -> None
         run_dir.append(record, [{"sample_id": sample.id, "repeat": repeat, **r.as_dict()} for r in gen.rounds])
 
 
+def score_pending(task, samples, run_dir: RunDir, info: dict, chunk: int = 64) -> None:
+    """Score the finished outputs that have no scores yet with the task's `score_batch`, `chunk` at a time,
+    each chunk merged into samples.jsonl by one atomic rewrite: a run killed while scoring resumes here."""
+    by_id = {s.id: s for s in samples}
+    pending = [r for r in run_dir.finished() if r.get("scores") is None and r["sample_id"] in by_id]
+    if pending:
+        log.info("scoring %d outputs of %s (%s)", len(pending), task.name,
+                 ", ".join(f"{k}: {v}" for k, v in info.items()) or "no details")
+    for start in tqdm(range(0, len(pending), chunk), desc=f"scoring {task.name}", unit="chunk", disable=not pending):
+        part = pending[start:start + chunk]
+        scores = task.score_batch([(by_id[r["sample_id"]], r["output_text"]) for r in part])
+        run_dir.set_scores({key_of(r): {"scores": sc, **info} for r, sc in zip(part, scores)})
+
+
 def sample_record(sample, repeat, prompt_ids, gen, text, task, num_layers) -> dict:
     tokens = len(gen.output_ids)
     return {
@@ -157,7 +177,7 @@ def sample_record(sample, repeat, prompt_ids, gen, text, task, num_layers) -> di
         "etpl": tokens / gen.loaded_layers if gen.loaded_layers else None,
         "drafted": gen.drafted,
         "accepted": gen.accepted,
-        "scores": task.score(sample, text),
+        "scores": None if task.batch_scoring else task.score(sample, text),  # batch: set by score_pending
     }
 
 
