@@ -34,6 +34,8 @@ Key = tuple[str, int]  # (sample_id, repeat)
 # (records_root only feeds out_dir; experiment_name says which sweep asked for the run: one run serves several)
 RESUMABLE_KEYS = ("limit", "out_dir", "logger", "threads", "warmup_tokens", "data_dir", "calibration", "rows",
                   "records_root", "experiment_name")
+# task settings of how outputs are scored, not of what the scores are (HumanEval's sandbox and its pool)
+RESUMABLE_TASK_KEYS = ("score_workers", "sandbox")
 
 
 def decoding_tag(do_sample, temperature, top_p) -> str:
@@ -64,11 +66,13 @@ class SampleRecord:
     etpl: float | None  # generated_tokens ÷ loaded_layers
     drafted: int
     accepted: int
-    scores: dict  # the task's per-sample quality (pass, rouge2, …)
+    scores: dict | None  # the task's per-sample quality (pass, rouge2, …); a batch-scoring task's is None until
+    # the runner scores it after generation (runner.score_pending)
     peak_memory_bytes: int | None = None
     memory_measure: str | None = None
     model_bytes: int | None = None
     kv_cache_bytes: int | None = None
+    sandbox: str | None = None  # where generated code ran when it was scored: bwrap | fallback (HumanEval)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -226,7 +230,10 @@ class RunDir:
     @staticmethod
     def fingerprint(run_config: dict) -> dict:
         """The settings that define a run's results (what run_config.json holds)."""
-        return {k: v for k, v in run_config.items() if k not in RESUMABLE_KEYS}
+        fingerprint = {k: v for k, v in run_config.items() if k not in RESUMABLE_KEYS}
+        if isinstance(fingerprint.get("task"), dict):
+            fingerprint["task"] = {k: v for k, v in fingerprint["task"].items() if k not in RESUMABLE_TASK_KEYS}
+        return fingerprint
 
     def matches(self, run_config: dict) -> bool:
         """True when the directory holds a run made with these settings."""
@@ -263,6 +270,14 @@ class RunDir:
                 f.write("".join(json.dumps(r) + "\n" for r in rows))
                 f.flush()
                 os.fsync(f.fileno())
+
+    def set_scores(self, fields: dict[Key, dict]) -> None:
+        """Merge `fields` ({(sample_id, repeat): {"scores": …, …}}) into the finished sample records; one atomic
+        rewrite of samples.jsonl (the runner scores a batch-scoring task's outputs after generating them)."""
+        rows = _read_jsonl(self.samples_path)
+        for row in rows:
+            row.update(fields.get(key_of(row), {}))
+        _write_jsonl(self.samples_path, rows)
 
     def rounds(self) -> list[dict]:
         return _read_jsonl(self.rounds_path)

@@ -23,7 +23,16 @@ from del_bench.engine.decode import Engine
 from del_bench.engine.sampling import Sampling
 from del_bench.models import loading
 from del_bench.models.layer_stack import LayerStack
-from del_bench.records import RunDir, RunKey, SampleRecord, machine_of, prompts_fingerprint, run_key_of, write_json
+from del_bench.records import (
+    RunDir,
+    RunKey,
+    SampleRecord,
+    key_of,
+    machine_of,
+    prompts_fingerprint,
+    run_key_of,
+    write_json,
+)
 from del_bench.selection import select_samples, selection
 
 log = logging.getLogger(__name__)
@@ -81,13 +90,19 @@ def run(cfg: DictConfig, load=None) -> dict:
 
     run_dir = RunDir(cfg.out_dir)
     run_dir.claim(OmegaConf.to_container(cfg, resolve=True))
-    finished = {(r["sample_id"], r.get("repeat", 0)) for r in run_dir.finished()}
+    done = run_dir.finished()
+    finished = {(r["sample_id"], r.get("repeat", 0)) for r in done}
     todo = [(s, k) for s in samples for k in range(repeats) if (s.id, k) not in finished]
     log.info("%s: %d outputs to generate, %d already in %s", cfg.method.tag, len(todo),
              len(samples) * repeats - len(todo), run_dir.path)
+    # A batch-scoring task scores after generation; its scorer is checked (HumanEval: which sandbox) before it.
+    scoring = task.batch_scoring and (bool(todo) or any(r.get("scores") is None for r in done))
+    info = task.scoring_info() if scoring else {}
 
     if todo:
         decode_all(cfg, todo, task, method, sampling, run_dir, load or (lambda: load_model(cfg.model)))
+    if scoring:
+        score_pending(task, samples, run_dir, info)
 
     wanted = {(s.id, k) for s in samples for k in range(repeats)}
     records = [r for r in run_dir.finished() if (r["sample_id"], r.get("repeat", 0)) in wanted]
@@ -139,6 +154,20 @@ def decode_all(cfg, todo, task, method, sampling, run_dir: RunDir, load) -> None
         run_dir.append(record.as_dict(), rounds)
 
 
+def score_pending(task, samples, run_dir: RunDir, info: dict, chunk: int = 64) -> None:
+    """Score the finished outputs that have no scores yet with the task's `score_batch`, `chunk` at a time,
+    each chunk merged into samples.jsonl by one atomic rewrite: a run killed while scoring resumes here."""
+    by_id = {s.id: s for s in samples}
+    pending = [r for r in run_dir.finished() if r.get("scores") is None and r["sample_id"] in by_id]
+    if pending:
+        log.info("scoring %d outputs of %s (%s)", len(pending), task.name,
+                 ", ".join(f"{k}: {v}" for k, v in info.items()) or "no details")
+    for start in tqdm(range(0, len(pending), chunk), desc=f"scoring {task.name}", unit="chunk", disable=not pending):
+        part = pending[start:start + chunk]
+        scores = task.score_batch([(by_id[r["sample_id"]], r["output_text"]) for r in part])
+        run_dir.set_scores({key_of(r): {"scores": sc, **info} for r, sc in zip(part, scores)})
+
+
 def sample_record(sample, repeat, prompt_ids, gen, text, task, num_layers) -> SampleRecord:
     tokens = len(gen.output_ids)
     return SampleRecord(
@@ -147,7 +176,8 @@ def sample_record(sample, repeat, prompt_ids, gen, text, task, num_layers) -> Sa
         loaded_layers=gen.loaded_layers, head_calls=gen.head_calls, rounds=len(gen.rounds), wall_s=gen.wall_s,
         tokens_per_s=tokens / gen.wall_s if gen.wall_s > 0 else None,
         etpl=tokens / gen.loaded_layers if gen.loaded_layers else None,
-        drafted=gen.drafted, accepted=gen.accepted, scores=task.score(sample, text))
+        drafted=gen.drafted, accepted=gen.accepted,
+        scores=None if task.batch_scoring else task.score(sample, text))  # batch: set by score_pending
 
 
 def _mean(values) -> float | None:
@@ -183,6 +213,7 @@ def summarize(cfg: DictConfig, records: list[dict], rounds: list[dict], task) ->
         },
         "accepted_per_round": dict(sorted(Counter(r["accepted"] for r in rounds if r["drafted"]).items())),
         **memory_summary(records),
+        "sandbox": "; ".join(sorted({r["sandbox"] for r in records if r.get("sandbox")})) or None,
         "quality": task.aggregate([{"sample_id": r["sample_id"], "repeat": r.get("repeat", 0), **r["scores"]}
                                    for r in records]),
         "config": OmegaConf.to_container(cfg, resolve=True),

