@@ -6,11 +6,23 @@ E+1..L in one batch. A round therefore loads d·E + L layers (paper §4.1); the 
 and once per verified position up to the first rejection. Vanilla is the round with d = 0 and no split.
 The engine owns the KV cache, RNG, accounting and timing; methods only decide E, the budget and when to
 stop drafting.
+
+A round (Engine._round) is a short sequence of steps, each its own function:
+- plan: the method's exit layer E and budget γ, capped by the tokens left (budget 0 → E = L, no split);
+- _draft: layers 1..E (_draft_layers) and the draft head (_draft_token, which asks keep_drafting) token by
+  token → a Draft (layer-E states, drafts, draft distributions, candidates, confidences, early layers);
+- _verify: the d+1 layer-E states through E+1..L in one batch → Verified (normed states; LM-head rows on
+  demand; the late layers' states);
+- _accept: greedy or speculative sampling over Verified.row; emits; crops the cache to what was kept;
+- _observe: method.observe, or (shadow tokens) the round's valid window, held back and scored in batches;
+then the round's Round (accounting and timing). A new draft shape (e.g. sublayers skipped at full depth,
+or tokens emitted at intermediate heads) is a new draft step producing a Draft, not a copy of the loop.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 
 import torch
@@ -65,6 +77,36 @@ class Generation:
     @property
     def accepted(self) -> int:
         return sum(r.accepted for r in self.rounds)
+
+
+@dataclass
+class Draft:
+    """What drafting leaves for verification, acceptance and accounting (one round)."""
+
+    early: list[list[torch.Tensor]] | None = None  # shadow tokens only: [position][layer] → [1, 1, D]
+    exit_states: list[torch.Tensor] = field(default_factory=list)  # layer-E states, [1, 1, D] per position
+    drafts: list[int] = field(default_factory=list)  # d draft tokens
+    draft_probs: list[torch.Tensor | None] = field(default_factory=list)  # q_i [V] when sampling, else None
+    candidates: int = 0  # draft heads applied (a dropped low-confidence candidate counts too)
+    confidences: list[float] = field(default_factory=list)  # each candidate's (the last may be the dropped one)
+    keep_s: float = 0.0  # time inside method.keep_drafting: policy, not drafting
+
+
+@dataclass
+class Verified:
+    """The verification batch. The head runs row by row, only up to the first rejection (one row per round
+    on average when drafts rarely survive; a batched 5-row head costs ~4 single rows on a CPU)."""
+
+    h: torch.Tensor  # [1, d+1, D] the last layer's normed states of the d + 1 positions
+    late: list[torch.Tensor] | None  # shadow tokens only: layers E+1..L, each [1, d+1, D]
+    head: Callable[[torch.Tensor], torch.Tensor]  # the LM head: [1, T, D] → [1, T, V]
+    rows: dict[int, int] = field(default_factory=dict)  # verified row → the verifier's greedy token there
+
+    def row(self, i: int) -> torch.Tensor:
+        """The verifier's logits [V] at position i (the target_row of accept_greedy / accept_sampling)."""
+        logits = self.head(self.h[:, i : i + 1])[0, 0]  # [V]
+        self.rows[i] = int(logits.argmax())
+        return logits
 
 
 # rounds whose shadow scoring a method may defer (see Method.can_defer) before the engine scores them anyway
@@ -141,7 +183,9 @@ class Engine:
                                 policy_s=time.perf_counter() - t_policy))
 
     def _round(self, n: int, cache, gen: Generation, method: Method, max_new_tokens: int, rng) -> None:
-        st, L = self.stack, self.stack.num_layers
+        """One round: plan → draft → verify → accept → observe, then its Round. n = seq length (prompt +
+        emitted); the pending token (the last emitted) sits at position n − 1, in no layer's cache yet."""
+        L = self.stack.num_layers
         t = time.perf_counter()
         plan = method.plan()
         left = max_new_tokens - len(gen.output_ids)
@@ -149,84 +193,108 @@ class Engine:
         budget = min(plan.max_draft, left - 1) if plan.exit_layer else 0
         E = plan.exit_layer if budget > 0 else L
         t_draft = time.perf_counter()
-        policy_s = t_draft - t
+        draft = self._draft(gen.output_ids[-1], n - 1, E, budget, cache, method, rng)
+        # with no draft budget the single pass through all L layers is the verification itself
+        t_verify = t_draft if budget == 0 else time.perf_counter()
+        verified = self._verify(draft, E, n - 1, cache)
+        k, emitted = self._accept(draft, verified, n, cache, gen, rng)
+        t_observe = time.perf_counter()
+        d = len(draft.drafts)
+        evidence = RoundEvidence(exit_layer=plan.exit_layer if d else None, drafted=d, accepted=k,
+                                 budget_capped=budget < plan.max_draft)
+        self._observe(method, evidence, draft, verified, E)
+        t_end = time.perf_counter()
+        gen.rounds.append(Round(
+            round=len(gen.rounds), exit_layer=E if d else None, budget=budget, drafted=d, accepted=k,
+            emitted=emitted, loaded_layers=d * E + L, head_calls=draft.candidates + len(verified.rows),
+            # keep_drafting is the method's time, not drafting's
+            draft_s=t_verify - t_draft - draft.keep_s, verify_s=t_observe - t_verify,
+            policy_s=(t_draft - t) + draft.keep_s + (t_end - t_observe),
+            trace={**plan.trace, "draft_confidences": draft.confidences} if draft.confidences else plan.trace,
+        ))
 
-        token, pos = gen.output_ids[-1], n - 1  # the pending token sits at position n − 1
-        exit_states: list[torch.Tensor] = []  # layer-E hidden states, one [1, 1, D] per position
-        drafts: list[int] = []
-        draft_probs: list[torch.Tensor] = []
-        candidates = 0  # draft heads applied (a dropped low-confidence candidate counts too)
-        confidences: list[float] = []  # each candidate's, in order (the last may be the dropped one)
-        keep_s = 0.0  # time inside method.keep_drafting: policy, not drafting
+    # ---- draft: layers 1..E + the head, token by token ------------------------------------------------
+    def _draft(self, token: int, pos: int, E: int, budget: int, cache, method: Method, rng) -> Draft:
+        """Draft from the pending token at position pos until the budget, an EOS, or the method stops.
+
+        The pending token and every kept draft go through layers 1..E; the last one's pass is already
+        part of verification: its layer-E state joins the batch (a draft head ran on it only if its
+        candidate was dropped). With budget 0 (E = L) that single pass is the whole round's forward."""
+        draft = Draft(early=[] if method.wants_shadow else None)
         stop = budget == 0
-        early: list[list[torch.Tensor]] | None = [] if method.wants_shadow else None  # [position][layer]
         while True:
-            # layers 1..E for the newest token; for the last one this is already part of verification
-            layers = None if early is None else []
-            exit_states.append(st.forward_layers(st.embed(self._ids([token])), 0, E, pos, cache, collect=layers))
-            if early is not None:
-                early.append(layers)
+            self._draft_layers(token, pos, E, cache, draft)
             pos += 1
-            if stop or len(drafts) >= budget:
-                break
-            logits = st.logits(exit_states[-1])[0, -1]  # [V]
-            candidates += 1
-            candidate, q = choose(logits, self.sampling, rng)
-            keep = True
-            if method.wants_confidence:
-                # the draft distribution's top probability: it does not depend on which token was
-                # sampled, so stopping on it keeps speculative sampling exact
-                confidence = float(q.max() if q is not None else logits.softmax(-1).max())
-                confidences.append(confidence)
-                tp = time.perf_counter()
-                keep = method.keep_drafting(len(drafts), confidence)
-                keep_s += time.perf_counter() - tp
-                if not keep and method.drop_stopped_draft:  # Algorithm 1: break before appending
-                    break
-            drafts.append(candidate)
-            draft_probs.append(q)
+            if stop or len(draft.drafts) >= budget:
+                return draft
+            candidate, keep = self._draft_token(draft, method, rng)
+            if candidate is None:  # stopped, and the stopping candidate is dropped
+                return draft
             token = candidate
             stop = not keep or candidate in self.eos_ids
 
-        # with no draft budget the single pass through all L layers is the verification itself
-        t_verify = t_draft if budget == 0 else time.perf_counter()
-        d = len(drafts)
-        # verify: all d + 1 positions through E+1..L at once, from the layer-E states of drafting
-        late: list[torch.Tensor] | None = None if early is None else []  # [layer] → [1, d+1, D]
-        h = st.norm(st.forward_layers(torch.cat(exit_states, dim=1), E, L, n - 1, cache, collect=late))
-        rows: dict[int, int] = {}  # verified row → the verifier's greedy token there
-        # the head runs row by row, only up to the first rejection (one row per round on average when
-        # drafts rarely survive; a batched 5-row head costs ~4 single rows on a CPU)
+    def _draft_layers(self, token: int, pos: int, E: int, cache, draft: Draft) -> None:
+        """Layers 1..E for one token at position pos (writing their KV); its layer-E state [1, 1, D]
+        goes to draft.exit_states and, for shadow tokens, every layer's output to draft.early."""
+        layers = None if draft.early is None else []
+        h = self.stack.forward_layers(self.stack.embed(self._ids([token])), 0, E, pos, cache, collect=layers)
+        draft.exit_states.append(h)  # [1, 1, D]
+        if draft.early is not None:
+            draft.early.append(layers)  # E × [1, 1, D]
 
-        def target_row(i: int) -> torch.Tensor:
-            logits = st.head(h[:, i : i + 1])[0, 0]  # [V]
-            rows[i] = int(logits.argmax())
-            return logits
+    def _draft_token(self, draft: Draft, method: Method, rng) -> tuple[int | None, bool]:
+        """The draft head on the newest layer-E state: a candidate token, and whether to keep drafting
+        after it (method.keep_drafting, for methods that want confidence). Returns (None, False) when
+        the candidate that stopped drafting is dropped (drop_stopped_draft: DEL's Algorithm 1)."""
+        logits = self.stack.logits(draft.exit_states[-1])[0, -1]  # [V]
+        draft.candidates += 1
+        candidate, q = choose(logits, self.sampling, rng)  # q: the warped draft distribution [V] when sampling
+        keep = True
+        if method.wants_confidence:
+            # the draft distribution's top probability: it does not depend on which token was
+            # sampled, so stopping on it keeps speculative sampling exact
+            confidence = float(q.max() if q is not None else logits.softmax(-1).max())
+            draft.confidences.append(confidence)
+            tp = time.perf_counter()
+            keep = method.keep_drafting(len(draft.drafts), confidence)
+            draft.keep_s += time.perf_counter() - tp
+            if not keep and method.drop_stopped_draft:  # Algorithm 1: break before appending
+                return None, False
+        draft.drafts.append(candidate)
+        draft.draft_probs.append(q)
+        return candidate, keep
 
+    # ---- verify, accept, observe --------------------------------------------------------------------
+    def _verify(self, draft: Draft, E: int, pos: int, cache) -> Verified:
+        """All d + 1 positions (from pos) through layers E+1..L at once, from drafting's layer-E states.
+        No head runs here: acceptance asks for rows one by one (Verified.row)."""
+        late: list[torch.Tensor] | None = None if draft.early is None else []  # [layer] → [1, d+1, D]
+        states = torch.cat(draft.exit_states, dim=1)  # [1, d+1, D]
+        h = self.stack.norm(self.stack.forward_layers(states, E, self.stack.num_layers, pos, cache, collect=late))
+        return Verified(h, late, self.stack.head)
+
+    def _accept(self, draft: Draft, verified: Verified, n: int, cache, gen: Generation, rng) -> tuple[int, int]:
+        """Accept a prefix of the drafts (greedy: the verifier's argmax; sampling: speculative sampling)
+        and emit it with the verifier's next token; crop the cache to the kept positions.
+        Returns (k accepted drafts, tokens emitted: fewer than k + 1 after an EOS or a stop)."""
         if self.sampling.do_sample:
-            k, next_token = accept_sampling(drafts, draft_probs, target_row, self.sampling, rng)
+            k, next_token = accept_sampling(draft.drafts, draft.draft_probs, verified.row, self.sampling, rng)
         else:
-            k, next_token = accept_greedy(drafts, target_row)
-        emitted = self._emit(gen, drafts[:k] + [next_token])
+            k, next_token = accept_greedy(draft.drafts, verified.row)
+        emitted = self._emit(gen, draft.drafts[:k] + [next_token])
         cache.crop(n + k)  # keep the pending token and the accepted drafts; the new pending is next_token
-        t_observe = time.perf_counter()
-        verify_s = t_observe - t_verify
-        evidence = RoundEvidence(exit_layer=plan.exit_layer if d else None, drafted=d, accepted=k,
-                                 budget_capped=budget < plan.max_draft)
-        if early is None:
+        return k, emitted
+
+    def _observe(self, method: Method, evidence: RoundEvidence, draft: Draft, verified: Verified, E: int) -> None:
+        """Hand the method its evidence. With shadow tokens, the round's valid window is held back and
+        scored in one batch with the other held-back rounds, once the method may not defer any longer."""
+        if draft.early is None:
             method.observe(evidence)
-        else:
-            self._deferred.append((evidence, *self._window(early, late, E, k, rows, target_row)))
-            windows = [states.shape[1] for _, states, _ in self._deferred]
-            if len(windows) >= MAX_DEFERRED or not method.can_defer(windows):
-                self._observe_deferred(method)
-        policy_s += keep_s + time.perf_counter() - t_observe
-        gen.rounds.append(Round(
-            round=len(gen.rounds), exit_layer=E if d else None, budget=budget, drafted=d, accepted=k,
-            emitted=emitted, loaded_layers=d * E + L, head_calls=candidates + len(rows),
-            draft_s=t_verify - t_draft - keep_s, verify_s=verify_s, policy_s=policy_s,
-            trace={**plan.trace, "draft_confidences": confidences} if confidences else plan.trace,
-        ))
+            return
+        self._deferred.append((evidence, *self._window(draft, verified, E, evidence.accepted)))
+        windows = [states.shape[1] for _, states, _ in self._deferred]
+        if len(windows) >= MAX_DEFERRED or not method.can_defer(windows):
+            self._observe_deferred(method)
 
     def _observe_deferred(self, method: Method) -> None:
         """Score the shadow tokens of every deferred round in one head pass ([L-1, ΣW, D] rows: the head's
@@ -241,20 +309,20 @@ class Engine:
             method.observe(replace(ev, shadow=Shadow(shadow.tokens[:, part], shadow.confidence[:, part],
                                                      shadow.target[part], shadow.states[:, part])))
 
-    def _window(self, early, late, E: int, k: int, rows: dict, target_row) -> tuple[torch.Tensor, torch.Tensor]:
+    def _window(self, draft: Draft, verified: Verified, E: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Hidden states [L-1, W, D] and the full model's tokens [W] of the valid window, positions 0..k
         (k = accepted drafts: later positions were computed on a context the model did not keep). Layers
         1..E come from drafting, E+1..L−1 from the verification batch."""
         L, W = self.stack.num_layers, k + 1
         m = min(E, L - 1)  # layers 1..m come from drafting
         # early[i][j]: position i after layer j + 1, [1, 1, D] → [m, W, D]
-        states = torch.cat([torch.cat(layers[:m]) for layers in early[:W]], dim=1)
+        states = torch.cat([torch.cat(layers[:m]) for layers in draft.early[:W]], dim=1)
         if m < L - 1:  # late[j]: layers E+1.., each [1, d+1, D] → [L-1-E, W, D]
-            states = torch.cat([states, torch.cat(late[: L - 1 - m])[:, :W]])  # [L-1, W, D]
+            states = torch.cat([states, torch.cat(verified.late[: L - 1 - m])[:, :W]])  # [L-1, W, D]
         for i in range(W):  # acceptance computed rows 0..k already; this only guards the invariant
-            if i not in rows:
-                target_row(i)
-        target = torch.tensor([rows[i] for i in range(W)], device=states.device)
+            if i not in verified.rows:
+                verified.row(i)
+        target = torch.tensor([verified.rows[i] for i in range(W)], device=states.device)
         return states, target
 
     def _shadow_of(self, states: torch.Tensor, target: torch.Tensor, vocab: int | None) -> Shadow:
