@@ -19,15 +19,20 @@ import glob
 import logging
 import os
 import threading
+from dataclasses import fields
 from pathlib import Path
+
+from del_bench.engine.decode import Round
+from del_bench.records import SampleRecord
 
 log = logging.getLogger(__name__)
 
-ROUND_COLUMNS = ("sample_id", "repeat", "round", "exit_layer", "budget", "drafted", "accepted", "emitted",
-                 "loaded_layers", "head_calls", "draft_s", "verify_s", "policy_s", "tau", "alpha_exit",
-                 "chosen_exit_layer", "gamma_tpl")
-SAMPLE_COLUMNS = ("sample_id", "repeat", "generated_tokens", "wall_s", "tokens_per_s", "etpl", "drafted",
-                  "accepted", "loaded_layers", "head_calls", "rounds", "peak_memory_bytes")
+# the W&B tables' columns come from the record contract: every Round field (a method's trace fields are columns of
+# their own; DEL's scalar ones are mirrored) and every numeric SampleRecord field
+DEL_TRACE = ("tau", "alpha_exit", "chosen_exit_layer", "gamma_tpl")
+ROUND_COLUMNS = ("sample_id", "repeat", *(f.name for f in fields(Round) if f.name != "trace"), *DEL_TRACE)
+SAMPLE_COLUMNS = ("sample_id", *(f.name for f in fields(SampleRecord)
+                                 if f.type.split(" |")[0] in ("int", "float") and f.name != "sample_id"))
 RECORD_FILES = ("summary.json", "run_config.json")
 
 
@@ -50,15 +55,6 @@ def resolve_mode(mode: str | None) -> str:
     return mode
 
 
-def experiment_name() -> str | None:
-    """The chosen experiment (experiment=table1 → "table1") inside a Hydra job, else None."""
-    try:
-        from hydra.core.hydra_config import HydraConfig
-
-        return HydraConfig.get().runtime.choices.get("experiment") if HydraConfig.initialized() else None
-    except Exception:  # noqa: BLE001
-        return None
-
 
 def mirror(logger_cfg, summary: dict, rounds: list[dict], out_dir: str, samples: list[dict] | None = None) -> None:
     if logger_cfg is None or logger_cfg.get("name", "none") == "none":
@@ -67,7 +63,8 @@ def mirror(logger_cfg, summary: dict, rounds: list[dict], out_dir: str, samples:
 
     if isinstance(logger_cfg, DictConfig):
         logger_cfg = OmegaConf.to_container(logger_cfg, resolve=True)
-    settings = {**logger_cfg, "group": logger_cfg.get("group") or experiment_name()}
+    # group = the experiment whose sweep made the run (its config's experiment_name; null for an ad hoc run)
+    settings = {**logger_cfg, "group": logger_cfg.get("group") or (summary.get("config") or {}).get("experiment_name")}
     timeout = float(settings.get("timeout") or 60)
     errors: list[BaseException] = []
 
