@@ -238,17 +238,18 @@ class Sandbox:
                      "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
         else:
             args += ["--unshare-all"]
-        made: set[str] = set()
+        # /tmp first: a root below it (a venv in a clone under /tmp, as CI makes) is bound on top of the tmpfs
+        if _bwrap_version(path) >= (0, 10):
+            args += ["--size", str(self.limits.tmpfs_mb << 20)]
+        args += ["--perms", "1777", "--tmpfs", "/tmp"]
+        made: set[str] = {"/tmp"}
         for p in _readable_roots():
             for parent in reversed(Path(p).parents[:-1]):  # bwrap would make them 0700: unreadable as a private uid
                 if str(parent) not in made:
                     made.add(str(parent))
                     args += ["--perms", "0755", "--dir", str(parent)]
             args += ["--symlink", os.readlink(p), p] if os.path.islink(p) else ["--ro-bind", p, p]
-        args += ["--dev", "/dev", "--proc", "/proc"]
-        if _bwrap_version(path) >= (0, 10):
-            args += ["--size", str(self.limits.tmpfs_mb << 20)]
-        args += ["--perms", "1777", "--tmpfs", "/tmp", "--chdir", "/tmp", "--"]
+        args += ["--dev", "/dev", "--proc", "/proc", "--chdir", "/tmp", "--"]
         return args
 
     # ------------------------------------------------------------------ running programs

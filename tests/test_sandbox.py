@@ -25,6 +25,14 @@ PROBLEM = {
     "entry_point": "add",
 }
 BWRAP = bwrap_works()
+# CI (.ci/run) runs where bwrap works: there a sandbox that silently fell back would only skip, so it must fail
+REQUIRE_BWRAP = os.environ.get("DEL_BENCH_REQUIRE_BWRAP") == "1"
+
+
+def test_bwrap_runs_where_it_is_required():
+    assert BWRAP or not REQUIRE_BWRAP, "DEL_BENCH_REQUIRE_BWRAP=1 but bwrap cannot run here"
+
+
 needs_bwrap = pytest.mark.skipif(not BWRAP, reason="bwrap cannot run here (the fallback tests still run)")
 LIMITS = Limits(memory_mb=256)  # small, so the memory bombs fail fast and light
 
