@@ -1,4 +1,4 @@
-"""python -m del_bench {run,calibrate,ls,show,report,train-layerskip} …
+"""python -m del_bench {run,calibrate,ls,show,report,train-layerskip,export} …
 
   run  [-m] model=M task=T method=X [key=value …]   decode and write records (Hydra; -m sweeps)
   calibrate [-m] model=M task=T [grid.exit_layers=[…] grid.gammas=[…]]
@@ -7,6 +7,8 @@
   show DIR [DIR …]                                  a table of runs' summary.json (speedup vs vanilla)
   report [--tables-only|--figures-only] [DIRS …]    paper tables and figures from run records (offline)
   train-layerskip [preset=P] [key=value …]          LayerSkip training (configs/train; rerun resumes)
+  export specbench RUN_DIR OUT.jsonl [--model-id ID]
+                                                    a run as Spec-Bench answers (its evaluation/speed.py reads them)
 """
 
 from __future__ import annotations
@@ -157,8 +159,34 @@ def cmd_train_layerskip(argv: list[str]) -> int:
     return 0
 
 
+def cmd_export(argv: list[str]) -> int:
+    """`export specbench RUN_DIR OUT.jsonl [--model-id ID]` (del_bench/specbench.py: the layout and mapping)."""
+    args = list(argv)
+    model_id = None
+    if "--model-id" in args:
+        i = args.index("--model-id")
+        if i + 1 >= len(args):
+            print("export: --model-id needs a value", file=sys.stderr)
+            return 2
+        model_id = args[i + 1]
+        del args[i:i + 2]
+    if len(args) != 3 or args[0] != "specbench":
+        print("usage: python -m del_bench export specbench RUN_DIR OUT.jsonl [--model-id ID]", file=sys.stderr)
+        return 2
+    from del_bench import specbench
+
+    _, run_dir, out = args
+    try:
+        count = specbench.export(run_dir, out, model_id)
+    except (FileNotFoundError, ValueError) as err:
+        print(f"export: {err}", file=sys.stderr)
+        return 2
+    print(f"{out}: {count} questions")
+    return 0
+
+
 COMMANDS = {"run": cmd_run, "calibrate": cmd_calibrate, "ls": cmd_ls, "show": cmd_show, "report": cmd_report,
-            "train-layerskip": cmd_train_layerskip}
+            "train-layerskip": cmd_train_layerskip, "export": cmd_export}
 
 
 def main() -> int:

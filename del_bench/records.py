@@ -73,9 +73,21 @@ class SampleRecord:
     model_bytes: int | None = None
     kv_cache_bytes: int | None = None
     sandbox: str | None = None  # where generated code ran when it was scored: bwrap | fallback (HumanEval)
+    category: str | None = None  # the sample's category where the task has them (Spec-Bench)
+    prompt_format: str | None = None  # multi-turn tasks: how turns were rendered (chat_template:<digest> | plain)
+    # multi-turn samples (else None): one dict per turn (TURN_FIELDS); the fields above are then over the whole
+    # conversation: prompt/prompt_ids = turn 0's, output_ids = the turns' concatenated, output_text = the turns'
+    # texts joined by a blank line, and generated_tokens, rounds, wall_s, loaded_layers, head_calls, drafted,
+    # accepted = sums over turns (so tokens_per_s = all tokens ÷ all seconds of the conversation)
+    turns: list[dict] | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+# one entry of SampleRecord.turns; that turn's rounds are the rounds.jsonl lines with the same `turn`
+TURN_FIELDS = ("turn", "user", "prompt", "prompt_ids", "output_ids", "output_text", "new_tokens", "wall_s", "rounds",
+               "loaded_layers", "head_calls", "drafted", "accepted")
 
 
 def machine_of(provenance: dict) -> str:

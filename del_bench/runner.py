@@ -134,15 +134,23 @@ def decode_all(cfg, todo, task, method, sampling, run_dir: RunDir, load) -> None
     """Generate every (sample, repeat) in `todo`, appending its records (and its peak memory) as it finishes."""
     loaded, stack = load()
     tokenizer = loaded.tokenizer
+    task.bind_tokenizer(tokenizer)  # multi-turn tasks render chat turns with it
     engine = Engine(stack, sampling, eos_ids(loaded.model, tokenizer), stop=stop_strings(task.stop_strings, tokenizer))
     if method.wants_costs:  # the calibrated cost model: measured once per run (a resume reuses it)
         costs = run_dir.costs() or engine.stack.measure_costs()
         run_dir.write_costs(costs)
         method.set_costs(**costs)
     if cfg.warmup_tokens:  # untimed: first-call allocations and kernel selection
-        engine.generate(tokenizer(todo[0][0].prompt)["input_ids"], method, cfg.warmup_tokens, 0)
+        first = todo[0][0]
+        warm = first.prompt if first.turns is None else task.render(first, [])
+        engine.generate(tokenizer(warm)["input_ids"], method, cfg.warmup_tokens, 0)
     weights = memory.model_bytes(loaded.model)
     for sample, repeat in tqdm(todo, desc=f"{cfg.method.tag} on {cfg.task.name}", unit="sample"):
+        if sample.turns is not None:
+            record, rounds = decode_turns(cfg, engine, tokenizer, task, method, sample, repeat, loaded)
+            record.model_bytes, record.kv_cache_bytes = weights, memory.cache_bytes(engine.cache)
+            run_dir.append(record.as_dict(), rounds)
+            continue
         prompt_ids = list(tokenizer(sample.prompt)["input_ids"])
         with memory.PeakMemory(loaded.device) as peak:  # reset/read outside the engine's timed region
             gen = engine.generate(prompt_ids, method, cfg.max_new_tokens, sample_seed(cfg.seed, sample.id, repeat))
@@ -168,6 +176,44 @@ def score_pending(task, samples, run_dir: RunDir, info: dict, chunk: int = 64) -
         run_dir.set_scores({key_of(r): {"scores": sc, **info} for r, sc in zip(part, scores)})
 
 
+def decode_turns(cfg, engine, tokenizer, task, method, sample, repeat, loaded) -> tuple[SampleRecord, list[dict]]:
+    """A multi-turn sample: each turn a fresh generation over the whole conversation rendered by the task (the
+    model's own earlier answers in it), max_new_tokens per turn. The record's totals are sums over turns; its
+    `turns` keep each turn's tokens, time and rounds; each round line gets its `turn` (rounds restart at 0)."""
+    history: list[tuple[str, str]] = []
+    turns: list[dict] = []
+    rounds: list[dict] = []
+    with memory.PeakMemory(loaded.device) as peak:  # the whole conversation
+        for t, user in enumerate(sample.turns):
+            prompt = task.render(sample, history)
+            prompt_ids = list(tokenizer(prompt)["input_ids"])
+            seed = sample_seed(cfg.seed, sample.id if t == 0 else f"{sample.id}#turn{t}", repeat)
+            gen = engine.generate(prompt_ids, method, cfg.max_new_tokens, seed)
+            text = tokenizer.decode(gen.output_ids, skip_special_tokens=True)
+            turns.append({"turn": t, "user": user, "prompt": prompt, "prompt_ids": prompt_ids,
+                          "output_ids": gen.output_ids, "output_text": text, "new_tokens": len(gen.output_ids),
+                          "wall_s": gen.wall_s, "rounds": len(gen.rounds), "loaded_layers": gen.loaded_layers,
+                          "head_calls": gen.head_calls, "drafted": gen.drafted, "accepted": gen.accepted})
+            rounds += [{"sample_id": sample.id, "repeat": repeat, "turn": t, **r.as_dict()} for r in gen.rounds]
+            history.append((user, text.strip()))  # as Spec-Bench puts the answer back into the conversation
+
+    def total(key):
+        return sum(turn[key] for turn in turns)
+
+    tokens, wall_s, layers = total("new_tokens"), total("wall_s"), total("loaded_layers")
+    text = "\n\n".join(turn["output_text"] for turn in turns)
+    record = SampleRecord(
+        sample_id=sample.id, repeat=repeat, task_version=task.version, prompt=turns[0]["prompt"],
+        prompt_ids=turns[0]["prompt_ids"], output_ids=[i for turn in turns for i in turn["output_ids"]],
+        output_text=text, generated_tokens=tokens, num_layers=loaded.num_layers, loaded_layers=layers,
+        head_calls=total("head_calls"), rounds=total("rounds"), wall_s=wall_s,
+        tokens_per_s=tokens / wall_s if wall_s > 0 else None, etpl=tokens / layers if layers else None,
+        drafted=total("drafted"), accepted=total("accepted"),
+        scores=None if task.batch_scoring else task.score(sample, text), peak_memory_bytes=peak.bytes, memory_measure=peak.measure, category=sample.category,
+        prompt_format=task.prompt_format, turns=turns)
+    return record, rounds
+
+
 def sample_record(sample, repeat, prompt_ids, gen, text, task, num_layers) -> SampleRecord:
     tokens = len(gen.output_ids)
     return SampleRecord(
@@ -176,7 +222,7 @@ def sample_record(sample, repeat, prompt_ids, gen, text, task, num_layers) -> Sa
         loaded_layers=gen.loaded_layers, head_calls=gen.head_calls, rounds=len(gen.rounds), wall_s=gen.wall_s,
         tokens_per_s=tokens / gen.wall_s if gen.wall_s > 0 else None,
         etpl=tokens / gen.loaded_layers if gen.loaded_layers else None,
-        drafted=gen.drafted, accepted=gen.accepted,
+        drafted=gen.drafted, accepted=gen.accepted, category=sample.category,
         scores=None if task.batch_scoring else task.score(sample, text))  # batch: set by score_pending
 
 

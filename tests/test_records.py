@@ -114,7 +114,7 @@ def _readme_fields(file: str) -> set[str]:
 
 def test_readme_record_table_lists_the_dataclass_fields():
     assert _readme_fields("samples.jsonl") == {f.name for f in dataclasses.fields(SampleRecord)}
-    rounds = {f.name for f in dataclasses.fields(Round)} - {"trace"} | {"sample_id", "repeat"}
+    rounds = {f.name for f in dataclasses.fields(Round)} - {"trace"} | {"sample_id", "repeat", "turn"}
     assert _readme_fields("rounds.jsonl") == rounds
     assert _readme_fields("summary.json") >= {"run_key", "selection", "quality", "provenance"}
     assert {f.name for f in dataclasses.fields(RunKey)} <= _readme_fields("run_key")

@@ -5,6 +5,7 @@
     write_report(roots, out_tables=None)    figures only  (make figures)
     cli(argv) -> exit code         argument handling for `python -m del_bench report`
 
+The Spec-Bench table (report/specbench.py) is written only where there are Spec-Bench runs.
 `report` alone reads the committed reference records (results/reference) and rewrites the committed
 results/tables and results/figures: on a fresh clone, byte for byte what is committed. `report DIRS…` reads
 your own runs (runs of no experiment included: you asked for them) and writes to results/runs/report/, so it
@@ -31,8 +32,10 @@ def write_report(roots: Iterable[str | Path] = DEFAULT_ROOTS, out_tables: str | 
     df = load_runs(roots)
     written = []
     if out_tables is not None:
+        from .specbench import write_specbench
         from .tables import write_tables
         written += write_tables(df, out_tables, adhoc)
+        written += write_specbench(df, out_tables, adhoc)  # only where there are Spec-Bench runs
     if out_figures is not None:
         from .figures import write_figures  # matplotlib only when figures are wanted
         written += write_figures(df, out_figures)

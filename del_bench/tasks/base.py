@@ -3,6 +3,9 @@
 A task is one file here plus one YAML in configs/task/. The runner only calls `select`,
 `prompt` (through `Sample.prompt`), `score` (or, for a task with `batch_scoring`, `scoring_info` and
 `score_batch` after generation) and `aggregate`; the engine never sees a task.
+Multi-turn tasks (Spec-Bench's MT-bench questions) give `Sample.turns` instead: the runner then calls
+`bind_tokenizer` once and `render(sample, history)` before each turn, since a later turn's prompt holds the
+model's own earlier answers.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ class Sample:
     prompt: str  # the exact text the model is given
     reference: Any = None  # what `score` compares the output with
     meta: dict = field(default_factory=dict)
+    turns: list[str] | None = None  # multi-turn: the user's messages, asked in order (prompt text: Task.render)
+    category: str | None = None  # recorded with the sample (SampleRecord.category): tables group by it
 
 
 class Task(ABC):
@@ -48,6 +53,17 @@ class Task(ABC):
             return samples
         keep = sorted(random.Random(seed).sample(range(len(samples)), count))
         return [samples[i] for i in keep]
+
+    prompt_format: str | None = None  # multi-turn tasks: how render() formats a conversation (recorded)
+    tokenizer: Any = None
+
+    def bind_tokenizer(self, tokenizer) -> None:
+        """Called by the runner once the model is loaded, before any render() (chat templates live there)."""
+        self.tokenizer = tokenizer
+
+    def render(self, sample: Sample, history: list[tuple[str, str]]) -> str:
+        """Multi-turn samples: the prompt text of turn len(history), given [(user turn, model answer), …]."""
+        raise NotImplementedError(f"task {self.name}: sample {sample.id} has turns but the task has no render()")
 
     def score(self, sample: Sample, output_text: str) -> dict[str, float]:
         """Per-sample quality metrics (empty when the task has no reference)."""
