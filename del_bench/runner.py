@@ -209,8 +209,8 @@ def decode_turns(cfg, engine, tokenizer, task, method, sample, repeat, loaded) -
         head_calls=total("head_calls"), rounds=total("rounds"), wall_s=wall_s,
         tokens_per_s=tokens / wall_s if wall_s > 0 else None, etpl=tokens / layers if layers else None,
         drafted=total("drafted"), accepted=total("accepted"),
-        scores=None if task.batch_scoring else task.score(sample, text), peak_memory_bytes=peak.bytes, memory_measure=peak.measure, category=sample.category,
-        prompt_format=task.prompt_format, turns=turns)
+        scores=None if task.batch_scoring else task.score(sample, text), peak_memory_bytes=peak.bytes,
+        memory_measure=peak.measure, category=sample.category, prompt_format=task.prompt_format, turns=turns)
     return record, rounds
 
 
