@@ -25,8 +25,10 @@ Where the paper and the authors' code differ (DESIGN.md §4), the choice is a ke
 - `scope: run` (the authors' code, default): the optimiser, the current set, its best matchness and the stop
   state persist for the whole run — later prompts use the frozen set, and a candidate must beat a score measured
   on an earlier prompt's context. `scope: prompt` (the paper's "per instance"): all restart with every prompt.
-  With `scope: run` a run depends on prompt order, and a resumed run starts a fresh search (its state is not
-  in the records; the best set so far is: pass it back with `skip_set=RUN_DIR`).
+  The state lives in the method object, i.e. for one invocation of `run`: with `scope: run` a run depends on
+  prompt order, and a resumed run — or an interleaved bench, which decodes one prompt per invocation — starts a
+  fresh search each time (the state is not in the records; the best set so far is: pass it back with
+  `skip_set=RUN_DIR`), so there it behaves as `scope: prompt`.
 - `opt_window: first` (the authors' code): the first context_window + 1 generated tokens of the prompt;
   `last`: the latest ones (beyond the paper).
 - Initial best matchness 0 (the authors' code): the first scored candidate replaces the start set, which is
