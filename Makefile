@@ -14,7 +14,7 @@ export HF_DATASETS_OFFLINE ?= 1
 export TRANSFORMERS_NO_ADVISORY_WARNINGS ?= 1
 
 .DEFAULT_GOAL := help
-.PHONY: help setup demo test lint tables figures bench-peer bench-parts bench-controller bench-del bench-testbed bench-sandbox smoke-tasks testbed clean
+.PHONY: help setup demo test lint tables figures bench-peer bench-parts bench-controller bench-del bench-testbed bench-swift bench-sandbox smoke-tasks testbed clean
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -76,6 +76,10 @@ bench-testbed: setup ## the paper's picture on the LayerSkip testbed: DEL vs gri
 	$(PY) scripts/bench_del.py --model testbed --tasks humaneval,code --limit 8 --max-new-tokens 128 \
 	  --grid 1:2,1:4,2:2,2:4,2:6,3:4,3:6,4:4,4:6,6:6 --del-methods del,del_cpu,del_e,del_gamma,del_e_lim \
 	  --root $(RECORDS)/bench/testbed_runs --out $(RECORDS)/bench/testbed.json --experiment bench-testbed
+
+bench-swift: setup ## SWIFT (searched, then its found set fixed) vs Vanilla, LS best, DEL on SmolLM2 and the testbed (~20 min) → $(RECORDS)/bench/swift.json
+	$(PY) scripts/bench_swift.py --models smollm2-135m:0.2,testbed:0.45 --limit 4 --max-new-tokens 96 \
+	  --swift-overrides method.bo_polish=false --root $(RECORDS)/bench/swift_runs --out $(RECORDS)/bench/swift.json
 
 bench-sandbox: setup ## HumanEval scoring in the sandbox vs check_correctness: overhead, 164 canonical, committed runs rescored → $(RECORDS)/bench/sandbox.json
 	$(PY) scripts/bench_sandbox.py --out $(RECORDS)/bench/sandbox.json

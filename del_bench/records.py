@@ -58,7 +58,7 @@ class SampleRecord:
     output_text: str
     generated_tokens: int
     num_layers: int
-    loaded_layers: int  # Σ over rounds of drafted·E + L (prefill: L)
+    loaded_layers: float  # Σ over rounds of drafted·E + L (prefill: L); SWIFT: drafted·(L − skipped sublayers/2) + L
     head_calls: int  # LM-head rows
     rounds: int  # rounds.jsonl lines of this output, prefill included
     wall_s: float  # prefill + rounds, tokenisation excluded

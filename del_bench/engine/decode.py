@@ -17,6 +17,14 @@ A round (Engine._round) is a short sequence of steps, each its own function:
 - _observe: method.observe, or (shadow tokens) the round's valid window, held back and scored in batches;
 then the round's Round (accounting and timing). A new draft shape (e.g. sublayers skipped at full depth,
 or tokens emitted at intermediate heads) is a new draft step producing a Draft, not a copy of the loop.
+
+SWIFT's draft shape (Plan.skip, no exit layer) is such a step: _draft_skipping runs every layer with a set of
+attention/MLP sublayers skipped (writing KV in place only where attention runs), _verify_full runs all L layers
+over the pending token and the drafts from their embeddings (rewriting every layer's entries there), and
+_accept's crop rolls rejected positions back — no cache is cloned. A round loads d·(L − skipped/2) + L layers
+(a sublayer counts ½). Before planning, _probe runs the optimiser's teacher-forced pass when the method asks
+for one (Method.probe): its time is part of policy_s (also traced as opt_s), its layers and head rows are part
+of the round's loaded_layers and head_calls (also traced as opt_loaded_layers, opt_head_calls).
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 
 from del_bench.engine.sampling import Sampling, accept_greedy, accept_sampling, choose
-from del_bench.methods.base import Method, RoundEvidence, Shadow
+from del_bench.methods.base import Method, RoundEvidence, Shadow, SkipSet
 from del_bench.models.layer_stack import KVCache, LayerStack, synchronize
 
 
@@ -42,7 +50,8 @@ class Round:
     drafted: int
     accepted: int
     emitted: int
-    loaded_layers: int  # drafted·E + L
+    loaded_layers: float  # drafted·E + L; SWIFT: drafted·(L − skipped/2) + L + its optimiser's pass (an int
+    # unless half a layer is left over)
     head_calls: int  # LM-head rows: draft candidates (incl. a dropped one) + verify rows up to the rejection
     draft_s: float = 0.0
     verify_s: float = 0.0
@@ -107,6 +116,11 @@ class Verified:
         logits = self.head(self.h[:, i : i + 1])[0, 0]  # [V]
         self.rows[i] = int(logits.argmax())
         return logits
+
+
+def _whole(layers: float) -> float:
+    """Loaded layers as an int where they are whole (every method but SWIFT's odd sublayer counts)."""
+    return int(layers) if float(layers).is_integer() else layers
 
 
 # rounds whose shadow scoring a method may defer (see Method.can_defer) before the engine scores them anyway
@@ -187,16 +201,23 @@ class Engine:
         emitted); the pending token (the last emitted) sits at position n − 1, in no layer's cache yet."""
         L = self.stack.num_layers
         t = time.perf_counter()
+        probed = self._probe(method, n, gen, cache)  # the optimiser's pass, if the method asks for one (SWIFT)
         plan = method.plan()
         left = max_new_tokens - len(gen.output_ids)
+        skipping = plan.skip is not None and not plan.exit_layer  # SWIFT: full depth, sublayers skipped
         # a round emits at most d + 1 tokens: capping d at left − 1 means we never overshoot
-        budget = min(plan.max_draft, left - 1) if plan.exit_layer else 0
-        E = plan.exit_layer if budget > 0 else L
+        budget = min(plan.max_draft, left - 1) if plan.exit_layer or skipping else 0
+        E = plan.exit_layer if budget > 0 and not skipping else L
         t_draft = time.perf_counter()
-        draft = self._draft(gen.output_ids[-1], n - 1, E, budget, cache, method, rng)
-        # with no draft budget the single pass through all L layers is the verification itself
-        t_verify = t_draft if budget == 0 else time.perf_counter()
-        verified = self._verify(draft, E, n - 1, cache)
+        if skipping:
+            draft = self._draft_skipping(gen.output_ids[-1], n - 1, plan.skip, budget, cache, method, rng)
+            t_verify = time.perf_counter()
+            verified = self._verify_full([gen.output_ids[-1], *draft.drafts], n - 1, cache)
+        else:
+            draft = self._draft(gen.output_ids[-1], n - 1, E, budget, cache, method, rng)
+            # with no draft budget the single pass through all L layers is the verification itself
+            t_verify = t_draft if budget == 0 else time.perf_counter()
+            verified = self._verify(draft, E, n - 1, cache)
         k, emitted = self._accept(draft, verified, n, cache, gen, rng)
         t_observe = time.perf_counter()
         d = len(draft.drafts)
@@ -204,13 +225,18 @@ class Engine:
                                  budget_capped=budget < plan.max_draft)
         self._observe(method, evidence, draft, verified, E)
         t_end = time.perf_counter()
+        loaded = (d * plan.skip.layers(L) if skipping else d * E) + L + probed.get("opt_loaded_layers", 0)
+        trace = {**plan.trace, **probed}
+        if draft.confidences:
+            trace["draft_confidences"] = draft.confidences
         gen.rounds.append(Round(
-            round=len(gen.rounds), exit_layer=E if d else None, budget=budget, drafted=d, accepted=k,
-            emitted=emitted, loaded_layers=d * E + L, head_calls=draft.candidates + len(verified.rows),
-            # keep_drafting is the method's time, not drafting's
+            round=len(gen.rounds), exit_layer=E if d and not skipping else None, budget=budget, drafted=d,
+            accepted=k, emitted=emitted, loaded_layers=_whole(loaded),
+            head_calls=draft.candidates + len(verified.rows) + probed.get("opt_head_calls", 0),
+            # keep_drafting is the method's time, not drafting's; the optimiser's pass is in policy_s (t_draft − t)
             draft_s=t_verify - t_draft - draft.keep_s, verify_s=t_observe - t_verify,
             policy_s=(t_draft - t) + draft.keep_s + (t_end - t_observe),
-            trace={**plan.trace, "draft_confidences": draft.confidences} if draft.confidences else plan.trace,
+            trace=trace,
         ))
 
     # ---- draft: layers 1..E + the head, token by token ------------------------------------------------
@@ -263,6 +289,59 @@ class Engine:
         draft.drafts.append(candidate)
         draft.draft_probs.append(q)
         return candidate, keep
+
+    # ---- SWIFT: full depth with sublayers skipped; the optimiser's teacher-forced pass ------------------
+    def _draft_skipping(self, token: int, pos: int, skip: SkipSet, budget: int, cache, method: Method,
+                        rng) -> Draft:
+        """Draft from the pending token at position pos through every layer with skip's sublayers skipped
+        (LayerStack.forward_skipping), until the budget, an EOS, or the method stops (SWIFT keeps the draft that
+        stopped it). Only tokens that a draft is predicted from go through the draft model: d passes for d
+        drafts (the last draft is only verified). Attention that runs writes its KV at the drafted positions in
+        place; a layer whose attention is skipped has no entry there, and no draft reads one (the set is the
+        same all round). Draft.exit_states holds the draft model's last states ([1, 1, D] per pass)."""
+        draft = Draft()
+        attn, mlp = frozenset(skip.attn), frozenset(skip.mlp)
+        while len(draft.drafts) < budget:
+            h = self.stack.forward_skipping(self.stack.embed(self._ids([token])), pos, cache, attn, mlp)
+            draft.exit_states.append(h)  # [1, 1, D]
+            candidate, keep = self._draft_token(draft, method, rng)
+            if candidate is None:  # only with drop_stopped_draft
+                break
+            token, pos = candidate, pos + 1
+            if not keep or candidate in self.eos_ids:
+                break
+        return draft
+
+    def _verify_full(self, tokens: list[int], pos: int, cache) -> Verified:
+        """The pending token and the drafts (positions pos ..) through all L layers in one batch, from their
+        embeddings: every layer's KV at those positions is (re)written with the full model's."""
+        st = self.stack
+        h = st.norm(st.forward_layers(st.embed(self._ids(tokens)), 0, st.num_layers, pos, cache))  # [1, d+1, D]
+        return Verified(h, None, st.head)
+
+    def _probe(self, method: Method, n: int, gen: Generation, cache) -> dict:
+        """The optimiser's step, when the method asks for one (Method.probe): the candidate draft model runs
+        once, teacher-forced, over generated tokens already in the cache (nothing is written: it attends to the
+        full-model KV before its window and to its own keys), and the method gets the matchness — the fraction
+        of positions whose draft argmax is the generated next token. Returns the round's trace fields."""
+        t = time.perf_counter()
+        probe = method.probe(len(gen.output_ids))  # the candidate's suggestion (a BO step fits a GP) is opt_s too
+        if probe is None:
+            return {}
+        ids = gen.output_ids[probe.start : probe.start + probe.length + 1]
+        if probe.start < 0 or probe.length < 1 or len(ids) != probe.length + 1:
+            raise ValueError(f"probe of tokens {probe.start}..{probe.start + probe.length} needs "
+                             f"{probe.start + probe.length + 1} generated tokens; there are {len(gen.output_ids)}")
+        st = self.stack
+        pos = n - len(gen.output_ids) + probe.start  # output_ids[j] sits at position prompt + j
+        h = st.forward_skipping(st.embed(self._ids(ids[:-1])), pos, cache, frozenset(probe.skip.attn),
+                                frozenset(probe.skip.mlp), write=False)  # [1, length, D]
+        predicted = st.logits(h)[0].argmax(-1)  # [length]
+        matchness = float((predicted == torch.tensor(ids[1:], device=predicted.device)).double().mean())
+        trace = method.scored(probe, matchness)
+        return {"opt_kind": probe.kind, "opt_matchness": matchness, **trace,
+                "opt_loaded_layers": _whole(probe.skip.layers(st.num_layers)), "opt_head_calls": probe.length,
+                "opt_s": time.perf_counter() - t}
 
     # ---- verify, accept, observe --------------------------------------------------------------------
     def _verify(self, draft: Draft, E: int, pos: int, cache) -> Verified:

@@ -10,10 +10,47 @@ import torch
 
 
 @dataclass(frozen=True)
+class SkipSet:
+    """The sublayers a full-depth draft skips (SWIFT): 0-based layer indices whose attention / MLP is a
+    passthrough. Loaded layers count a sublayer as half a layer: a draft token costs L − size/2."""
+
+    attn: tuple[int, ...] = ()
+    mlp: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        object.__setattr__(self, "attn", tuple(sorted({int(i) for i in self.attn})))
+        object.__setattr__(self, "mlp", tuple(sorted({int(i) for i in self.mlp})))
+
+    @property
+    def size(self) -> int:
+        return len(self.attn) + len(self.mlp)
+
+    def layers(self, num_layers: int) -> float:
+        """Loaded layers of one draft token through this draft model (a sublayer = ½ layer)."""
+        return num_layers - self.size / 2
+
+    def as_dict(self) -> dict:
+        return {"attn": list(self.attn), "mlp": list(self.mlp)}
+
+
+@dataclass(frozen=True)
+class Probe:
+    """A candidate draft model to score (SWIFT's optimiser): one teacher-forced pass of the skip set over the
+    generated tokens start .. start+length−1, predicting tokens start+1 .. start+length (matchness = the
+    fraction of the `length` predictions whose argmax is the generated token). The engine runs and accounts it."""
+
+    skip: SkipSet
+    start: int
+    length: int
+    kind: str = "random"  # random | bayes | …: recorded in the round's trace
+
+
+@dataclass(frozen=True)
 class Plan:
     exit_layer: int | None  # 1-based E (draft through layers 1..E); None = no drafting this round
     max_draft: int  # draft budget γ of this round (the engine also caps it by the tokens left)
     trace: dict = field(default_factory=dict)  # extra per-round fields for rounds.jsonl (τ, α_E, …)
+    skip: SkipSet | None = None  # with exit_layer None: draft at full depth with these sublayers skipped (SWIFT)
 
 
 @dataclass(frozen=True)
@@ -66,6 +103,15 @@ class Method:
 
     def observe(self, evidence: RoundEvidence) -> None:
         """After verification of a round."""
+
+    def probe(self, generated: int) -> Probe | None:
+        """Before each round (`generated` tokens emitted so far in this prompt): a candidate skip set for the
+        engine to score by one teacher-forced pass (Probe), or None. Methods that search a draft model only."""
+        return None
+
+    def scored(self, probe: Probe, matchness: float) -> dict:
+        """The matchness of the probe the engine just ran; returns trace fields for the round's record."""
+        return {}
 
     def can_defer(self, windows: list[int]) -> bool:
         """wants_shadow only: may the engine hold back the shadow scoring of the rounds not yet observed

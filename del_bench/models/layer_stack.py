@@ -276,13 +276,46 @@ class LayerStack:
         top = torch.where(take_target, target_logit, sub_max)
         return tokens, (top - norm).exp()
 
+    def forward_skipping(self, h: torch.Tensor, pos: int, cache: KVCache, skip_attn: frozenset[int],
+                         skip_mlp: frozenset[int], write: bool = True) -> torch.Tensor:
+        """All layers on h: [1, T, D] (positions pos .. pos+T-1) with the sublayers named in skip_attn / skip_mlp
+        (0-based layer indices) skipped: SWIFT's draft model. A skipped sublayer is a pure passthrough (no norm,
+        no projection, no KV write); a layer's other sublayer still runs.
+
+        write=True (drafting): each attention that runs writes its KV at those positions and attends to every
+        entry its layer holds before them, so a draft sees the committed (full-model) KV plus this round's earlier
+        drafts in the layers whose attention it runs (the only layers it reads). Layers whose attention is skipped
+        keep their lengths. Verification later rewrites every layer at every drafted position.
+        write=False (the optimiser's teacher-forced pass over committed tokens): nothing is written; each
+        attention sees its layer's cached entries [0, pos) and the new keys of this pass (causally)."""
+        T = h.shape[1]
+        cos = self._cos[pos : pos + T][None, :, None, :]
+        sin = self._sin[pos : pos + T][None, :, None, :]
+        mask = None
+        if T > 1:
+            keys = torch.arange(pos + T, device=h.device)
+            mask = keys[None, :] <= (pos + torch.arange(T, device=h.device))[:, None]  # [T, pos+T]
+        for i in range(self.num_layers):
+            if i not in skip_attn:
+                if cache.lengths[i] < pos:
+                    raise RuntimeError(f"layer {i} holds {cache.lengths[i]} positions; cannot attend at {pos}")
+                h = self._attention(i, h, pos, cos, sin, mask, cache, write)
+                if write:
+                    cache.lengths[i] = pos + T
+            if i not in skip_mlp:
+                h = self._mlp(i, h)
+        return h
+
     def _layer(self, i, h, pos, cos, sin, mask, cache: KVCache) -> torch.Tensor:
+        return self._mlp(i, self._attention(i, h, pos, cos, sin, mask, cache))
+
+    def _attention(self, i, h, pos, cos, sin, mask, cache: KVCache, write: bool = True) -> torch.Tensor:
+        """h + attention(norm(h)) for layer i; with write=False the new keys/values stay out of the cache."""
         w = self.layers[i]
         if h.device != w.device:  # multi-device (device_map) models only
             h, cos, sin = h.to(w.device), cos.to(w.device), sin.to(w.device)
             mask = None if mask is None else mask.to(w.device)
         T, H, KV, hd = h.shape[1], self.n_heads, self.n_kv_heads, self.head_dim
-        # attention
         x = rms_norm(h, w.w_in_norm, self.eps)
         qkv = _linear(x, w.w_qkv, w.b_qkv).view(1, T, H + 2 * KV, hd)
         # RoPE on q and k together: [1, T, H+KV, hd]; same elementwise ops as apply_rotary_pos_emb
@@ -290,12 +323,21 @@ class LayerStack:
         qk = qk * cos + torch.roll(qk, hd // 2, dims=-1) * sin
         q = qk[:, :, :H].transpose(1, 2)  # [1, H, T, hd]
         end = pos + T
-        cache.k[i][:, :, pos:end] = qk[:, :, H:].transpose(1, 2)
-        cache.v[i][:, :, pos:end] = qkv[:, :, H + KV :].transpose(1, 2)
-        k, v = cache.k[i][:, :, :end], cache.v[i][:, :, :end]  # [1, KV, end, hd]
+        if write:
+            cache.k[i][:, :, pos:end] = qk[:, :, H:].transpose(1, 2)
+            cache.v[i][:, :, pos:end] = qkv[:, :, H + KV :].transpose(1, 2)
+            k, v = cache.k[i][:, :, :end], cache.v[i][:, :, :end]  # [1, KV, end, hd]
+        else:  # the cached prefix [0, pos) and this pass's own keys, [1, KV, end, hd]
+            k = torch.cat([cache.k[i][:, :, :pos], qk[:, :, H:].transpose(1, 2)], dim=2)
+            v = torch.cat([cache.v[i][:, :, :pos], qkv[:, :, H + KV :].transpose(1, 2)], dim=2)
         attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=KV != H)
-        h = _linear(attn.transpose(1, 2).reshape(1, T, H * hd), w.w_o, w.b_o, residual=h)
-        # MLP
+        return _linear(attn.transpose(1, 2).reshape(1, T, H * hd), w.w_o, w.b_o, residual=h)
+
+    def _mlp(self, i, h) -> torch.Tensor:
+        """h + MLP(norm(h)) for layer i."""
+        w = self.layers[i]
+        if h.device != w.device:
+            h = h.to(w.device)
         x = rms_norm(h, w.w_post_norm, self.eps)
         gate, up = _linear(x, w.w_gate_up, w.b_gate_up).chunk(2, dim=-1)
         return _linear(F.silu(gate) * up, w.w_down, w.b_down, residual=h)

@@ -1,0 +1,321 @@
+"""SWIFT (Xia et al., ICLR 2025): on-the-fly self-speculative decoding by layer skipping — no early-exit training.
+
+The draft model is the full depth with a set of attention and MLP sublayers skipped (the first and last layer,
+embedding, final norm and head never); the engine drafts and verifies it (decode.py: _draft_skipping,
+_verify_full). This file is the policy: which set, how long to draft, and the optimiser that searches the set.
+
+- Draft: stop after a draft whose top probability is < `confidence` (0.8; that draft is kept), at most `d_max`
+  (25) drafts; the engine never drafts past max_new_tokens.
+- Start set: the odd layers 1, 3, … (both sublayers), as the authors' code (its size need not be N).
+- Optimiser (`optimise`, off when `skip_set` is given): once the prompt has produced more than
+  `context_window` + 1 tokens (the authors' test; paper: 32), one step before every round — a candidate set,
+  random or, every `bayes_interval`-th step, a Bayesian-optimisation suggestion (bayesian-optimization 1.5.x, UCB
+  κ = `kappa`, GP alpha `gp_alpha`) — scored by one teacher-forced draft pass (the engine's Probe) over the
+  window of `context_window` generated tokens: matchness = the fraction of its next-token argmaxes that equal
+  the generated tokens. Every step registers its point with the optimiser; a candidate replaces the current set
+  if strictly better; the search stops at matchness > `stop_matchness` (0.95), after `patience` (300) steps
+  without improvement, or after `max_steps` (1000) steps.
+- Encoding (`encoding`): 2(L−2) slots in [0, 1], attention slots (layers 1..L−2) first, then MLP. `topk` (the
+  authors'): a point skips its N = int(2(L−2)·skip_ratio) largest coordinates; random candidates are uniform
+  N-subsets, registered as their 0/1 points; BO suggestions are registered as suggested. `threshold` (Self-SD /
+  Draft & Verify style, beyond the paper): a point skips the slots > 0.5, random candidates skip each slot with
+  probability skip_ratio, so the count varies.
+
+Where the paper and the authors' code differ (DESIGN.md §4), the choice is a key:
+- `scope: run` (the authors' code, default): the optimiser, the current set, its best matchness and the stop
+  state persist for the whole run — later prompts use the frozen set, and a candidate must beat a score measured
+  on an earlier prompt's context. `scope: prompt` (the paper's "per instance"): all restart with every prompt.
+  The state lives in the method object, i.e. for one invocation of `run`: with `scope: run` a run depends on
+  prompt order, and a resumed run — or an interleaved bench, which decodes one prompt per invocation — starts a
+  fresh search each time (the state is not in the records; the best set so far is: pass it back with
+  `skip_set=RUN_DIR`), so there it behaves as `scope: prompt`.
+- `opt_window: first` (the authors' code): the first context_window + 1 generated tokens of the prompt;
+  `last`: the latest ones (beyond the paper).
+- Initial best matchness 0 (the authors' code): the first scored candidate replaces the start set, which is
+  never scored itself. Stop tests: `patience` consecutive non-improving steps, `max_steps` steps in all (the
+  authors' code stops one step later in both).
+- `bo_polish: true` (the package's suggest, as the authors call it): UCB is maximised over 10,000 random points,
+  then polished by L-BFGS-B from 11 seeds with finite-difference gradients over all 2(L−2) coordinates — on a
+  CPU one suggestion took 1–30 s here (it varies with the GP's fit). `false` (beyond the paper): the same GP
+  and UCB over 10,000 random points only (~0.1 s); since a point only matters through its N largest
+  coordinates, the polish rarely changes the set.
+- The dynamic token tree of the paper is not implemented: drafts are a chain.
+
+Fixed sets (`skip_set`): a dict {attn: [...], mlp: [...]} of 0-based layer indices (the authors' convention, as in
+their skip_layers.json), the compact string "attn:1,3;mlp:2,4", a JSON file holding the dict, or a SWIFT run
+directory — then the best set that run found (`skip_set_of`). The optimiser is off.
+
+Records: a round's trace carries `skip_set` (compact string) on the first round of every prompt and whenever it
+changes, and on optimiser rounds `opt_kind`, `opt_matchness`, `opt_best`, `opt_step`, `opt_stop` (the reason,
+once), plus the engine's `opt_loaded_layers`, `opt_head_calls`, `opt_s`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+from del_bench.methods.base import Method, Plan, Probe, SkipSet, check_gamma
+
+ENCODINGS = ("topk", "threshold")
+OPT_WINDOWS = ("first", "last")
+SCOPES = ("run", "prompt")  # what the search state persists across: the authors' code / the paper's text
+
+
+# ---- skip sets: the slot encoding, compact strings, reuse from records ------------------------------------------
+def slot_count(num_layers: int) -> int:
+    return 2 * (num_layers - 2)
+
+
+def skip_count(num_layers: int, skip_ratio: float) -> int:
+    """N = int(2·(L−2)·r): sublayers a `topk` candidate skips."""
+    return int(slot_count(num_layers) * skip_ratio)
+
+
+def set_of_slots(slots, num_layers: int) -> SkipSet:
+    """Slot j < L−2 is layer j+1's attention, slot j ≥ L−2 is layer j−(L−2)+1's MLP."""
+    half = num_layers - 2
+    slots = [int(j) for j in slots]
+    return SkipSet(attn=[j + 1 for j in slots if j < half], mlp=[j - half + 1 for j in slots if j >= half])
+
+
+def point_of(skip: SkipSet, num_layers: int) -> np.ndarray:
+    """The 0/1 point of a set (1 = skipped), attention slots first."""
+    half = num_layers - 2
+    point = np.zeros(slot_count(num_layers))
+    point[[i - 1 for i in skip.attn]] = 1.0
+    point[[half + i - 1 for i in skip.mlp]] = 1.0
+    return point
+
+
+def odd_layers(num_layers: int) -> SkipSet:
+    """The start set: both sublayers of layers 1, 3, … ≤ L−2 (the authors' uniform initialisation)."""
+    layers = range(1, num_layers - 1, 2)
+    return SkipSet(attn=layers, mlp=layers)
+
+
+def compact(skip: SkipSet) -> str:
+    """"attn:1,3;mlp:2" — how records and run keys carry a set."""
+    return f"attn:{','.join(map(str, skip.attn))};mlp:{','.join(map(str, skip.mlp))}"
+
+
+def parse_skip_set(value) -> SkipSet | None:
+    """None, a mapping {attn, mlp}, a compact string, a JSON file, or a SWIFT run directory → SkipSet."""
+    if value is None:
+        return None
+    if isinstance(value, SkipSet):
+        return value
+    if hasattr(value, "items"):  # dict or DictConfig
+        unknown = set(value) - {"attn", "mlp"}
+        if unknown:
+            raise ValueError(f"method.skip_set has unknown keys {sorted(unknown)}: use attn and mlp")
+        return SkipSet(attn=list(value.get("attn") or []), mlp=list(value.get("mlp") or []))
+    if isinstance(value, str):
+        if value.startswith("attn:") or value.startswith("mlp:"):
+            parts = dict(part.split(":", 1) for part in value.split(";") if part)
+            return SkipSet(attn=[int(x) for x in parts.get("attn", "").split(",") if x],
+                           mlp=[int(x) for x in parts.get("mlp", "").split(",") if x])
+        path = Path(value)
+        if path.is_dir():
+            return skip_set_of(path)
+        if path.is_file():
+            return parse_skip_set(json.loads(path.read_text()))
+        raise ValueError(f"method.skip_set={value!r} is neither 'attn:…;mlp:…', a JSON file nor a run directory")
+    raise ValueError(f"method.skip_set={value!r}: give {{attn: [...], mlp: [...]}} (0-based layers) or a path")
+
+
+def skip_set_of(run_dir: str | Path) -> SkipSet:
+    """The best set a SWIFT run found: per prompt, the last `skip_set` its rounds recorded (the set in use when
+    it ended) and the best matchness behind it; the set of the highest. A run with a fixed set gives that set."""
+    path = Path(run_dir) / "rounds.jsonl"
+    if not path.is_file():
+        raise ValueError(f"{run_dir} holds no rounds.jsonl: not a run directory")
+    final: dict[tuple, tuple[float, str]] = {}
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        r = json.loads(line)
+        key = (r["sample_id"], r.get("repeat", 0))
+        best, skip = final.get(key, (-1.0, None))
+        if r.get("opt_best") is not None:
+            best = r["opt_best"]
+        final[key] = (best, r.get("skip_set") or skip)
+    found = [(best, skip) for best, skip in final.values() if skip]
+    if not found:
+        raise ValueError(f"{run_dir}: no round records a skip_set (not a SWIFT run?)")
+    return parse_skip_set(max(found, key=lambda f: f[0])[1])
+
+
+# ---- the method --------------------------------------------------------------------------------------------------
+class Swift(Method):
+    name = "swift"
+    wants_confidence = True  # stop after a draft below `confidence` (kept: drop_stopped_draft stays False)
+
+    def __init__(self, skip_ratio: float = 0.45, skip_set=None, optimise: bool = True, context_window: int = 32,
+                 bayes_interval: int = 25, max_steps: int = 1000, patience: int = 300, stop_matchness: float = 0.95,
+                 kappa: float = 2.5, gp_alpha: float = 1e-2, encoding: str = "topk", scope: str = "run",
+                 opt_window: str = "first", confidence: float = 0.8, d_max: int = 25, seed: int = 0,
+                 bo_polish: bool = True, **_):
+        self.skip_ratio, self.skip_set_arg = skip_ratio, skip_set
+        self.optimise, self.context_window, self.bayes_interval = optimise, context_window, bayes_interval
+        self.max_steps, self.patience, self.stop_matchness = max_steps, patience, stop_matchness
+        self.kappa, self.gp_alpha, self.encoding, self.scope = kappa, gp_alpha, encoding, scope
+        self.opt_window, self.confidence, self.d_max, self.seed = opt_window, confidence, d_max, seed
+        self.bo_polish = bo_polish
+        self.fixed: SkipSet | None = None
+        self._search_layers: int | None = None  # L the search state was built for (None: no state yet)
+
+    # ---- configuration ----
+    def validate(self, num_layers: int) -> None:
+        if not isinstance(self.skip_ratio, (int, float)) or not 0 < self.skip_ratio < 1:
+            raise ValueError(f"method.skip_ratio={self.skip_ratio!r} must be in (0, 1) (paper: 0.45 for 13B)")
+        if self.encoding not in ENCODINGS:
+            raise ValueError(f"method.encoding={self.encoding!r} is unknown: use one of {', '.join(ENCODINGS)}")
+        if self.scope not in SCOPES:
+            raise ValueError(f"method.scope={self.scope!r} must be one of {', '.join(SCOPES)}")
+        if self.opt_window not in OPT_WINDOWS:
+            raise ValueError(f"method.opt_window={self.opt_window!r} must be one of {', '.join(OPT_WINDOWS)}")
+        for key, value, low in (("context_window", self.context_window, 1), ("bayes_interval", self.bayes_interval, 0),
+                                ("max_steps", self.max_steps, 0), ("patience", self.patience, 1)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"method.{key}={value!r} must be an integer ≥ {low}")
+        check_gamma(self.d_max, "method.d_max")
+        for key, value in (("confidence", self.confidence), ("stop_matchness", self.stop_matchness)):
+            if not 0 <= value <= 1:
+                raise ValueError(f"method.{key}={value!r} must be in [0, 1]")
+        if num_layers < 3:
+            raise ValueError(f"SWIFT needs ≥ 3 layers (the first and last are never skipped), not {num_layers}")
+        fixed = parse_skip_set(self.skip_set_arg)
+        if fixed is not None:
+            bad = [i for i in (*fixed.attn, *fixed.mlp) if not 1 <= i <= num_layers - 2]
+            if bad:
+                raise ValueError(f"method.skip_set names layers {bad}: only 0-based layers 1..{num_layers - 2} of this "
+                                 f"{num_layers}-layer model may be skipped (never the first or the last)")
+        elif self.encoding == "topk" and skip_count(num_layers, self.skip_ratio) < 1:
+            raise ValueError(f"method.skip_ratio={self.skip_ratio} skips no sublayer of a {num_layers}-layer model")
+        if fixed is None and self.optimise and self.bayes_interval:
+            try:
+                from bayes_opt import BayesianOptimization, UtilityFunction  # noqa: F401
+            except ImportError as err:
+                raise ValueError("SWIFT's optimiser needs bayesian-optimization 1.5.x (`pip install "
+                                 "bayesian-optimization==1.5.1`; 2.0 removed UtilityFunction), or "
+                                 "method.bayes_interval=0 for random search only") from err
+
+    def describe(self) -> dict:
+        fixed = parse_skip_set(self.skip_set_arg)
+        out = {"skip_ratio": self.skip_ratio, "skip_set": compact(fixed) if fixed else None,
+               "confidence": self.confidence, "d_max": self.d_max}
+        if fixed is None:
+            out.update(optimise=self.optimise, context_window=self.context_window, bayes_interval=self.bayes_interval,
+                       max_steps=self.max_steps, patience=self.patience, stop_matchness=self.stop_matchness,
+                       kappa=self.kappa, encoding=self.encoding, scope=self.scope, opt_window=self.opt_window,
+                       seed=self.seed, bo_polish=self.bo_polish)
+        return out
+
+    # ---- per prompt ----
+    def start(self, num_layers: int) -> None:
+        super().start(num_layers)
+        if self.fixed is None and self.skip_set_arg is not None:
+            self.fixed = parse_skip_set(self.skip_set_arg)
+        if self.scope == "prompt" or self._search_layers != num_layers:
+            self._reset_search(num_layers)
+        self._traced: SkipSet | None = None  # the set this prompt's records last named
+
+    def _reset_search(self, num_layers: int) -> None:
+        self._search_layers = num_layers
+        self.current = self.fixed or odd_layers(num_layers)
+        self.best = 0.0  # the authors' initial score: the first scored candidate replaces the start set
+        self.steps = self.since_best = 0
+        self.stopped: str | None = None if (self.fixed is None and self.optimise) else "off"
+        self.rng = np.random.default_rng(self.seed)
+        self._bo = self._utility = None
+        self._pending: dict | None = None
+
+    def plan(self) -> Plan:
+        trace = {}
+        if self.current != self._traced:
+            trace["skip_set"] = compact(self.current)
+            self._traced = self.current
+        return Plan(exit_layer=None, max_draft=self.d_max, skip=self.current, trace=trace)
+
+    def keep_drafting(self, drafted: int, confidence: float) -> bool:
+        return confidence >= self.confidence
+
+    # ---- the optimiser ----
+    def probe(self, generated: int) -> Probe | None:
+        cw = self.context_window
+        if self.stopped or generated <= cw + 1:
+            return None
+        bayes = self.bayes_interval and (self.steps + 1) % self.bayes_interval == 0  # the authors' every 25th
+        point, skip = self._suggest() if bayes else self._random()
+        self._pending = point
+        start = 0 if self.opt_window == "first" else generated - 1 - cw
+        return Probe(skip=skip, start=start, length=cw, kind="bayes" if bayes else "random")
+
+    def scored(self, probe: Probe, matchness: float) -> dict:
+        if self.bayes_interval:
+            with contextlib.redirect_stdout(io.StringIO()):  # 1.5.x prints a line for every repeated point
+                self._optimizer().register(params=self._pending, target=matchness)
+        self.steps += 1
+        if matchness > self.best:
+            self.best, self.current, self.since_best = matchness, probe.skip, 0
+            if matchness > self.stop_matchness:
+                self.stopped = "matchness"
+        else:
+            self.since_best += 1
+        if not self.stopped and self.since_best >= self.patience:
+            self.stopped = "patience"
+        if not self.stopped and self.steps >= self.max_steps:
+            self.stopped = "max_steps"
+        trace = {"opt_best": self.best, "opt_step": self.steps}
+        if self.stopped:
+            trace["opt_stop"] = self.stopped
+        return trace
+
+    def _names(self) -> list[str]:
+        return [f"x{j:03d}" for j in range(slot_count(self.num_layers))]
+
+    def _as_set(self, values: np.ndarray) -> SkipSet:
+        if self.encoding == "topk":  # the N largest coordinates (ties: the lower slot)
+            order = np.argsort(-values, kind="stable")
+            return set_of_slots(order[: skip_count(self.num_layers, self.skip_ratio)], self.num_layers)
+        return set_of_slots(np.flatnonzero(values > 0.5), self.num_layers)
+
+    def _random(self) -> tuple[dict, SkipSet]:
+        S = slot_count(self.num_layers)
+        if self.encoding == "topk":  # a uniform N-subset of the slots
+            values = np.zeros(S)
+            values[self.rng.choice(S, skip_count(self.num_layers, self.skip_ratio), replace=False)] = 1.0
+        else:
+            values = (self.rng.random(S) < self.skip_ratio).astype(float)
+        skip = self._as_set(values)
+        return dict(zip(self._names(), values.tolist())), skip
+
+    def _suggest(self) -> tuple[dict, SkipSet]:
+        bo = self._optimizer()
+        if self.bo_polish or len(bo.space) == 0:
+            point = bo.suggest(self._utility)  # the package's: UCB's max over 10,000 random points, L-BFGS-polished
+        else:  # the same GP and UCB, maximised over 10,000 random points only (no L-BFGS polish)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                bo._gp.fit(bo.space.params, bo.space.target)
+            tries = self.rng.random((10_000, slot_count(self.num_layers)))
+            ucb = self._utility.utility(tries, gp=bo._gp, y_max=bo.space.target.max())
+            point = bo.space.array_to_params(tries[int(np.argmax(ucb))])
+        return point, self._as_set(np.array([point[name] for name in self._names()]))
+
+    def _optimizer(self):
+        if self._bo is None:
+            from bayes_opt import BayesianOptimization, UtilityFunction  # 1.5.x: UtilityFunction left in 2.0
+
+            bounds = {name: (0.0, 1.0) for name in self._names()}
+            self._bo = BayesianOptimization(f=None, pbounds=bounds, random_state=self.seed, verbose=0,
+                                            allow_duplicate_points=True)
+            self._bo.set_gp_params(alpha=self.gp_alpha)
+            self._utility = UtilityFunction(kind="ucb", kappa=self.kappa, xi=0.0)
+        return self._bo
