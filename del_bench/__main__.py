@@ -7,6 +7,8 @@
   show DIR [DIR …]                                  a table of runs' summary.json (speedup vs vanilla)
   report [--tables-only|--figures-only] [DIRS …]    paper tables and figures from run records (offline)
   train-layerskip [preset=P] [key=value …]          LayerSkip training (configs/train; rerun resumes)
+  train-exits model=M out_dir=D [task=T] [layers=[…]]
+                                                    exit adapters for a frozen model (configs/train/exits.yaml)
 """
 
 from __future__ import annotations
@@ -157,8 +159,28 @@ def cmd_train_layerskip(argv: list[str]) -> int:
     return 0
 
 
+def cmd_train_exits(argv: list[str]) -> int:
+    import hydra
+    from omegaconf import DictConfig
+
+    @hydra.main(config_path=str(CONFIG_DIR / "train"), config_name="exits", version_base="1.3")
+    def _main(cfg: DictConfig) -> None:
+        from del_bench.train.exits import train
+
+        try:
+            out = train(cfg)
+        except ConfigError as err:
+            logging.getLogger("del_bench").error("%s", err)
+            raise SystemExit(2) from None
+        print(f"exit adapters: {out} (use: model.exit_adapters={out})")
+
+    sys.argv = [sys.argv[0], *argv]
+    _main()
+    return 0
+
+
 COMMANDS = {"run": cmd_run, "calibrate": cmd_calibrate, "ls": cmd_ls, "show": cmd_show, "report": cmd_report,
-            "train-layerskip": cmd_train_layerskip}
+            "train-layerskip": cmd_train_layerskip, "train-exits": cmd_train_exits}
 
 
 def main() -> int:

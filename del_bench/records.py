@@ -36,6 +36,8 @@ RESUMABLE_KEYS = ("limit", "out_dir", "logger", "threads", "warmup_tokens", "dat
                   "records_root", "experiment_name")
 # task settings of how outputs are scored, not of what the scores are (HumanEval's sandbox and its pool)
 RESUMABLE_TASK_KEYS = ("score_workers", "sandbox")
+# model options added later, at the value that means "as before" (model.exit_adapters: null = the own head)
+ADDED_MODEL_OPTIONS = {"exit_adapters": None}
 
 
 def decoding_tag(do_sample, temperature, top_p) -> str:
@@ -229,8 +231,12 @@ class RunDir:
 
     @staticmethod
     def fingerprint(run_config: dict) -> dict:
-        """The settings that define a run's results (what run_config.json holds)."""
+        """The settings that define a run's results (what run_config.json holds). Options added after records
+        were written are left out at the value that means "as before" (ADDED_MODEL_OPTIONS), so those still resume."""
         fingerprint = {k: v for k, v in run_config.items() if k not in RESUMABLE_KEYS}
+        if isinstance(fingerprint.get("model"), dict):
+            fingerprint["model"] = {k: v for k, v in fingerprint["model"].items()
+                                    if ADDED_MODEL_OPTIONS.get(k, ...) != v}
         if isinstance(fingerprint.get("task"), dict):
             fingerprint["task"] = {k: v for k, v in fingerprint["task"].items() if k not in RESUMABLE_TASK_KEYS}
         return fingerprint
