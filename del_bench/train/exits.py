@@ -72,11 +72,15 @@ def task_prompts(cfg: DictConfig) -> tuple[list[dict], list[dict], str]:
 
 @torch.inference_mode()
 def greedy_outputs(model, tokenizer, items: list[dict], new_tokens: int, batch: int, eos: set[int],
-                   cache_file: Path, desc: str) -> list[list[int]]:
+                   cache_file: Path, desc: str, layers: list[int]) -> list[tuple[int, list[int]]]:
     """Token ids of each item's text: prompt + the model's greedy continuation (or the text itself). Batched
-    HF generate with left padding; finished batches are appended to cache_file, so a rerun continues."""
+    HF generate with left padding, prompts sorted by length (little padding); finished batches are appended to
+    cache_file, so a rerun continues. The generating pass's hidden states at the positions that predict the
+    continuation are kept too (cache_file.<batch>.pt: X [n, T, D] = norm(h_ℓ) of `layers`, Y [T, D] = the final
+    normed state), so no second pass is needed; HF returns the last layer's state already normed."""
     from tqdm import tqdm
 
+    items = sorted(items, key=lambda it: len(it.get("prompt") or it.get("text") or ""))
     done = [json.loads(line)["ids"] for line in cache_file.read_text().splitlines()] if cache_file.is_file() else []
     todo = items[len(done):]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(eos))
@@ -89,11 +93,20 @@ def greedy_outputs(model, tokenizer, items: list[dict], new_tokens: int, batch: 
             width = max(len(e) for e in encoded)
             ids = torch.tensor([[pad] * (width - len(e)) + e for e in encoded])
             mask = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in encoded])
-            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
-                                 pad_token_id=pad)[:, width:].tolist()
-            for e, o in zip(encoded, out):
+            res = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
+                                 pad_token_id=pad, output_hidden_states=True, return_dict_in_generate=True)
+            out = res.sequences[:, width:].tolist()
+            # res.hidden_states[step][k]: [B, T_step, D], k = 0 embeddings .. L (the final state, normed)
+            steps = [tuple(s[:, -1] for s in step) for step in res.hidden_states]  # the predicting position
+            norm = model.model.norm
+            states = []
+            for j, (e, o) in enumerate(zip(encoded, out)):
                 cut = next((i + 1 for i, t in enumerate(o) if t in eos), len(o))
                 rows.append({"prompt_len": len(e), "ids": e + o[:cut]})
+                X = torch.stack([norm(torch.stack([steps[s][layer][j] for s in range(cut)])) for layer in layers])
+                Y = torch.stack([steps[s][-1][j] for s in range(cut)])
+                states.append((X.float(), Y.float()))
+            torch.save(states, cache_file.with_suffix(f".{len(done)}.pt"))
         else:
             rows = [{"prompt_len": 1, "ids": e[: 1 + new_tokens * 4]} for e in encoded]
         with cache_file.open("a") as f:
@@ -251,9 +264,9 @@ def train(cfg: DictConfig) -> Path:
     eos = eos_ids(loaded.model, loaded.tokenizer)
     t = time.perf_counter()
     train_seqs = greedy_outputs(loaded.model, loaded.tokenizer, train_items, cfg.new_tokens, cfg.gen_batch, eos,
-                                work / "train_texts.jsonl", "greedy outputs (train)")
+                                work / "train_texts.jsonl", "greedy outputs (train)", layers)
     held_seqs = greedy_outputs(loaded.model, loaded.tokenizer, held_items, cfg.new_tokens, cfg.gen_batch, eos,
-                               work / "heldout_texts.jsonl", "greedy outputs (held out)")
+                               work / "heldout_texts.jsonl", "greedy outputs (held out)", layers)
     timings["generate_s"] = time.perf_counter() - t
     stack = LayerStack(loaded.model)
     data_file = work / "collected.pt"
@@ -261,7 +274,7 @@ def train(cfg: DictConfig) -> Path:
     if data_file.is_file():
         data = torch.load(data_file, weights_only=False)
     else:
-        data = collect(stack, train_seqs, held_seqs, layers, cfg)
+        data = collect(stack, train_seqs, held_seqs, layers, cfg, work)
         torch.save(data, data_file)
     timings["collect_s"] = time.perf_counter() - t
 
@@ -309,7 +322,16 @@ def train(cfg: DictConfig) -> Path:
 
 
 @torch.inference_mode()
-def collect(stack, train_seqs, held_seqs, layers, cfg) -> dict:
+def states_of(stack, seqs, layers, cache_file: Path):
+    """(X, Y) per sequence: saved by greedy_outputs for generated text, else one teacher-forced pass."""
+    saved = []
+    for f in sorted(cache_file.parent.glob(cache_file.stem + ".*.pt"), key=lambda f: int(f.suffixes[-2][1:])):
+        saved.extend(torch.load(f, weights_only=False))
+    for i, (prompt_len, ids) in enumerate(seqs):
+        yield saved[i] if i < len(saved) else layer_states(stack, ids, prompt_len, layers)
+
+
+def collect(stack, train_seqs, held_seqs, layers, cfg, work: Path) -> dict:
     """Streamed XᵀX, XᵀY (float64, every train position) + a random subsample of train rows for KL + held-out rows."""
     from tqdm import tqdm
 
@@ -320,8 +342,8 @@ def collect(stack, train_seqs, held_seqs, layers, cfg) -> dict:
     keep_X, keep_Y, positions = [], [], 0
     total = sum(len(ids) - max(p - 1, 0) - 1 for p, ids in train_seqs)
     rate = min(1.0, cfg.kl.rows / max(total, 1))
-    for prompt_len, ids in tqdm(train_seqs, desc="hidden states (train)", unit="text", dynamic_ncols=True):
-        X, Y = layer_states(stack, ids, prompt_len, layers)  # [n, T, D], [T, D]
+    for X, Y in tqdm(states_of(stack, train_seqs, layers, work / "train_texts.jsonl"), total=len(train_seqs),
+                     desc="hidden states (train)", unit="text", dynamic_ncols=True):  # [n, T, D], [T, D]
         X1 = torch.cat([X, torch.ones(n, X.shape[1], 1)], -1).double()
         xtx += X1.transpose(1, 2) @ X1
         xty += X1.transpose(1, 2) @ Y.double()[None]
@@ -330,8 +352,7 @@ def collect(stack, train_seqs, held_seqs, layers, cfg) -> dict:
         keep_X.append(X[:, pick])
         keep_Y.append(Y[pick])
     held_X, held_Y = [], []
-    for prompt_len, ids in tqdm(held_seqs, desc="hidden states (held out)", unit="text", dynamic_ncols=True):
-        X, Y = layer_states(stack, ids, prompt_len, layers)
+    for X, Y in states_of(stack, held_seqs, layers, work / "heldout_texts.jsonl"):
         held_X.append(X)
         held_Y.append(Y)
     held_X, held_Y = torch.cat(held_X, 1)[:, : cfg.heldout_rows], torch.cat(held_Y)[: cfg.heldout_rows]
