@@ -9,6 +9,8 @@
   train-layerskip [preset=P] [key=value …]          LayerSkip training (configs/train; rerun resumes)
   export specbench RUN_DIR OUT.jsonl [--model-id ID]
                                                     a run as Spec-Bench answers (its evaluation/speed.py reads them)
+  train-exits model=M out_dir=D [task=T] [layers=[…]]
+                                                    exit adapters for a frozen model (configs/train/exits.yaml)
 """
 
 from __future__ import annotations
@@ -185,8 +187,28 @@ def cmd_export(argv: list[str]) -> int:
     return 0
 
 
+def cmd_train_exits(argv: list[str]) -> int:
+    import hydra
+    from omegaconf import DictConfig
+
+    @hydra.main(config_path=str(CONFIG_DIR / "train"), config_name="exits", version_base="1.3")
+    def _main(cfg: DictConfig) -> None:
+        from del_bench.train.exits import train
+
+        try:
+            out = train(cfg)
+        except ConfigError as err:
+            logging.getLogger("del_bench").error("%s", err)
+            raise SystemExit(2) from None
+        print(f"exit adapters: {out} (use: model.exit_adapters={out})")
+
+    sys.argv = [sys.argv[0], *argv]
+    _main()
+    return 0
+
+
 COMMANDS = {"run": cmd_run, "calibrate": cmd_calibrate, "ls": cmd_ls, "show": cmd_show, "report": cmd_report,
-            "train-layerskip": cmd_train_layerskip, "export": cmd_export}
+            "train-layerskip": cmd_train_layerskip, "export": cmd_export, "train-exits": cmd_train_exits}
 
 
 def main() -> int:

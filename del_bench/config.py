@@ -12,6 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 from del_bench import calibration_store
 from del_bench.engine.sampling import Sampling
 from del_bench.errors import ConfigError
+from del_bench.models import exit_adapters
 from del_bench.models.loading import weights_digest
 from del_bench.records import decoding_tag
 
@@ -32,6 +33,8 @@ if not OmegaConf.has_resolver("decoding"):
     OmegaConf.register_new_resolver("decoding", decoding_tag)
 if not OmegaConf.has_resolver("calibrated"):
     OmegaConf.register_new_resolver("calibrated", _calibrated)
+if not OmegaConf.has_resolver("model_variant"):  # out_dir: `<model>+exits-<digest8>` with model.exit_adapters
+    OmegaConf.register_new_resolver("model_variant", exit_adapters.model_variant)
 if not OmegaConf.has_resolver("weights_digest"):  # cached: a config resolved twice hashes the weights once
     OmegaConf.register_new_resolver("weights_digest", weights_digest, use_cache=True)
 

@@ -8,7 +8,7 @@
                       which run this is (RunKey) and so which Vanilla run it pairs with
 
 This module is the record contract every reader shares: the per-round line (`Round`, defined beside the engine
-that fills it: del_bench/engine/decode.py), the per-sample line (`SampleRecord`), the run's identity (`RunKey`)
+that fills it: del_bench/engine/rounds.py), the per-sample line (`SampleRecord`), the run's identity (`RunKey`)
 and the one pairing rule (`RunKey.pairs_with`). The runner writes them; `show`, `report`, `calibrate` and the
 bench scripts read them through `run_key_of`, which also adapts records written before run_key existed.
 
@@ -36,6 +36,8 @@ RESUMABLE_KEYS = ("limit", "out_dir", "logger", "threads", "warmup_tokens", "dat
                   "records_root", "experiment_name")
 # task settings of how outputs are scored, not of what the scores are (HumanEval's sandbox and its pool)
 RESUMABLE_TASK_KEYS = ("score_workers", "sandbox")
+# model options added later, at the value that means "as before" (model.exit_adapters: null = the own head)
+ADDED_MODEL_OPTIONS = {"exit_adapters": None}
 
 
 def decoding_tag(do_sample, temperature, top_p) -> str:
@@ -241,8 +243,12 @@ class RunDir:
 
     @staticmethod
     def fingerprint(run_config: dict) -> dict:
-        """The settings that define a run's results (what run_config.json holds)."""
+        """The settings that define a run's results (what run_config.json holds). Options added after records
+        were written are left out at the value that means "as before" (ADDED_MODEL_OPTIONS), so those still resume."""
         fingerprint = {k: v for k, v in run_config.items() if k not in RESUMABLE_KEYS}
+        if isinstance(fingerprint.get("model"), dict):
+            fingerprint["model"] = {k: v for k, v in fingerprint["model"].items()
+                                    if ADDED_MODEL_OPTIONS.get(k, ...) != v}
         if isinstance(fingerprint.get("task"), dict):
             fingerprint["task"] = {k: v for k, v in fingerprint["task"].items() if k not in RESUMABLE_TASK_KEYS}
         return fingerprint

@@ -21,7 +21,7 @@ from del_bench import memory, tracking
 from del_bench.config import validate
 from del_bench.engine.decode import Engine
 from del_bench.engine.sampling import Sampling
-from del_bench.models import loading
+from del_bench.models import exit_adapters, loading
 from del_bench.models.layer_stack import LayerStack
 from del_bench.records import (
     RunDir,
@@ -70,7 +70,9 @@ def stop_strings(strings: list[str], tokenizer, tail_tokens: int = 16):
 
 def load_model(model_cfg) -> tuple[loading.Loaded, LayerStack]:
     loaded = loading.load(model_cfg)
-    return loaded, LayerStack(loaded.model)
+    stack = LayerStack(loaded.model)
+    exit_adapters.attach(stack, model_cfg)  # model.exit_adapters=D: the early-exit heads (else the own head)
+    return loaded, stack
 
 
 def run(cfg: DictConfig, load=None) -> dict:
@@ -122,7 +124,9 @@ def run_key(cfg: DictConfig, method, task, samples: list, provenance: dict, run_
     previous = ()
     if run_dir.summary_path.is_file():
         previous = run_key_of(json.loads(run_dir.summary_path.read_text())).experiments
-    key = RunKey(model=cfg.model.name, weights=cfg.model.get("weights") or "", task=cfg.task.name,
+    weights = exit_adapters.variant_weights(cfg.model.get("weights") or "", cfg.model.get("exit_adapters") and
+                                            str(exit_adapters.resolve(cfg.model.exit_adapters)))
+    key = RunKey(model=cfg.model.name, weights=weights, task=cfg.task.name,
                  task_version=str(task.version), method=cfg.method.name, method_tag=cfg.method.tag,
                  hyperparameters=tuple(sorted(method.describe().items())), decoding=cfg.decoding,
                  max_new_tokens=int(cfg.max_new_tokens), machine=machine_of(provenance), experiments=tuple(previous),

@@ -22,7 +22,7 @@ import threading
 from dataclasses import fields
 from pathlib import Path
 
-from del_bench.engine.decode import Round
+from del_bench.engine.rounds import Round
 from del_bench.records import SampleRecord
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ import pytest
 
 from del_bench import jobs, runner
 from del_bench.__main__ import format_table
-from del_bench.engine.decode import Round
+from del_bench.engine.rounds import Round
 from del_bench.records import RunKey, SampleRecord, run_key_of
 from del_bench.report import tables
 from del_bench.report.build import write_report

@@ -31,61 +31,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
+from del_bench.engine import layer_parallel
+from del_bench.engine.rounds import Generation, Round  # noqa: F401 (Round: part of this module's API)
 from del_bench.engine.sampling import Sampling, accept_greedy, accept_sampling, choose
 from del_bench.methods.base import Method, RoundEvidence, Shadow, SkipSet
 from del_bench.models.layer_stack import KVCache, LayerStack, synchronize
-
-
-@dataclass
-class Round:
-    """One line of rounds.jsonl. Round 0 is the prefill (it emits the first token)."""
-
-    round: int
-    exit_layer: int | None
-    budget: int  # the draft budget the method asked for, after capping by tokens left
-    drafted: int
-    accepted: int
-    emitted: int
-    loaded_layers: float  # drafted·E + L; SWIFT: drafted·(L − skipped/2) + L + its optimiser's pass (an int
-    # unless half a layer is left over)
-    head_calls: int  # LM-head rows: draft candidates (incl. a dropped one) + verify rows up to the rejection
-    draft_s: float = 0.0
-    verify_s: float = 0.0
-    policy_s: float = 0.0  # the method's own time: plan, keep_drafting, observe, and shadow tokens
-    trace: dict = field(default_factory=dict)  # the method's per-round fields (Plan.trace)
-
-    def as_dict(self) -> dict:
-        row = asdict(self)
-        trace = row.pop("trace")  # the method's fields become columns of their own
-        return {**row, **trace}
-
-
-@dataclass
-class Generation:
-    output_ids: list[int]
-    rounds: list[Round] = field(default_factory=list)
-    wall_s: float = 0.0
-    stopped: bool = False  # ended by EOS or a stop condition (not by max_new_tokens)
-
-    @property
-    def loaded_layers(self) -> int:
-        return sum(r.loaded_layers for r in self.rounds)
-
-    @property
-    def head_calls(self) -> int:
-        return sum(r.head_calls for r in self.rounds)
-
-    @property
-    def drafted(self) -> int:
-        return sum(r.drafted for r in self.rounds)
-
-    @property
-    def accepted(self) -> int:
-        return sum(r.accepted for r in self.rounds)
 
 
 @dataclass
@@ -93,6 +47,7 @@ class Draft:
     """What drafting leaves for verification, acceptance and accounting (one round)."""
 
     early: list[list[torch.Tensor]] | None = None  # shadow tokens only: [position][layer] → [1, 1, D]
+    exit_layer: int | None = None  # E: the draft head is the exit head of this layer (its adapter, if loaded)
     exit_states: list[torch.Tensor] = field(default_factory=list)  # layer-E states, [1, 1, D] per position
     drafts: list[int] = field(default_factory=list)  # d draft tokens
     draft_probs: list[torch.Tensor | None] = field(default_factory=list)  # q_i [V] when sampling, else None
@@ -166,6 +121,8 @@ class Engine:
         t0 = time.perf_counter()
         if max_new_tokens > 0:
             self._prefill(prompt_ids, cache, gen, method, rng)
+            if method.schedule == "layer_parallel":  # AdaDecode: its own step (engine/layer_parallel.py)
+                layer_parallel.decode(self, len(prompt_ids), cache, gen, method, max_new_tokens, rng)
             # seq length N = prompt + emitted; the last emitted token is not yet in any layer's cache
             while not self._done(gen, max_new_tokens):
                 self._round(len(prompt_ids) + len(gen.output_ids), cache, gen, method, max_new_tokens, rng)
@@ -236,6 +193,7 @@ class Engine:
             # keep_drafting is the method's time, not drafting's; the optimiser's pass is in policy_s (t_draft − t)
             draft_s=t_verify - t_draft - draft.keep_s, verify_s=t_observe - t_verify,
             policy_s=(t_draft - t) + draft.keep_s + (t_end - t_observe),
+            adapter_rows=draft.candidates if self.stack.has_adapter(E) else 0,
             trace=trace,
         ))
 
@@ -246,7 +204,7 @@ class Engine:
         The pending token and every kept draft go through layers 1..E; the last one's pass is already
         part of verification: its layer-E state joins the batch (a draft head ran on it only if its
         candidate was dropped). With budget 0 (E = L) that single pass is the whole round's forward."""
-        draft = Draft(early=[] if method.wants_shadow else None)
+        draft = Draft(early=[] if method.wants_shadow else None, exit_layer=E)
         stop = budget == 0
         while True:
             self._draft_layers(token, pos, E, cache, draft)
@@ -272,7 +230,7 @@ class Engine:
         """The draft head on the newest layer-E state: a candidate token, and whether to keep drafting
         after it (method.keep_drafting, for methods that want confidence). Returns (None, False) when
         the candidate that stopped drafting is dropped (drop_stopped_draft: DEL's Algorithm 1)."""
-        logits = self.stack.logits(draft.exit_states[-1])[0, -1]  # [V]
+        logits = self.stack.exit_logits(draft.exit_states[-1], draft.exit_layer)[0, -1]  # [V]
         draft.candidates += 1
         candidate, q = choose(logits, self.sampling, rng)  # q: the warped draft distribution [V] when sampling
         keep = True
@@ -407,7 +365,9 @@ class Engine:
     def _shadow_of(self, states: torch.Tensor, target: torch.Tensor, vocab: int | None) -> Shadow:
         """states: [L-1, W, D] (layers 1..L−1), target: [W] the full model's tokens → Shadow."""
         n_layers, W, D = states.shape
-        tokens, confidence = self.stack.shadow_tokens(states.reshape(-1, D), target.repeat(n_layers), vocab)
+        layers = torch.arange(1, n_layers + 1, device=states.device).repeat_interleave(W)  # row → its layer
+        tokens, confidence = self.stack.shadow_tokens(states.reshape(-1, D), target.repeat(n_layers), vocab,
+                                                      layers=layers)
         return Shadow(tokens.view(n_layers, W), confidence.view(n_layers, W), target, states)
 
     def _emit(self, gen: Generation, tokens: list[int]) -> int:

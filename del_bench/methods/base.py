@@ -81,6 +81,7 @@ class Method:
     prefill_window = 32  # prompt positions whose shadow tokens seed the statistics
     wants_costs = False  # True: set_costs(layer_s, head_s) is called once with measured costs
     shadow_vocab: int | None = None  # score shadow tokens over the first K vocabulary ids only (cheap)
+    schedule = "rounds"  # "rounds": draft/verify rounds; "layer_parallel": AdaDecode's step (engine/layer_parallel.py)
 
     def __init__(self, **_):  # config keys such as `name` and `tag` are not hyperparameters
         pass

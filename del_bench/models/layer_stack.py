@@ -129,6 +129,13 @@ class LayerStack:
         self.layers = [self._wrap(layer) for layer in inner.layers[: self.num_layers]]
         self._rotary = inner.rotary_emb
         self._cos = self._sin = torch.empty(0)
+        self.adapters = None  # ExitAdapters (del_bench/models/exit_adapters.py): the early-exit heads, or own head
+
+    def set_adapters(self, adapters) -> None:
+        """Draft heads (and shadow tokens) of layers with an adapter become head(norm(h) @ A + b); None: own head."""
+        if adapters is not None:
+            adapters = adapters.to(self.dtype, self.norm_weight.device)
+        self.adapters = adapters
 
     @staticmethod
     def _wrap(layer: nn.Module) -> _Layer:
@@ -172,7 +179,9 @@ class LayerStack:
             return statistics.median(times)
 
         layers_s = timed(lambda: self.forward_layers(x, 0, self.num_layers, context, cache))
-        head_s = timed(lambda: self.logits(x))
+        # a draft head row: with exit adapters it includes the d×d map (so DEL's head cost h counts it)
+        exit_layer = self.adapters.layers[len(self.adapters.layers) // 2] if self.adapters else self.num_layers
+        head_s = timed(lambda: self.exit_logits(x, exit_layer))
         return {"layer_s": layers_s / self.num_layers, "head_s": head_s}
 
     # ---- pieces -----------------------------------------------------------------------------
@@ -196,6 +205,31 @@ class LayerStack:
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.head(self.norm(h))
+
+    def exit_input(self, h: torch.Tensor, layer: int) -> torch.Tensor:
+        """h: [..., D] pre-norm state after 1-based `layer` → the head's input: norm(h), through the layer's exit
+        adapter when one is loaded (norm(h) @ A + b)."""
+        hn = self.norm(h)
+        return hn if self.adapters is None else self.adapters.apply(hn, layer)
+
+    def has_adapter(self, layer: int) -> bool:
+        return self.adapters is not None and layer in self.adapters.index
+
+    def exit_logits(self, h: torch.Tensor, layer: int) -> torch.Tensor:
+        """The early-exit head at 1-based `layer`: h [1, T, D] → logits [1, T, V] (own head, or its adapter)."""
+        return self.head(self.exit_input(h, layer))
+
+    def _exit_rows(self, states: torch.Tensor, layers: torch.Tensor | None) -> torch.Tensor:
+        """states [N, D] (pre-norm), layers [N] (1-based layer of each row, or None: own head) → head inputs [N, D]."""
+        hn = self.norm(states[None])[0]
+        if self.adapters is None or layers is None:
+            return hn
+        out = hn.clone()
+        for layer in layers.unique().tolist():
+            if layer in self.adapters.index:
+                rows = layers == layer
+                out[rows] = self.adapters.apply(hn[rows], layer)
+        return out
 
     def _ensure_rope(self, max_len: int) -> None:
         """cos/sin tables for positions [0, max_len) from the model's own rotary module."""
@@ -236,28 +270,32 @@ class LayerStack:
         return h
 
     def shadow_tokens(self, states: torch.Tensor, targets: torch.Tensor | None = None, vocab: int | None = None,
-                      chunk: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+                      chunk: int = 64, layers: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Greedy token and its softmax probability for every row of states [N, D] (pre-norm hidden
         states of any layers): what each layer would have drafted. Returns ([N] ids, [N] confidences).
 
         With `vocab`=K (and targets [N], the full model's token per row) only the first K vocabulary
         entries plus each row's target are scored: ~V/K times cheaper. It is exact whenever the true
         argmax is among them — in particular "matches the target" is never missed — and the confidence
-        is normalised over the scored tokens only (an overestimate)."""
+        is normalised over the scored tokens only (an overestimate).
+
+        `layers` [N]: the 1-based layer of each row; with exit adapters loaded each row goes through its layer's
+        adapter (exit_input), so shadow tokens are what the adapter-headed draft would have produced."""
+        hn = self._exit_rows(states, layers)  # [N, D] the head's inputs
         if vocab is not None and vocab < self.vocab_size:
-            return self._shadow_restricted(states, targets, vocab)
+            return self._shadow_restricted(hn, targets, vocab)
         tokens, confidence = [], []
-        for rows in states.split(chunk):
-            probs = self.head(self.norm(rows[None]))[0].float().softmax(-1)  # [n, V]
+        for rows in hn.split(chunk):
+            probs = self.head(rows[None])[0].float().softmax(-1)  # [n, V]
             top, ids = probs.max(-1)
             tokens.append(ids)
             confidence.append(top)
         return torch.cat(tokens), torch.cat(confidence)
 
-    def _shadow_restricted(self, states, targets, vocab: int):
+    def _shadow_restricted(self, hn, targets, vocab: int):
+        """hn: [N, D] the head's inputs (normed, adapted)."""
         if getattr(self, "_head_top", None) is None or self._head_top.shape[1] != vocab:
             self._head_top = self.head_t[:, :vocab].contiguous()  # [D, K]; BPE ids ≈ frequency order
-        hn = self.norm(states[None])[0]  # [N, D]
         sub = hn @ self._head_top  # [N, K]
         # the targets' head rows: a row gather from the [V, D] copy where there is one (a column gather
         # from [D, V] touches a cache line per element)

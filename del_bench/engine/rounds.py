@@ -1,0 +1,57 @@
+"""What a decode leaves behind, shared by every schedule of the engine (decode.py's draft/verify rounds and
+layer_parallel.py's AdaDecode steps): one `Round` per line of rounds.jsonl, and the `Generation` of one output."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class Round:
+    """One line of rounds.jsonl. Round 0 is the prefill (it emits the first token)."""
+
+    round: int
+    exit_layer: int | None
+    budget: int  # the draft budget the method asked for, after capping by tokens left
+    drafted: int
+    accepted: int
+    emitted: int
+    loaded_layers: float  # drafted·E + L; SWIFT: drafted·(L − skipped/2) + L + its optimiser's pass (an int
+    # unless half a layer is left over)
+    head_calls: int  # LM-head rows: draft candidates (incl. a dropped one) + verify rows up to the rejection
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    policy_s: float = 0.0  # the method's own time: plan, keep_drafting, observe, and shadow tokens
+    # exit-adapter rows (model.exit_adapters): each d×d map applied in front of a draft head row (D² MACs ≈ 0.09
+    # of a SmolLM2 layer); not in loaded_layers (not a decoder layer), like head_calls counted on their own
+    adapter_rows: int = 0
+    trace: dict = field(default_factory=dict)  # the method's per-round fields (Plan.trace)
+
+    def as_dict(self) -> dict:
+        row = asdict(self)
+        trace = row.pop("trace")  # the method's fields become columns of their own
+        return {**row, **trace}
+
+
+@dataclass
+class Generation:
+    output_ids: list[int]
+    rounds: list[Round] = field(default_factory=list)
+    wall_s: float = 0.0
+    stopped: bool = False  # ended by EOS or a stop condition (not by max_new_tokens)
+
+    @property
+    def loaded_layers(self) -> int:
+        return sum(r.loaded_layers for r in self.rounds)
+
+    @property
+    def head_calls(self) -> int:
+        return sum(r.head_calls for r in self.rounds)
+
+    @property
+    def drafted(self) -> int:
+        return sum(r.drafted for r in self.rounds)
+
+    @property
+    def accepted(self) -> int:
+        return sum(r.accepted for r in self.rounds)
