@@ -120,8 +120,7 @@ def format_table(summaries: list[dict], keys: list | None = None) -> str:
 
 
 def cmd_show(argv: list[str]) -> int:
-    from del_bench.records import run_key_of
-    from del_bench.report.collect import read_jsonl
+    from del_bench.records import read_jsonl, run_key_of
 
     paths = [Path(a) / "summary.json" if Path(a).is_dir() else Path(a) for a in argv]
     missing = [str(p) for p in paths if not p.is_file()]
@@ -141,24 +140,31 @@ def cmd_report(argv: list[str]) -> int:
     return cli(argv)
 
 
-def cmd_train_layerskip(argv: list[str]) -> int:
+def _train_command(argv: list[str], config_name: str, module: str, done) -> int:
+    """A training command (configs/train/<config_name>.yaml): Hydra parses argv, `<module>.train(cfg)` trains
+    (rerun resumes) and `done(cfg, out)` says what came out; a ConfigError exits 2 before anything loads."""
+    import importlib
+
     import hydra
     from omegaconf import DictConfig
 
-    @hydra.main(config_path=str(CONFIG_DIR / "train"), config_name="layerskip", version_base="1.3")
+    @hydra.main(config_path=str(CONFIG_DIR / "train"), config_name=config_name, version_base="1.3")
     def _main(cfg: DictConfig) -> None:
-        from del_bench.train.trainer import train
-
         try:
-            out = train(cfg)
+            out = importlib.import_module(module).train(cfg)
         except ConfigError as err:
             logging.getLogger("del_bench").error("%s", err)
             raise SystemExit(2) from None
-        print(f"model: {out}" if out else f"stopped at step {cfg.stop_at}; rerun without stop_at to resume")
+        print(done(cfg, out))
 
     sys.argv = [sys.argv[0], *argv]
     _main()
     return 0
+
+
+def cmd_train_layerskip(argv: list[str]) -> int:
+    return _train_command(argv, "layerskip", "del_bench.train.trainer", lambda cfg, out: f"model: {out}" if out else
+                          f"stopped at step {cfg.stop_at}; rerun without stop_at to resume")
 
 
 def cmd_export(argv: list[str]) -> int:
@@ -188,23 +194,8 @@ def cmd_export(argv: list[str]) -> int:
 
 
 def cmd_train_exits(argv: list[str]) -> int:
-    import hydra
-    from omegaconf import DictConfig
-
-    @hydra.main(config_path=str(CONFIG_DIR / "train"), config_name="exits", version_base="1.3")
-    def _main(cfg: DictConfig) -> None:
-        from del_bench.train.exits import train
-
-        try:
-            out = train(cfg)
-        except ConfigError as err:
-            logging.getLogger("del_bench").error("%s", err)
-            raise SystemExit(2) from None
-        print(f"exit adapters: {out} (use: model.exit_adapters={out})")
-
-    sys.argv = [sys.argv[0], *argv]
-    _main()
-    return 0
+    return _train_command(argv, "exits", "del_bench.train.exits",
+                          lambda cfg, out: f"exit adapters: {out} (use: model.exit_adapters={out})")
 
 
 COMMANDS = {"run": cmd_run, "calibrate": cmd_calibrate, "ls": cmd_ls, "show": cmd_show, "report": cmd_report,

@@ -216,6 +216,20 @@ def _read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in data[:end].splitlines() if line.strip()]
 
 
+def read_jsonl(path: Path) -> list[dict]:
+    """Complete lines only, for readers (report, show, export): a torn last line of an interrupted run is
+    skipped, not repaired (only RunDir, which owns the run, trims it)."""
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
 def _write_jsonl(path: Path, rows: Iterable[dict]) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))

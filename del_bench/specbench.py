@@ -42,6 +42,8 @@ import json
 import statistics
 from pathlib import Path
 
+from del_bench.records import read_jsonl
+
 MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
 CATEGORIES = MT_BENCH + ("translation", "summarization", "qa", "math_reasoning", "rag")
 # the columns of Spec-Bench's tables: MT-bench pooled, then one per other category
@@ -57,18 +59,6 @@ def in_group(category: str | None, group: str) -> bool:
     if group == "overall":
         return True
     return category in GROUPS.get(group, (group,))
-
-
-def _read_jsonl(path: Path) -> list[dict]:
-    if not path.is_file():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:  # a torn last line of an interrupted run
-            continue
-    return rows
 
 
 def record_turns(sample: dict, rounds: list[dict]) -> list[dict]:
@@ -95,11 +85,11 @@ def answer_lines(run_dir: str | Path, model_id: str | None = None) -> list[dict]
     if not (run_dir / "summary.json").is_file():
         raise FileNotFoundError(f"{run_dir}: no summary.json (not a finished run directory)")
     summary = json.loads((run_dir / "summary.json").read_text())
-    samples = _read_jsonl(run_dir / "samples.jsonl")
+    samples = read_jsonl(run_dir / "samples.jsonl")
     key = run_key_of(summary, samples)
     model_id = model_id or f"{key.model}-{key.method_tag}"
     rounds: dict[tuple, list[dict]] = {}
-    for r in _read_jsonl(run_dir / "rounds.jsonl"):
+    for r in read_jsonl(run_dir / "rounds.jsonl"):
         rounds.setdefault((str(r["sample_id"]), r.get("repeat", 0)), []).append(r)
     tstamp = (run_dir / "samples.jsonl").stat().st_mtime
     by_question: dict[str, list[dict]] = {}
@@ -141,7 +131,7 @@ def export(run_dir: str | Path, out_path: str | Path, model_id: str | None = Non
 
 
 def _select(path: str | Path, task: str) -> list[dict]:
-    return [d for d in _read_jsonl(Path(path)) if in_group(d.get("category"), task)]
+    return [d for d in read_jsonl(Path(path)) if in_group(d.get("category"), task)]
 
 
 def speed(jsonl_file: str | Path, jsonl_file_base: str | Path, task: str = "overall", tokenizer=None) -> dict:

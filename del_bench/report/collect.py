@@ -21,7 +21,7 @@ from typing import Iterable
 
 import pandas as pd
 
-from del_bench.records import RunKey, run_key_of
+from del_bench.records import RunKey, read_jsonl, run_key_of
 
 # the committed reference records behind results/tables and results/figures (working runs: results/runs)
 REFERENCE_ROOT = "results/reference"
@@ -44,19 +44,6 @@ def find_runs(roots: Iterable[str | Path] = DEFAULT_ROOTS) -> list[Path]:
         if root.is_dir():
             found.update(p.parent for p in root.rglob("summary.json"))
     return sorted(found)
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    """Complete lines only (a torn last line of an interrupted run is skipped, not repaired)."""
-    if not path.is_file():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return rows
 
 
 def _mean(values: list) -> float:
