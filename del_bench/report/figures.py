@@ -379,10 +379,17 @@ def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9.+-]+", "_", text).strip("_")
 
 
+def _spec_bench_only(experiments) -> bool:
+    return bool(experiments) and all(e.split("_")[0] == "specbench" for e in experiments)
+
+
 def iter_figures(df: pd.DataFrame):
     """(name, Figure) for every figure the records allow, in a stable order: 1a per model/machine/decoding;
     3a, 3b (per E setting) per model/machine/decoding/length block; 1b per block and task; 4a per machine;
-    4b/4c per default DEL run. One at a time, so a caller can save and close each before the next is drawn."""
+    4b/4c per default DEL run. One at a time, so a caller can save and close each before the next is drawn.
+    Runs of Spec-Bench sweeps only (run_key.experiments all specbench*) have their own table, not these figures."""
+    if "experiments" in df:
+        df = df[~df["experiments"].map(_spec_bench_only)]
     if df.empty:
         return
     taken: set[str] = set()
