@@ -75,14 +75,12 @@ def run_once(cfg: DictConfig, run: Callable | None = None, **kwargs) -> tuple[st
     done = completed_summary(cfg)
     if done:
         log.info("skipped (finished): %s", cfg.out_dir)
-        add_experiment(cfg.out_dir, cfg.get("experiment_name"))  # this sweep covers the run too
-        return "skipped", done
+        return _skipped(cfg, done)
     try:
         with exclusive(cfg.out_dir):
             done = completed_summary(cfg)  # finished by another job between the check and the lock
             if done:
-                add_experiment(cfg.out_dir, cfg.get("experiment_name"))
-                return "skipped", done
+                return _skipped(cfg, done)
             summary = run(cfg, **kwargs)
     except Busy as busy:
         log.warning("skipped (busy): %s", busy)
@@ -92,6 +90,12 @@ def run_once(cfg: DictConfig, run: Callable | None = None, **kwargs) -> tuple[st
         raise
     (Path(cfg.out_dir) / ERROR_NAME).unlink(missing_ok=True)  # the run is now complete: no stale error
     return "ok", summary
+
+
+def _skipped(cfg: DictConfig, summary: dict) -> tuple[str, dict]:
+    """A finished run this job would have made: the sweep asking for it is recorded as covering it too."""
+    add_experiment(cfg.out_dir, cfg.get("experiment_name"))
+    return "skipped", summary
 
 
 def _out_dir(cfg: DictConfig) -> Path | None:

@@ -26,11 +26,11 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_del import OFFLINE, add_speedups, compose, table_row  # noqa: E402
+from bench_del import OFFLINE, add_speedups, compose, run_interleaved, table_row  # noqa: E402
 
 from del_bench.methods.dynamic_exit import best_exit  # noqa: E402
 from del_bench.models import exit_adapters  # noqa: E402
-from del_bench.runner import load_model, provenance, run  # noqa: E402
+from del_bench.runner import load_model, provenance  # noqa: E402
 
 
 def humaneval_heldout_prompts(root: Path, n: int, seed: int) -> list[str]:
@@ -105,11 +105,8 @@ def main() -> None:
             cfg.experiment_name = args.experiment
             specs.append((f"{label} [{head}]", cfg, load_for(head == "adapters")))
 
-    for i in range(1, args.limit + 1):  # interleaved: every row decodes prompt i before any decodes i + 1
-        for _, cfg, load in specs:
-            cfg.limit = i
-            run(cfg, load)
-    table = [table_row(args.task, label, cfg, run(cfg, load)) for label, cfg, load in specs]
+    # interleaved: every row decodes prompt i before any decodes i + 1
+    table = [table_row(args.task, label, cfg, summary) for label, cfg, summary in run_interleaved(specs, args.limit)]
     add_speedups(table)
     print(f"\n{args.model} {args.task}: {args.limit} prompts × {args.max_new_tokens} new tokens, greedy; "
           f"adapters {adapters_dir}\n")

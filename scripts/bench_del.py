@@ -92,14 +92,17 @@ def add_speedups(rows: list[dict]) -> None:
                                                if partners else None)
 
 
-def run_interleaved(rows: list[tuple[str, object]], limit: int, load) -> list[tuple[str, object, dict]]:
-    """rows: (label, cfg). Normal resumable runs, grown one prompt at a time across all rows (`limit` is a
-    resumable key: a run with limit i + 1 decodes only what limit i did not). → (label, cfg, summary)."""
+def run_interleaved(rows: list[tuple], limit: int, load=None) -> list[tuple[str, object, dict]]:
+    """rows: (label, cfg), or (label, cfg, load) where a row needs its own model loader (another variant of the
+    model, e.g. with exit adapters) instead of the shared `load`. Normal resumable runs, grown one prompt at a
+    time across all rows (`limit` is a resumable key: a run with limit i + 1 decodes only what limit i did not).
+    → (label, cfg, summary)."""
+    rows = [(row[0], row[1], row[2] if len(row) > 2 else load) for row in rows]
     for i in range(1, limit + 1):
-        for _, cfg in rows:
+        for _, cfg, row_load in rows:
             cfg.limit = i
-            run(cfg, load)
-    return [(label, cfg, run(cfg, load)) for label, cfg in rows]  # everything decoded: summaries only
+            run(cfg, row_load)
+    return [(label, cfg, run(cfg, row_load)) for label, cfg, row_load in rows]  # everything decoded: summaries
 
 
 def main() -> None:

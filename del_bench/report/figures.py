@@ -35,7 +35,7 @@ import pandas as pd  # noqa: E402
 from matplotlib.patches import Rectangle  # noqa: E402
 
 from .collect import aggregate, load_rounds, segment_speeds  # noqa: E402,F401  (load_rounds: re-exported)
-from .tables import DEFAULT_OMEGA, METHOD_LABELS, TABLE3_TASKS, TASK_LABELS, method_label  # noqa: E402
+from .tables import DEFAULT_OMEGA, METHOD_LABELS, TABLE3_TASKS, TASK_LABELS, in_experiment, method_label  # noqa: E402
 
 ABLATIONS = ["del", "del_e", "del_gamma", "del_e_lim"]
 MAX_ROUNDS_4A = 200  # the paper's Figure 4a: τ over 200 SD rounds
@@ -380,7 +380,7 @@ def _slug(text: str) -> str:
 
 
 def _spec_bench_only(experiments) -> bool:
-    return bool(experiments) and all(e.split("_")[0] == "specbench" for e in experiments)
+    return bool(experiments) and all(in_experiment([e], "specbench") for e in experiments)
 
 
 def iter_figures(df: pd.DataFrame):
