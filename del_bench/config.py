@@ -29,6 +29,13 @@ def _calibrated(key: str, default, _root_):
     return calibration_store.lookup(calibration.file, calibration.task)[key]
 
 
+def _flag(on, name: str) -> str:
+    """${flag:${.tree},tree}: "-tree" when the switch is on, "" when off — for tags that name an option."""
+    return f"-{name}" if on else ""
+
+
+if not OmegaConf.has_resolver("flag"):
+    OmegaConf.register_new_resolver("flag", _flag)
 if not OmegaConf.has_resolver("decoding"):
     OmegaConf.register_new_resolver("decoding", decoding_tag)
 if not OmegaConf.has_resolver("calibrated"):

@@ -4,7 +4,8 @@ Per model × task, two phases of interleaved rows (each row decodes prompt i bef
 drift of a shared machine hits every row alike; bench_del.run_interleaved):
   1. Vanilla, LS over --grid, DEL (del_cpu), SWIFT searching its set on the fly (the optimiser's passes included);
   2. Vanilla again, SWIFT with the set phase 1 found fixed (`method.skip_set=<its run dir>`: the acceleration phase
-     alone, as with the authors' cached sets — found on these same prompts' first tokens).
+     alone, as with the authors' cached sets — found on these same prompts' first tokens), as a chain and with
+     the dynamic token tree (`method.tree=true`).
 Every row is an ordinary run directory under --root recording the bench as its experiment; each row's speedup is
 against the mean of the Vanilla runs it pairs with (records.RunKey.pairs_with, both phases).
 Interleaving decodes one prompt per `run` invocation, and SWIFT's search state lives in the method object, so the
@@ -106,9 +107,11 @@ def main() -> None:
             best = max(ls_rows, key=lambda r: r["tokens_per_s"])
             best["row"] += " best"
             searched = first[-1]
+            found = [*swift, f"method.skip_set={searched['out_dir']}"]
             phase([spec("Vanilla (phase 2)", "method=vanilla", suffix="-phase2"),
-                   spec(f"SWIFT r{ratio} (found set)", *swift, f"method.skip_set={searched['out_dir']}",
-                        f"method.tag=swift-r{ratio}-found")])
+                   spec(f"SWIFT r{ratio} (found set)", *found, f"method.tag=swift-r{ratio}-found"),
+                   spec(f"SWIFT r{ratio} (found, tree)", *found, "method.tree=true",
+                        f"method.tag=swift-r{ratio}-found-tree")])
             add_speedups([r for r in table if r["task"] == task and r["model"] == model])
     for r in table:
         swift_columns(r)

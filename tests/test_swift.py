@@ -27,11 +27,21 @@ METHODS = [
     Swift(skip_set={"attn": [], "mlp": []}, confidence=0.0),  # the draft is the full model: all accepted
     Swift(context_window=4, bayes_interval=3, scope="prompt"),  # the optimiser on, restarted per prompt
     Swift(context_window=4, bayes_interval=2, encoding="threshold", opt_window="last", confidence=0.0, d_max=6),
+    # the dynamic token tree: leaves beside every draft (random tiny models are unsure: ~10 candidates a depth)
+    Swift(skip_set={"attn": [1], "mlp": [2]}, tree=True),
+    Swift(skip_set={"attn": [1, 2], "mlp": [1, 2]}, confidence=0.0, d_max=50, tree=True),
+    Swift(context_window=4, bayes_interval=3, scope="prompt", confidence=0.0, d_max=5, tree=True,
+          tree_widths=[2, 4], tree_confidences=[0.3]),
 ]
 
 
-@pytest.mark.parametrize("method", METHODS, ids=lambda m: compact(parse_skip_set(m.skip_set_arg))
-                         if m.skip_set_arg is not None else f"search-{m.encoding}-{m.opt_window}")
+def method_id(m: Swift) -> str:
+    fixed = m.skip_set_arg is not None
+    name = compact(parse_skip_set(m.skip_set_arg)) if fixed else f"search-{m.encoding}-{m.opt_window}"
+    return name + ("-tree" if m.tree else "")
+
+
+@pytest.mark.parametrize("method", METHODS, ids=method_id)
 def test_greedy_equals_hf_generate(stack_and_ref, method):  # noqa: F811
     stack, _, prompts, refs = stack_and_ref
     method.validate(L)
@@ -52,6 +62,23 @@ def test_swift_speculates_and_its_optimiser_runs(stack_and_ref):  # noqa: F811
     gen = engine.generate(prompts[0], Swift(context_window=4, bayes_interval=3), 40, seed=0)
     kinds = [r.trace["opt_kind"] for r in gen.rounds if "opt_kind" in r.trace]
     assert "random" in kinds and "bayes" in kinds
+
+
+def test_the_tree_takes_leaves_and_keeps_the_cache_on_the_path(stack_and_ref):  # noqa: F811
+    """Guard against a vacuous tree: some rounds end on a sibling (its KV moved onto the path), and the greedy
+    output still equals the reference after them; a tree costs head rows, not loaded layers."""
+    stack, _, prompts, refs = stack_and_ref
+    engine = Engine(stack, Sampling(), set())
+    method = Swift(skip_set={"attn": [1, 2], "mlp": [1, 2]}, confidence=0.0, d_max=3, tree=True)
+    gen = engine.generate(prompts[0], method, 40, seed=0)
+    trees = [r for r in gen.rounds[1:] if "tree_siblings" in r.trace]
+    leaves = [r for r in trees if r.trace["tree_leaf_accepted"]]
+    assert trees and leaves and gen.output_ids == refs[0][:40]
+    assert all(r.loaded_layers == r.drafted * (L - 2) + L for r in gen.rounds[1:])
+    assert all(r.accepted <= r.drafted for r in gen.rounds)
+    chain = engine.generate(prompts[0], Swift(skip_set={"attn": [1, 2], "mlp": [1, 2]}, confidence=0.0, d_max=3),
+                            40, seed=0)
+    assert len(gen.rounds) < len(chain.rounds)  # leaves save rounds
 
 
 def test_eos_inside_a_draft_ends_the_output_like_hf(stack_and_ref):  # noqa: F811
@@ -97,9 +124,15 @@ def test_accounting_counts_a_sublayer_as_half_a_layer(stack_and_ref):  # noqa: F
 
 # ---- speculative sampling keeps the target distribution --------------------------------------------------------
 
+# one sibling beside each draft of a poor draft model (every sublayer of layers 1, 2 skipped): of ~1,100 rounds in
+# 1,000 draws ~210 reject the chain token, ~70 of them take the sibling, ~140 draw from the residual
+TREE = Swift(skip_set={"attn": [1, 2], "mlp": [1, 2]}, confidence=0.0, d_max=2, tree=True, tree_widths=[2, 2],
+             tree_confidences=[0.5])
+
+
 @pytest.mark.parametrize("method", [Swift(skip_set={"attn": [1], "mlp": [2]}, confidence=0.5, d_max=4),
-                                    Swift(skip_set={"attn": [1, 2], "mlp": []}, confidence=0.0, d_max=2)],
-                         ids=["confidence-stop", "fixed-length"])
+                                    Swift(skip_set={"attn": [1, 2], "mlp": []}, confidence=0.0, d_max=2), TREE],
+                         ids=["confidence-stop", "fixed-length", "tree"])
 def test_speculative_sampling_preserves_distribution(small_vocab_model, method):  # noqa: F811
     assert draw_and_test(small_vocab_model, method, prompt=[1, 2, 3]) > 1e-3
 
@@ -114,6 +147,22 @@ def test_the_distribution_test_catches_a_biased_sampler(small_vocab_model, monke
     monkeypatch.setattr(decode, "accept_sampling", accept_everything)
     method = Swift(skip_set={"attn": [1, 2], "mlp": []}, confidence=0.0, d_max=2)
     assert draw_and_test(small_vocab_model, method, prompt=[1, 2, 3]) < 1e-6
+
+
+def test_the_distribution_test_catches_a_tree_that_trusts_its_siblings(small_vocab_model, monkeypatch):  # noqa: F811
+    """Negative control for the tree: taking the first sibling whenever the chain token is rejected (no residual
+    test) samples siblings from the draft model, and the test must see it."""
+    real = decode.accept_sampling_tree
+
+    def trust_siblings(drafts, draft_probs, siblings, target_row, sampling, rng):
+        k, j, token = real(drafts, draft_probs, siblings, target_row, sampling, rng)
+        if k < len(drafts) and j is None and siblings.tokens[k]:
+            p = sampling.probs(target_row(siblings.rows[k][0]))
+            return k, 0, int(torch.multinomial(p, 1, generator=rng))
+        return k, j, token
+
+    monkeypatch.setattr(decode, "accept_sampling_tree", trust_siblings)
+    assert draw_and_test(small_vocab_model, TREE, prompt=[1, 2, 3]) < 1e-6
 
 
 # ---- the optimiser ------------------------------------------------------------------------------------------------
@@ -217,6 +266,8 @@ def test_stop_rules_and_scope():
     ("method.skip_ratio=1.0", "skip_ratio"), ("method.skip_ratio=0", "skip_ratio"),
     ("method.encoding=onehot", "encoding"), ("method.scope=forever", "scope"),
     ("method.context_window=0", "context_window"), ("method.skip_set={attn:[3]}", "layers"),
+    ("method.tree_widths=[1,3]", "tree_widths"), ("method.tree_widths=[0,3,5,10]", "tree_widths"),
+    ("method.tree_confidences=[0.5,0.8,0.95]", "tree_confidences"),
 ])
 def test_config_errors_fail_before_a_model_loads(run_cfg, override, message):
     cfg = run_cfg("method=swift", override)

@@ -25,6 +25,11 @@ _accept's crop rolls rejected positions back — no cache is cloned. A round loa
 (a sublayer counts ½). Before planning, _probe runs the optimiser's teacher-forced pass when the method asks
 for one (Method.probe): its time is part of policy_s (also traced as opt_s), its layers and head rows are part
 of the round's loaded_layers and head_calls (also traced as opt_loaded_layers, opt_head_calls).
+With a token tree (Method.tree_width > 1: SWIFT's `tree: true`), _draft_skipping also keeps siblings beside each
+draft (Draft.siblings, leaves off the chain); _verify_full runs pending + chain + siblings as one tree-masked batch
+(RoPE position by depth, each node sees the prefix, its ancestors and itself; KV in consecutive slots) and
+_accept_tree takes the longest accepted path, moving an accepted leaf's KV to its place on the path. The tree
+costs rows, not weight loads: the round still loads d·(L − skipped/2) + L layers.
 """
 
 from __future__ import annotations
@@ -37,9 +42,17 @@ import torch
 
 from del_bench.engine import layer_parallel
 from del_bench.engine.rounds import Generation, Round  # noqa: F401 (Round: part of this module's API)
-from del_bench.engine.sampling import Sampling, accept_greedy, accept_sampling, choose
+from del_bench.engine.sampling import (
+    Sampling,
+    Siblings,
+    accept_greedy,
+    accept_greedy_tree,
+    accept_sampling,
+    accept_sampling_tree,
+    choose,
+)
 from del_bench.methods.base import Method, RoundEvidence, Shadow, SkipSet
-from del_bench.models.layer_stack import KVCache, LayerStack, synchronize
+from del_bench.models.layer_stack import KVCache, LayerStack, TreeMask, synchronize
 
 
 @dataclass
@@ -54,6 +67,22 @@ class Draft:
     candidates: int = 0  # draft heads applied (a dropped low-confidence candidate counts too)
     confidences: list[float] = field(default_factory=list)  # each candidate's (the last may be the dropped one)
     keep_s: float = 0.0  # time inside method.keep_drafting: policy, not drafting
+    logits: torch.Tensor | None = None  # [V] the draft head's logits of the newest candidate
+    siblings: list[list[int]] = field(default_factory=list)  # token tree (SWIFT): other candidates beside draft i
+
+    def tree(self) -> tuple[list[int], TreeMask, Siblings] | None:
+        """The token tree of the pending token (node 0), the chain (nodes 1..d) and the siblings (leaves, in
+        depth order): (the siblings' tokens in node order, the tree's mask, where each sibling's row is);
+        None for a plain chain."""
+        if not any(self.siblings):
+            return None
+        d = len(self.drafts)
+        parents, tokens, rows = [-1, *range(d)], [], []
+        for i, level in enumerate(self.siblings):  # siblings of draft i hang off chain node i
+            rows.append(list(range(1 + d + len(tokens), 1 + d + len(tokens) + len(level))))
+            parents += [i] * len(level)
+            tokens += level
+        return tokens, TreeMask.of(parents), Siblings(self.siblings, rows)
 
 
 @dataclass
@@ -65,6 +94,8 @@ class Verified:
     late: list[torch.Tensor] | None  # shadow tokens only: layers E+1..L, each [1, d+1, D]
     head: Callable[[torch.Tensor], torch.Tensor]  # the LM head: [1, T, D] → [1, T, V]
     rows: dict[int, int] = field(default_factory=dict)  # verified row → the verifier's greedy token there
+    siblings: Siblings | None = None  # a token tree's leaves beside the chain (SWIFT with `tree: true`)
+    leaf: int | None = None  # set by _accept: the accepted sibling's row, if a sibling ended the path
 
     def row(self, i: int) -> torch.Tensor:
         """The verifier's logits [V] at position i (the target_row of accept_greedy / accept_sampling)."""
@@ -169,7 +200,7 @@ class Engine:
         if skipping:
             draft = self._draft_skipping(gen.output_ids[-1], n - 1, plan.skip, budget, cache, method, rng)
             t_verify = time.perf_counter()
-            verified = self._verify_full([gen.output_ids[-1], *draft.drafts], n - 1, cache)
+            verified = self._verify_full(gen.output_ids[-1], draft, n - 1, cache)
         else:
             draft = self._draft(gen.output_ids[-1], n - 1, E, budget, cache, method, rng)
             # with no draft budget the single pass through all L layers is the verification itself
@@ -186,6 +217,9 @@ class Engine:
         trace = {**plan.trace, **probed}
         if draft.confidences:
             trace["draft_confidences"] = draft.confidences
+        if verified.siblings is not None:  # a token tree: its size; did a sibling (not the chain) end the path
+            trace["tree_siblings"] = sum(map(len, verified.siblings.tokens))
+            trace["tree_leaf_accepted"] = verified.leaf is not None
         gen.rounds.append(Round(
             round=len(gen.rounds), exit_layer=E if d and not skipping else None, budget=budget, drafted=d,
             accepted=k, emitted=emitted, loaded_layers=_whole(loaded),
@@ -231,6 +265,7 @@ class Engine:
         after it (method.keep_drafting, for methods that want confidence). Returns (None, False) when
         the candidate that stopped drafting is dropped (drop_stopped_draft: DEL's Algorithm 1)."""
         logits = self.stack.exit_logits(draft.exit_states[-1], draft.exit_layer)[0, -1]  # [V]
+        draft.logits = logits
         draft.candidates += 1
         candidate, q = choose(logits, self.sampling, rng)  # q: the warped draft distribution [V] when sampling
         keep = True
@@ -265,17 +300,37 @@ class Engine:
             candidate, keep = self._draft_token(draft, method, rng)
             if candidate is None:  # only with drop_stopped_draft
                 break
+            width = method.tree_width(draft.confidences[-1]) if draft.confidences else 1
+            draft.siblings.append(self._siblings(draft, width - 1, rng) if width > 1 else [])
             token, pos = candidate, pos + 1
             if not keep or candidate in self.eos_ids:
                 break
         return draft
 
-    def _verify_full(self, tokens: list[int], pos: int, cache) -> Verified:
-        """The pending token and the drafts (positions pos ..) through all L layers in one batch, from their
-        embeddings: every layer's KV at those positions is (re)written with the full model's."""
+    def _siblings(self, draft: Draft, count: int, rng) -> list[int]:
+        """Up to `count` other candidates beside the newest draft (a token tree's leaves): greedy, the draft head's
+        next most likely tokens; sampling, draws from q without replacement after the chain token (the proposal
+        accept_sampling_tree assumes)."""
+        chain = draft.drafts[-1]
+        q = draft.draft_probs[-1]
+        if q is None:
+            top = draft.logits.topk(min(count + 1, draft.logits.shape[-1])).indices.tolist()
+            return [t for t in top if t != chain][:count]
+        rest = q.clone()
+        rest[chain] = 0  # [V]
+        count = min(count, int((rest > 0).sum()))
+        return torch.multinomial(rest, count, replacement=False, generator=rng).tolist() if count else []
+
+    def _verify_full(self, pending: int, draft: Draft, pos: int, cache) -> Verified:
+        """The pending token and the drafts (positions pos ..) — with a token tree, its siblings too (slots after
+        the chain's) — through all L layers in one batch, from their embeddings: every layer's KV at those slots
+        is (re)written with the full model's."""
         st = self.stack
-        h = st.norm(st.forward_layers(st.embed(self._ids(tokens)), 0, st.num_layers, pos, cache))  # [1, d+1, D]
-        return Verified(h, None, st.head)
+        tree = draft.tree()
+        siblings, mask, where = tree if tree else ([], None, None)
+        tokens = [pending, *draft.drafts, *siblings]
+        h = st.forward_layers(st.embed(self._ids(tokens)), 0, st.num_layers, pos, cache, tree=mask)  # [1, T, D]
+        return Verified(st.norm(h), None, st.head, siblings=where)
 
     def _probe(self, method: Method, n: int, gen: Generation, cache) -> dict:
         """The optimiser's step, when the method asks for one (Method.probe): the candidate draft model runs
@@ -314,6 +369,8 @@ class Engine:
         """Accept a prefix of the drafts (greedy: the verifier's argmax; sampling: speculative sampling)
         and emit it with the verifier's next token; crop the cache to the kept positions.
         Returns (k accepted drafts, tokens emitted: fewer than k + 1 after an EOS or a stop)."""
+        if verified.siblings is not None:
+            return self._accept_tree(draft, verified, n, cache, gen, rng)
         if self.sampling.do_sample:
             k, next_token = accept_sampling(draft.drafts, draft.draft_probs, verified.row, self.sampling, rng)
         else:
@@ -321,6 +378,25 @@ class Engine:
         emitted = self._emit(gen, draft.drafts[:k] + [next_token])
         cache.crop(n + k)  # keep the pending token and the accepted drafts; the new pending is next_token
         return k, emitted
+
+    def _accept_tree(self, draft: Draft, verified: Verified, n: int, cache, gen: Generation, rng) -> tuple[int, int]:
+        """_accept over a token tree: the chain's accepted prefix, then maybe one sibling (accept_greedy_tree /
+        accept_sampling_tree). An accepted sibling's KV moves from its slot to the path's next one in every layer,
+        so the cache holds exactly the accepted path. Returns (tokens accepted, incl. a sibling; tokens emitted)."""
+        sib = verified.siblings
+        if self.sampling.do_sample:
+            k, j, next_token = accept_sampling_tree(draft.drafts, draft.draft_probs, sib, verified.row,
+                                                    self.sampling, rng)
+        else:
+            k, j, next_token = accept_greedy_tree(draft.drafts, sib, verified.row)
+        path = draft.drafts[:k]
+        if j is not None:
+            verified.leaf = sib.rows[k][j]
+            path.append(sib.tokens[k][j])
+            cache.move(n - 1 + verified.leaf, n + k)  # its row's slot → right after the accepted chain
+        emitted = self._emit(gen, path + [next_token])
+        cache.crop(n + len(path))
+        return len(path), emitted
 
     def _observe(self, method: Method, evidence: RoundEvidence, draft: Draft, verified: Verified, E: int) -> None:
         """Hand the method its evidence. With shadow tokens, the round's valid window is held back and

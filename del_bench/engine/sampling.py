@@ -67,15 +67,75 @@ def accept_sampling(
 
     Accept x_i with prob min(1, p_i(x_i)/q_i(x_i)); at the first rejection draw from
     norm(max(0, p_i − q_i)); if all d are accepted draw a bonus token from p_d."""
+    k, _, token = accept_sampling_tree(drafts, draft_probs, None, target_row, sampling, rng)
+    return k, token
+
+
+@dataclass(frozen=True)
+class Siblings:
+    """A dynamic token tree's other candidates (SWIFT): tokens[i] hang off the chain's node before draft i,
+    beside draft i (so they are leaves at depth i + 1); rows[i] are their rows in the verification batch.
+    Greedy: the draft distribution's next most likely tokens. Sampling: drawn from q_i without replacement,
+    after the chain token (tokens[i][j] ~ q_i with the chain token and tokens[i][:j] removed, renormalised) —
+    the proposal that recursive rejection (accept_sampling_tree) needs to stay exact."""
+
+    tokens: list[list[int]]
+    rows: list[list[int]]
+
+
+def accept_greedy_tree(drafts: list[int], siblings: Siblings, target_row) -> tuple[int, int | None, int]:
+    """The longest path of the tree the verifier agrees with: the chain's accepted prefix (accept_greedy), then,
+    at the first mismatch, the sibling equal to the verifier's token there, if any (siblings are leaves).
+    Returns (k chain drafts accepted, index of the accepted sibling at depth k + 1 or None, next token)."""
+    k, target = accept_greedy(drafts, target_row)
+    if k < len(drafts):
+        for j, token in enumerate(siblings.tokens[k]):
+            if token == target:
+                return k, j, int(target_row(siblings.rows[k][j]).argmax())
+    return k, None, target
+
+
+def accept_sampling_tree(
+    drafts: list[int],
+    draft_probs: list[torch.Tensor],
+    siblings: Siblings | None,
+    target_row,
+    sampling: Sampling,
+    rng: torch.Generator,
+) -> tuple[int, int | None, int]:
+    """Speculative sampling over a chain with sibling leaves (SpecInfer-style recursive rejection).
+
+    Down the chain as accept_sampling. At the first rejected draft x_i, each sibling s_j in turn is a draft
+    from q' = q_i without the tokens already tried (x_i, s_1.., renormalised) — how it was drawn — against the
+    residual r (first norm(max(0, p_i − q_i))): accept it with prob min(1, r(s_j)/q'(s_j)), else
+    r ← norm(max(0, r − q')). Each step is exact speculative sampling of r, so the token that ends the walk
+    (an accepted sibling, or a draw from the final r) is distributed as p_i. After an accepted sibling the
+    bonus token is drawn from p at its row. Returns (k chain drafts accepted, accepted sibling or None, token)."""
     for i, (x, q) in enumerate(zip(drafts, draft_probs)):
         p = sampling.probs(target_row(i))
-        u = torch.rand((), generator=rng, device=p.device, dtype=p.dtype)
-        if u * q[x] < p[x]:  # u < p/q without dividing by a possibly tiny q
+        q = q.to(p.dtype)
+        if _uniform(rng, p) * q[x] < p[x]:  # u < p/q without dividing by a possibly tiny q
             continue
-        residual = (p - q.to(p.dtype)).clamp_min(0)
-        total = residual.sum()
-        # p == q exactly leaves no residual mass; then any draw from p is already exact
-        dist = residual / total if total > 0 else p
-        return i, int(torch.multinomial(dist, 1, generator=rng))
+        residual = _residual(p, q)
+        tried = q.clone()
+        tried[x] = 0
+        for j, (s, row) in enumerate(zip(siblings.tokens[i], siblings.rows[i]) if siblings else ()):
+            proposal = tried / tried.sum()  # [V] the distribution s was drawn from
+            if _uniform(rng, p) * proposal[s] < residual[s]:
+                return i, j, int(torch.multinomial(sampling.probs(target_row(row)), 1, generator=rng))
+            residual = _residual(residual, proposal)
+            tried[s] = 0
+        return i, None, int(torch.multinomial(residual, 1, generator=rng))
     p = sampling.probs(target_row(len(drafts)))
-    return len(drafts), int(torch.multinomial(p, 1, generator=rng))
+    return len(drafts), None, int(torch.multinomial(p, 1, generator=rng))
+
+
+def _uniform(rng: torch.Generator, like: torch.Tensor) -> torch.Tensor:
+    return torch.rand((), generator=rng, device=like.device, dtype=like.dtype)
+
+
+def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """norm(max(0, p − q)) [V]; p == q exactly leaves no residual mass, and then any draw from p is already exact."""
+    residual = (p - q).clamp_min(0)
+    total = residual.sum()
+    return residual / total if total > 0 else p

@@ -102,6 +102,12 @@ class Method:
         without) this candidate."""
         return True
 
+    def tree_width(self, confidence: float) -> int:
+        """Candidates at a draft depth whose chain token has this confidence (SWIFT's dynamic token tree): the
+        chain token plus tree_width − 1 siblings, verified in the same batch. 1 = a plain chain (every method
+        but SWIFT with `tree: true`)."""
+        return 1
+
     def observe(self, evidence: RoundEvidence) -> None:
         """After verification of a round."""
 

@@ -39,7 +39,13 @@ Where the paper and the authors' code differ (DESIGN.md §4), the choice is a ke
   CPU one suggestion took 1–30 s here (it varies with the GP's fit). `false` (beyond the paper): the same GP
   and UCB over 10,000 random points only (~0.1 s); since a point only matters through its N largest
   coordinates, the polish rarely changes the set.
-- The dynamic token tree of the paper is not implemented: drafts are a chain.
+- Dynamic token tree (`tree`, off by default as in the authors' released scripts): beside each draft, the
+  draft's next candidates hang off the chain as leaves — n_d candidates in all at depth d, by the chain token's
+  confidence c: `tree_widths` [1, 3, 5, 10] for c > `tree_confidences` [0.95, 0.8, 0.5] / else (the paper's;
+  the authors' greedy code uses 3/5/8/10). One tree-masked verification pass; greedy takes the longest accepted
+  path, sampling SpecInfer-style recursive rejection over the siblings (engine/sampling.py:
+  accept_sampling_tree, siblings drawn from q without replacement). Records: `tree_siblings` and
+  `tree_leaf_accepted` per round.
 
 Fixed sets (`skip_set`): a dict {attn: [...], mlp: [...]} of 0-based layer indices (the authors' convention, as in
 their skip_layers.json), the compact string "attn:1,3;mlp:2,4", a JSON file holding the dict, or a SWIFT run
@@ -160,13 +166,15 @@ class Swift(Method):
                  bayes_interval: int = 25, max_steps: int = 1000, patience: int = 300, stop_matchness: float = 0.95,
                  kappa: float = 2.5, gp_alpha: float = 1e-2, encoding: str = "topk", scope: str = "run",
                  opt_window: str = "first", confidence: float = 0.8, d_max: int = 25, seed: int = 0,
-                 bo_polish: bool = True, **_):
+                 bo_polish: bool = True, tree: bool = False, tree_widths=(1, 3, 5, 10),
+                 tree_confidences=(0.95, 0.8, 0.5), **_):
         self.skip_ratio, self.skip_set_arg = skip_ratio, skip_set
         self.optimise, self.context_window, self.bayes_interval = optimise, context_window, bayes_interval
         self.max_steps, self.patience, self.stop_matchness = max_steps, patience, stop_matchness
         self.kappa, self.gp_alpha, self.encoding, self.scope = kappa, gp_alpha, encoding, scope
         self.opt_window, self.confidence, self.d_max, self.seed = opt_window, confidence, d_max, seed
         self.bo_polish = bo_polish
+        self.tree, self.tree_widths, self.tree_confidences = tree, list(tree_widths), list(tree_confidences)
         self.fixed: SkipSet | None = None
         self._search_layers: int | None = None  # L the search state was built for (None: no state yet)
 
@@ -185,6 +193,7 @@ class Swift(Method):
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"method.{key}={value!r} must be an integer ≥ {low}")
         check_gamma(self.d_max, "method.d_max")
+        self._validate_tree()
         for key, value in (("confidence", self.confidence), ("stop_matchness", self.stop_matchness)):
             if not 0 <= value <= 1:
                 raise ValueError(f"method.{key}={value!r} must be in [0, 1]")
@@ -206,10 +215,23 @@ class Swift(Method):
                                  "bayesian-optimization==1.5.1`; 2.0 removed UtilityFunction), or "
                                  "method.bayes_interval=0 for random search only") from err
 
+    def _validate_tree(self) -> None:
+        widths, confidences = self.tree_widths, self.tree_confidences
+        if not all(isinstance(w, int) and not isinstance(w, bool) and w >= 1 for w in widths):
+            raise ValueError(f"method.tree_widths={widths!r} must be integers ≥ 1 (candidates per depth, chain "
+                             "token included)")
+        if len(widths) != len(confidences) + 1:
+            raise ValueError(f"method.tree_widths has {len(widths)} entries: it needs one more than "
+                             f"method.tree_confidences ({len(confidences)}), the last for confidences below them all")
+        if any(not 0 <= c <= 1 for c in confidences) or list(confidences) != sorted(confidences, reverse=True):
+            raise ValueError(f"method.tree_confidences={confidences!r} must be in [0, 1], decreasing")
+
     def describe(self) -> dict:
         fixed = parse_skip_set(self.skip_set_arg)
         out = {"skip_ratio": self.skip_ratio, "skip_set": compact(fixed) if fixed else None,
                "confidence": self.confidence, "d_max": self.d_max}
+        if self.tree:
+            out.update(tree=True, tree_widths=self.tree_widths, tree_confidences=self.tree_confidences)
         if fixed is None:
             out.update(optimise=self.optimise, context_window=self.context_window, bayes_interval=self.bayes_interval,
                        max_steps=self.max_steps, patience=self.patience, stop_matchness=self.stop_matchness,
@@ -245,6 +267,14 @@ class Swift(Method):
 
     def keep_drafting(self, drafted: int, confidence: float) -> bool:
         return confidence >= self.confidence
+
+    def tree_width(self, confidence: float) -> int:
+        if not self.tree:
+            return 1
+        for threshold, width in zip(self.tree_confidences, self.tree_widths):
+            if confidence > threshold:
+                return width
+        return self.tree_widths[-1]
 
     # ---- the optimiser ----
     def probe(self, generated: int) -> Probe | None:

@@ -103,6 +103,33 @@ class KVCache:
         """Forget every position ≥ length in every layer."""
         self.lengths = [min(n, length) for n in self.lengths]
 
+    def move(self, src: int, dst: int) -> None:
+        """Copy every layer's entry at position src to dst (a token tree's accepted leaf joins its path)."""
+        for k, v in zip(self.k, self.v):
+            k[:, :, dst] = k[:, :, src]
+            v[:, :, dst] = v[:, :, src]
+
+
+@dataclass(frozen=True)
+class TreeMask:
+    """A token tree in one batch (SWIFT's dynamic token tree): node i holds RoPE position pos + depth[i] and sees
+    the cached prefix [0, pos), its ancestors and itself. Its KV is written at slot pos + i, like a chain's."""
+
+    depth: torch.Tensor  # [T] long: 0 for the root (the pending token)
+    ancestors: torch.Tensor  # [T, T] bool: ancestors[i, j] = node j is node i or one of its ancestors
+
+    @staticmethod
+    def of(parents: list[int]) -> "TreeMask":
+        """parents[i]: node i's parent (−1 for the root), each before its children."""
+        T = len(parents)
+        ancestors = torch.eye(T, dtype=torch.bool)
+        depth = [0] * T
+        for i, parent in enumerate(parents):
+            if parent >= 0:
+                ancestors[i] |= ancestors[parent]
+                depth[i] = depth[parent] + 1
+        return TreeMask(torch.tensor(depth), ancestors)
+
 
 class LayerStack:
     def __init__(self, model: nn.Module):
@@ -246,20 +273,22 @@ class LayerStack:
 
     # ---- layers -----------------------------------------------------------------------------
     def forward_layers(self, h: torch.Tensor, start: int, end: int, pos: int, cache: KVCache,
-                       collect: list | None = None) -> torch.Tensor:
+                       collect: list | None = None, tree: TreeMask | None = None) -> torch.Tensor:
         """Run 0-based layers [start, end) on h: [1, T, D] holding positions pos .. pos+T-1.
 
         Each layer writes its keys/values at those positions and attends to [0, pos+T). With `collect`,
-        every layer's output [1, T, D] is appended to it (DEL's shadow tokens read them)."""
+        every layer's output [1, T, D] is appended to it (DEL's shadow tokens read them). With `tree`, the T
+        tokens are a token tree: slots pos .. pos+T-1 still, but RoPE positions and the mask from the tree."""
         T = h.shape[1]
-        cos = self._cos[pos : pos + T][None, :, None, :]  # [1, T, 1, hd], broadcast over heads
-        sin = self._sin[pos : pos + T][None, :, None, :]  # signed: see _ensure_rope
-        # Bottom-right-aligned causal mask: query i (position pos+i) sees keys 0..pos+i.
-        # A single query sees every cached key, so it needs no mask at all.
-        mask = None
-        if T > 1:
-            keys = torch.arange(pos + T, device=h.device)
-            mask = keys[None, :] <= (pos + torch.arange(T, device=h.device))[:, None]  # [T, pos+T]
+        if tree is None:
+            cos = self._cos[pos : pos + T][None, :, None, :]  # [1, T, 1, hd], broadcast over heads
+            sin = self._sin[pos : pos + T][None, :, None, :]  # signed: see _ensure_rope
+            mask = self._causal_mask(pos, T, h.device)
+        else:
+            positions = pos + tree.depth.to(h.device)  # [T]
+            cos, sin = self._cos[positions][None, :, None, :], self._sin[positions][None, :, None, :]
+            prefix = torch.ones(T, pos, dtype=torch.bool, device=h.device)
+            mask = torch.cat([prefix, tree.ancestors.to(h.device)], dim=1)  # [T, pos+T]
         for i in range(start, end):
             if cache.lengths[i] < pos:
                 raise RuntimeError(f"layer {i} holds {cache.lengths[i]} positions; cannot write at {pos}")
@@ -329,10 +358,7 @@ class LayerStack:
         T = h.shape[1]
         cos = self._cos[pos : pos + T][None, :, None, :]
         sin = self._sin[pos : pos + T][None, :, None, :]
-        mask = None
-        if T > 1:
-            keys = torch.arange(pos + T, device=h.device)
-            mask = keys[None, :] <= (pos + torch.arange(T, device=h.device))[:, None]  # [T, pos+T]
+        mask = self._causal_mask(pos, T, h.device)
         for i in range(self.num_layers):
             if i not in skip_attn:
                 if cache.lengths[i] < pos:
@@ -343,6 +369,15 @@ class LayerStack:
             if i not in skip_mlp:
                 h = self._mlp(i, h)
         return h
+
+    @staticmethod
+    def _causal_mask(pos: int, T: int, device) -> torch.Tensor | None:
+        """Bottom-right-aligned causal mask [T, pos+T]: query i (position pos+i) sees keys 0..pos+i.
+        A single query sees every cached key, so it needs no mask at all (None)."""
+        if T == 1:
+            return None
+        keys = torch.arange(pos + T, device=device)
+        return keys[None, :] <= (pos + torch.arange(T, device=device))[:, None]
 
     def _layer(self, i, h, pos, cos, sin, mask, cache: KVCache) -> torch.Tensor:
         return self._mlp(i, self._attention(i, h, pos, cos, sin, mask, cache))
