@@ -14,7 +14,7 @@ export HF_DATASETS_OFFLINE ?= 1
 export TRANSFORMERS_NO_ADVISORY_WARNINGS ?= 1
 
 .DEFAULT_GOAL := help
-.PHONY: help setup demo test lint tables figures bench-peer bench-parts bench-controller bench-del bench-testbed bench-swift bench-sandbox smoke-tasks testbed clean
+.PHONY: help setup demo test lint tables figures bench-peer bench-parts bench-controller bench-del bench-testbed bench-swift bench-adapters bench-sandbox exits smoke-tasks testbed clean
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -80,6 +80,17 @@ bench-testbed: setup ## the paper's picture on the LayerSkip testbed: DEL vs gri
 bench-swift: setup ## SWIFT (searched, then its found set fixed) vs Vanilla, LS best, DEL on SmolLM2 and the testbed (~20 min) → $(RECORDS)/bench/swift.json
 	$(PY) scripts/bench_swift.py --models smollm2-135m:0.2,testbed:0.45 --limit 4 --max-new-tokens 96 \
 	  --swift-overrides method.bo_polish=false --root $(RECORDS)/bench/swift_runs --out $(RECORDS)/bench/swift.json
+
+EXITS := $(RECORDS)/exits
+exits: setup ## exit adapters for SmolLM2: HumanEval problems 0..99 and GSM8K's train split (~20 min; rerun resumes) → $(RECORDS)/exits
+	$(PY) -m del_bench train-exits model=smollm2-135m task=humaneval new_tokens=64 out_dir=$(EXITS)/smollm2-135m-humaneval
+	$(PY) -m del_bench train-exits model=smollm2-135m task=gsm8k new_tokens=64 out_dir=$(EXITS)/smollm2-135m-gsm8k
+
+bench-adapters: setup ## own head vs exit adapters (make exits first): Vanilla, LS, DEL, AdaDecode on HumanEval 100+ and GSM8K (~30 min) → $(RECORDS)/bench/adapters_*.json
+	$(PY) scripts/bench_adapters.py --adapters $(EXITS)/smollm2-135m-humaneval --task humaneval --limit 10 --max-new-tokens 128 \
+	  --root $(RECORDS)/bench/adapters_runs --out $(RECORDS)/bench/adapters_humaneval.json
+	$(PY) scripts/bench_adapters.py --adapters $(EXITS)/smollm2-135m-gsm8k --task gsm8k --limit 10 --max-new-tokens 128 \
+	  --root $(RECORDS)/bench/adapters_runs --out $(RECORDS)/bench/adapters_gsm8k.json
 
 bench-sandbox: setup ## HumanEval scoring in the sandbox vs check_correctness: overhead, 164 canonical, committed runs rescored → $(RECORDS)/bench/sandbox.json
 	$(PY) scripts/bench_sandbox.py --out $(RECORDS)/bench/sandbox.json
