@@ -2,6 +2,8 @@
 
     run_config.json   the settings that define the run (resume refuses a different one)
     costs.json        measured layer/head costs of a calibrated run (reused on resume)
+    method_state.json what a method carries across prompts (Method.state: SWIFT's search with scope run, DV
+                      without reset), as it stood after the `samples` finished samples (restored on resume)
     samples.jsonl     one line per generated output (written after its rounds)
     rounds.jsonl      one line per round
     summary.json      written atomically at the end, recomputed from samples.jsonl; its `run_key` says
@@ -254,6 +256,7 @@ class RunDir:
         self.summary_path = self.path / "summary.json"
         self.config_path = self.path / "run_config.json"
         self.costs_path = self.path / "costs.json"
+        self.method_state_path = self.path / "method_state.json"
 
     @staticmethod
     def fingerprint(run_config: dict) -> dict:
@@ -320,3 +323,13 @@ class RunDir:
 
     def write_costs(self, costs: dict) -> None:
         write_json(self.costs_path, costs)
+
+    def method_state(self) -> dict | None:
+        """{"samples": finished samples when it was saved, "state": Method.state()}, or None."""
+        return json.loads(self.method_state_path.read_text()) if self.method_state_path.exists() else None
+
+    def write_method_state(self, state: dict | None, samples: int) -> None:
+        """After a sample's records are appended (a kill in between leaves the state one sample behind, which
+        costs that sample's search steps again, never a record)."""
+        if state is not None:
+            write_json(self.method_state_path, {"samples": samples, "state": state})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import importlib.metadata
 import json
 import logging
@@ -144,16 +145,20 @@ def decode_all(cfg, todo, task, method, sampling, run_dir: RunDir, load) -> None
         costs = run_dir.costs() or engine.stack.measure_costs()
         run_dir.write_costs(costs)
         method.set_costs(**costs)
+    finished = restore_method_state(method, run_dir)
     if cfg.warmup_tokens:  # untimed: first-call allocations and kernel selection
         first = todo[0][0]
         warm = first.prompt if first.turns is None else task.render(first, [])
-        engine.generate(tokenizer(warm)["input_ids"], method, cfg.warmup_tokens, 0)
+        # a throwaway copy: the warm-up must leave no trace in what the method carries across prompts
+        engine.generate(tokenizer(warm)["input_ids"], copy.deepcopy(method), cfg.warmup_tokens, 0)
     weights = memory.model_bytes(loaded.model)
     for sample, repeat in tqdm(todo, desc=f"{cfg.method.tag} on {cfg.task.name}", unit="sample"):
         if sample.turns is not None:
             record, rounds = decode_turns(cfg, engine, tokenizer, task, method, sample, repeat, loaded)
             record.model_bytes, record.kv_cache_bytes = weights, memory.cache_bytes(engine.cache)
             run_dir.append(record.as_dict(), rounds)
+            finished += 1
+            run_dir.write_method_state(method.state(), finished)
             continue
         prompt_ids = list(tokenizer(sample.prompt)["input_ids"])
         with memory.PeakMemory(loaded.device) as peak:  # reset/read outside the engine's timed region
@@ -164,6 +169,21 @@ def decode_all(cfg, todo, task, method, sampling, run_dir: RunDir, load) -> None
         record.model_bytes, record.kv_cache_bytes = weights, memory.cache_bytes(engine.cache)
         rounds = [{"sample_id": sample.id, "repeat": repeat, **r.as_dict()} for r in gen.rounds]
         run_dir.append(record.as_dict(), rounds)
+        finished += 1
+        run_dir.write_method_state(method.state(), finished)
+
+
+def restore_method_state(method, run_dir: RunDir) -> int:
+    """Give the method back what it carried across the prompts already finished (Method.state). Returns how many
+    samples are finished."""
+    finished = len(run_dir.finished())
+    saved = run_dir.method_state()
+    if saved is not None:
+        if saved["samples"] != finished:
+            log.warning("%s: the method's state was saved after %d samples, %d are finished (a kill between the "
+                        "two writes): continuing from it", run_dir.path, saved["samples"], finished)
+        method.restore(saved["state"])
+    return finished
 
 
 def score_pending(task, samples, run_dir: RunDir, info: dict, chunk: int = 64) -> None:

@@ -8,9 +8,9 @@ drift of a shared machine hits every row alike; bench_del.run_interleaved):
      the dynamic token tree (`method.tree=true`).
 Every row is an ordinary run directory under --root recording the bench as its experiment; each row's speedup is
 against the mean of the Vanilla runs it pairs with (records.RunKey.pairs_with, both phases).
-Interleaving decodes one prompt per `run` invocation, and SWIFT's search state lives in the method object, so the
-search row restarts its search with every prompt (what `scope: prompt` does, whatever the key says); the found-set
-row is the persisted regime (the authors' frozen set).
+Interleaving decodes one prompt per `run` invocation; SWIFT's search state (scope: run, the default) is saved with
+its run after every prompt (method_state.json) and restored by the next invocation, so the search row is one search
+over the prompts, as the authors' code runs it; the found-set rows start from its frozen set.
 
 Columns: tok/s and speedup (means over prompts, paper B.4); eTPL and the speedup it predicts (eTPL × L, Vanilla
 loading L layers a token; a skipped sublayer counts ½ layer, the optimiser's passes count in full) and

@@ -192,3 +192,44 @@ def test_wandb_offline_mirror_writes_a_local_run(run_cfg, tmp_path, monkeypatch)
 def test_a_broken_tracker_never_fails_the_run(run_cfg):
     summary = runner.run(run_cfg("method=vanilla", "limit=1", "logger=wandb", "logger.mode=bogus"))
     assert summary["n_samples"] == 1
+
+
+@pytest.mark.parametrize("method", [
+    ("method=swift", "method.context_window=4", "method.bayes_interval=3"),  # scope run: the search persists
+    ("method=dv", "method.exit_layer=2", "method.reset_per_prompt=false"),  # the authors' θ across prompts
+], ids=["swift-search", "dv-no-reset"])
+def test_state_carried_across_prompts_survives_a_resume_and_the_warm_up(run_cfg, tmp_path, monkeypatch, method):
+    """A run killed after its first prompt and resumed decodes every round exactly as an uninterrupted one, and an
+    untimed warm-up leaves no trace: the method's cross-prompt state is saved with the run (method_state.json)
+    and the warm-up decodes with a copy of the method."""
+    over = (*method, "max_new_tokens=40")
+    runner.run(run_cfg(*over, f"out_dir={tmp_path / 'whole'}"))
+    resumed = run_cfg(*over, "warmup_tokens=40", f"out_dir={tmp_path / 'resumed'}")
+    real_generate, calls = Engine.generate, {"n": 0}
+
+    def dies_on_third(self, *args, **kwargs):  # call 1 is the warm-up, call 2 the first prompt
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return real_generate(self, *args, **kwargs)
+
+    monkeypatch.setattr(Engine, "generate", dies_on_third)
+    with pytest.raises(KeyboardInterrupt):
+        runner.run(resumed)
+    assert json.loads((tmp_path / "resumed" / "method_state.json").read_text())["samples"] == 1
+    monkeypatch.setattr(Engine, "generate", real_generate)
+    runner.run(resumed)
+
+    def decisions(name):
+        return [{k: v for k, v in r.items() if not k.endswith("_s")} for r in RunDir(tmp_path / name).rounds()]
+
+    assert decisions("resumed") == decisions("whole")
+
+    def state(name):
+        return json.loads((tmp_path / name / "method_state.json").read_text())
+
+    assert state("resumed") == state("whole") and state("whole")["samples"] == 3
+    if method[0] == "method=swift":  # the search went on past the first prompt, continuing its step count
+        searched = [r for r in decisions("whole") if "opt_step" in r]
+        assert [r["opt_step"] for r in searched] == list(range(1, len(searched) + 1))
+        assert len({r["sample_id"] for r in searched}) > 1

@@ -136,6 +136,16 @@ class Method:
         """Hyperparameters as stored in records."""
         return {}
 
+    def state(self) -> dict | None:
+        """What the method carries from one prompt to the next (JSON-able), or None when it restarts with every
+        prompt. The runner saves it with the run after each finished sample and restores it on resume, so an
+        interrupted run — or an interleaved bench, which resumes its runs one prompt at a time — continues
+        exactly as an uninterrupted one; it also undoes the untimed warm-up's effect on it."""
+        return None
+
+    def restore(self, state: dict) -> None:
+        """Take back a `state()` (before `start`)."""
+
 
 def check_exit_layer(exit_layer: int, num_layers: int, what: str = "method.exit_layer") -> None:
     if not isinstance(exit_layer, int) or not 1 <= exit_layer <= num_layers - 1:

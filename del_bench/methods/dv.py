@@ -63,3 +63,11 @@ class DraftVerify(Method):
 
     def describe(self) -> dict:
         return {"exit_layer": self.exit_layer, "d_max": self.d_max, "acceptance": self.acceptance}
+
+    def state(self) -> dict | None:
+        if self.reset_per_prompt or not hasattr(self, "_started"):
+            return None
+        return {"theta": self.theta, "ar": self.ar}
+
+    def restore(self, state: dict) -> None:
+        self.theta, self.ar, self._started = state["theta"], state["ar"], True

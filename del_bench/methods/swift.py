@@ -25,10 +25,9 @@ Where the paper and the authors' code differ (DESIGN.md §4), the choice is a ke
 - `scope: run` (the authors' code, default): the optimiser, the current set, its best matchness and the stop
   state persist for the whole run — later prompts use the frozen set, and a candidate must beat a score measured
   on an earlier prompt's context. `scope: prompt` (the paper's "per instance"): all restart with every prompt.
-  The state lives in the method object, i.e. for one invocation of `run`: with `scope: run` a run depends on
-  prompt order, and a resumed run — or an interleaved bench, which decodes one prompt per invocation — starts a
-  fresh search each time (the state is not in the records; the best set so far is: pass it back with
-  `skip_set=RUN_DIR`), so there it behaves as `scope: prompt`.
+  With `scope: run` a run depends on prompt order, and the search state is saved with the run after every
+  finished sample (Method.state → method_state.json), so a resumed run — or an interleaved bench, which decodes
+  one prompt per invocation — continues the search exactly where it stood.
 - `opt_window: first` (the authors' code): the first context_window + 1 generated tokens of the prompt;
   `last`: the latest ones (beyond the paper).
 - Initial best matchness 0 (the authors' code): the first scored candidate replaces the start set, which is
@@ -247,6 +246,34 @@ class Swift(Method):
         if self.scope == "prompt" or self._search_layers != num_layers:
             self._reset_search(num_layers)
         self._traced: SkipSet | None = None  # the set this prompt's records last named
+
+    def state(self) -> dict | None:
+        """scope: run with the optimiser on: the search (set, scores, stop state, RNGs, the optimiser's points)."""
+        if self.scope != "run" or self._search_layers is None or self.stopped == "off":
+            return None
+        bo = None
+        if self._bo is not None:
+            name, keys, pos, has_gauss, gauss = self._bo._random_state.get_state()
+            bo = {"params": self._bo.space.params.tolist(), "target": self._bo.space.target.tolist(),
+                  "random_state": [name, keys.tolist(), pos, has_gauss, gauss]}
+        return {"num_layers": self._search_layers, "current": compact(self.current), "best": self.best,
+                "steps": self.steps, "since_best": self.since_best, "stopped": self.stopped,
+                "rng": self.rng.bit_generator.state, "bo": bo}
+
+    def restore(self, state: dict) -> None:
+        self._reset_search(state["num_layers"])
+        self.current = parse_skip_set(state["current"])
+        self.best, self.steps, self.since_best = state["best"], state["steps"], state["since_best"]
+        self.stopped = state["stopped"]
+        self.rng.bit_generator.state = state["rng"]
+        if state["bo"] is not None:
+            self.num_layers = state["num_layers"]
+            bo = self._optimizer()
+            with contextlib.redirect_stdout(io.StringIO()):
+                for params, target in zip(state["bo"]["params"], state["bo"]["target"]):
+                    bo.register(params=bo.space.array_to_params(np.array(params)), target=target)
+            name, keys, pos, has_gauss, gauss = state["bo"]["random_state"]
+            bo._random_state.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
 
     def _reset_search(self, num_layers: int) -> None:
         self._search_layers = num_layers
