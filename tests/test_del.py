@@ -109,24 +109,51 @@ def test_calibrated_cost_model_counts_the_head():
     assert m.head_cost == pytest.approx(5.0)
 
 
+def test_a_measured_verification_batch_costs_its_late_layers_c_times():
+    # c(T): a T-position layer costs c(T) single ones; verification runs layers ℓ+1..L over d + 1 positions
+    alpha, c = torch.tensor([0.5, 0.9]), (1.0, 1.5, 2.0)
+    table = tpl_table(alpha, num_layers=3, d_max=2, head_cost=1.0, batch_cost=c)
+    for d in range(3):
+        for ell in (1, 2):
+            cost = d * (ell + 1.0) + ell + (3 - ell) * c[d] + 1.0
+            assert table[d, ell - 1] == pytest.approx(sum(alpha[ell - 1].item() ** k for k in range(d + 1)) / cost)
+    assert tpl_table(alpha, 3, 2, 1.0, batch_cost=(1.0,) * 3).tolist() == tpl_table(alpha, 3, 2, 1.0).tolist()
+    with pytest.raises(ValueError, match="batch sizes"):
+        tpl_table(alpha, 3, 2, batch_cost=(1.0, 1.5))
+    # a costly batch makes drafting lose where the paper's model drafts
+    allowed = np.ones(2, dtype=bool)
+    assert best_exit(np.array([0.6, 0.6]), 3, 2, allowed)[1] > 0
+    assert best_exit(np.array([0.6, 0.6]), 3, 2, allowed, batch_cost=(1.0, 2.0, 3.0))[1] == 0
+    # set_costs interpolates the measured sizes to T = 1..d_max+1 (linear, extrapolated past the largest)
+    m = DEL(cost_model="measured", d_max=5)
+    m.set_costs(layer_s=0.001, head_s=0.005, batch_s=[[1, 0.03], [2, 0.036], [4, 0.048]])
+    assert m.batch_cost == pytest.approx((1.0, 1.2, 1.4, 1.6, 1.8, 2.0))
+    assert m.describe()["batch_cost"] == [1.0, 1.2, 1.4, 1.6, 1.8, 2.0]
+    m.set_costs(layer_s=0.001, head_s=0.005)  # costs.json of runs measured before batch_s existed
+    assert m.batch_cost == () and m.describe()["batch_cost"] is None
+
+
 def test_drafting_alpha_is_the_closed_form_for_one_draft():
     # d_max = 1, layer costs, no stop head: TPL(ℓ, 1) = (1 + α)/(ℓ + L) beats 1/L exactly when α > ℓ/L
     assert drafting_alpha(8, d_max=1).tolist() == pytest.approx([ell / 8 for ell in range(1, 8)], abs=1e-8)
 
 
-@pytest.mark.parametrize("head_cost", [0.0, 5.0])
-def test_no_draft_bound_is_sound_and_tight(head_cost):
-    star = drafting_alpha(12, 18, head_cost, stop_head=True)
+BATCH = tuple(1 + 0.1 * t for t in range(19))  # c(T) = 1 + 0.1·(T − 1): a CPU-like verification batch
+
+
+@pytest.mark.parametrize("head_cost, batch_cost", [(0.0, ()), (5.0, ()), (5.0, BATCH)])
+def test_no_draft_bound_is_sound_and_tight(head_cost, batch_cost):
+    star = drafting_alpha(12, 18, head_cost, True, batch_cost)
     allowed = np.ones(11, dtype=bool)
     rng = np.random.default_rng(0)
     for _ in range(200):  # below every layer's bound TPL keeps d = 0
         alpha = np.minimum(star, 1.0) * rng.random(11)
-        assert best_exit(alpha, 12, 18, allowed, head_cost, stop_head=True)[1] == 0
+        assert best_exit(alpha, 12, 18, allowed, head_cost, stop_head=True, batch_cost=batch_cost)[1] == 0
     for ell in range(11):  # just above one layer's bound, drafting (at that layer) wins
         if star[ell] <= 1:
             alpha = np.zeros(11)
             alpha[ell] = star[ell] + 1e-6
-            exit_layer, gamma = best_exit(alpha, 12, 18, allowed, head_cost, stop_head=True)
+            exit_layer, gamma = best_exit(alpha, 12, 18, allowed, head_cost, stop_head=True, batch_cost=batch_cost)
             assert (exit_layer, gamma > 0) == (ell + 1, True)
 
 

@@ -129,8 +129,9 @@ class Method:
     def observe_prefill(self, shadow: Shadow) -> None:
         """After prefill (wants_shadow only): shadow tokens of the last prompt positions."""
 
-    def set_costs(self, layer_s: float, head_s: float) -> None:
-        """Measured seconds per decoder layer (one token) and per LM-head row (wants_costs only)."""
+    def set_costs(self, layer_s: float, head_s: float, batch_s: list | None = None) -> None:
+        """Measured seconds per decoder layer (one token), per LM-head row, and of T positions through every
+        layer ([[T, s], …]) (wants_costs only)."""
 
     def describe(self) -> dict:
         """Hyperparameters as stored in records."""

@@ -21,7 +21,9 @@ Decisions where the paper, its Algorithm 1 and the authors' code differ (DESIGN.
   mismatched mean as 0 (the extremes a confidence can take), so τ is always defined; S(n) = 0 gives α = 0.
 Beyond the paper (`cost_model: measured`): the TPL cost counts an LM-head row as h layers, h measured at
 start-up (SmolLM2 on CPU: h ≈ 5), including the row of the candidate that stops drafting (scored, then
-dropped); the default `layers` keeps the paper's d·ℓ + L so its numbers reproduce.
+dropped), and a verification batch of d + 1 positions through layers ℓ+1..L as c(d+1) single positions, c measured
+at start-up too (a batch is not free on a CPU; without it DEL with exit adapters drafted where drafting loses:
+0.81× Vanilla on SmolLM2 HumanEval); the default `layers` keeps the paper's d·ℓ + L so its numbers reproduce.
 Beyond the paper (`defer_shadow: true`): while TPL provably keeps d = 0 whatever the pending rounds'
 shadow tokens are (`can_defer`), their scoring is batched — same statistics and decisions, fewer head passes.
 Ablations: DEL-E = no dynamic draft-exiting, γ from TPL; DEL-γ = fixed E (`exit_layer`), τ on;
@@ -37,7 +39,8 @@ import numpy as np
 from del_bench.methods.base import Method, Plan, RoundEvidence, Shadow, check_exit_layer, check_gamma
 
 
-def tpl_table(alpha, num_layers: int, d_max: int, head_cost: float = 0.0, stop_head: bool = False) -> np.ndarray:
+def tpl_table(alpha, num_layers: int, d_max: int, head_cost: float = 0.0, stop_head: bool = False,
+              batch_cost: tuple[float, ...] = ()) -> np.ndarray:
     """TPL(ℓ, d) for ℓ = 1..len(alpha), d = 0..d_max → [d_max+1, len(alpha)] (float64).
 
     Σ_{k=0..d} α^k instead of (1 − α^{d+1}) / (1 − α): exact at α = 1. Cost in layer units:
@@ -45,19 +48,28 @@ def tpl_table(alpha, num_layers: int, d_max: int, head_cost: float = 0.0, stop_h
     d·(ℓ + h) + L + h — a draft is ℓ layers plus a head row, verification L layers plus a head row —
     and with `stop_head` one more head row for any d > 0: the candidate whose confidence stops drafting
     is scored and dropped (Algorithm 1), so a round that drafts pays d + 1 draft rows.
+    `batch_cost` (measured; empty = 1 throughout, the paper's model): c[T − 1] = one layer's cost for T positions
+    at once ÷ for one. Verification runs layers ℓ+1..L over the d + 1 positions, so L becomes ℓ + (L − ℓ)·c(d+1):
+    on a CPU a batch is not free (SmolLM2: 8 positions cost ~1.7 single ones).
     NumPy, not torch: on a [19, 30] table torch's per-op overhead is ~10× the arithmetic, every round."""
     alpha = np.asarray(alpha, dtype=np.float64)
-    drafts, cost = _round_costs(num_layers, len(alpha), d_max, head_cost, stop_head)
+    drafts, cost = _round_costs(num_layers, len(alpha), d_max, head_cost, stop_head, tuple(batch_cost))
     expected_tokens = (alpha[None, :] ** drafts).cumsum(0)  # [d_max+1, ℓ]
     return expected_tokens / cost
 
 
 @lru_cache(maxsize=64)
-def _round_costs(num_layers: int, n: int, d_max: int, head_cost: float, stop_head: bool):
+def _round_costs(num_layers: int, n: int, d_max: int, head_cost: float, stop_head: bool,
+                 batch_cost: tuple[float, ...] = ()):
     """→ (d [d_max+1, 1], cost of a round in layer units [d_max+1, n]) for tpl_table; read-only, cached."""
     layers = np.arange(1, n + 1, dtype=np.float64)
     drafts = np.arange(d_max + 1, dtype=np.float64)[:, None]
     cost = drafts * (layers[None, :] + head_cost) + num_layers + head_cost
+    if batch_cost:  # the late layers' batch of d + 1 positions costs c(d+1) single-position layers, not 1
+        if len(batch_cost) < d_max + 1:
+            raise ValueError(f"batch_cost covers {len(batch_cost)} batch sizes; d_max={d_max} needs {d_max + 1}")
+        c = np.asarray(batch_cost[: d_max + 1], dtype=np.float64)[:, None]  # [d_max+1, 1]
+        cost = cost + (num_layers - layers[None, :]) * (c - 1.0)
     if stop_head:
         cost = cost + head_cost * (drafts > 0)
     drafts.flags.writeable = cost.flags.writeable = False
@@ -65,10 +77,10 @@ def _round_costs(num_layers: int, n: int, d_max: int, head_cost: float, stop_hea
 
 
 def best_exit(alpha, num_layers: int, d_max: int, allowed, head_cost: float = 0.0,
-              stop_head: bool = False) -> tuple[int, int]:
+              stop_head: bool = False, batch_cost: tuple[float, ...] = ()) -> tuple[int, int]:
     """(E, γ) maximising TPL over allowed layers ([L-1] bool). Ties go to the smaller d, then the smaller ℓ
     (argmax returns the first maximum of the d-major flattening)."""
-    table = tpl_table(alpha, num_layers, d_max, head_cost, stop_head)
+    table = tpl_table(alpha, num_layers, d_max, head_cost, stop_head, batch_cost)
     table[:, ~np.asarray(allowed, dtype=bool)] = -1.0
     flat = int(table.argmax())
     d, layer = divmod(flat, len(alpha))
@@ -76,12 +88,13 @@ def best_exit(alpha, num_layers: int, d_max: int, allowed, head_cost: float = 0.
 
 
 @lru_cache(maxsize=64)
-def drafting_alpha(num_layers: int, d_max: int, head_cost: float = 0.0, stop_head: bool = False) -> np.ndarray:
+def drafting_alpha(num_layers: int, d_max: int, head_cost: float = 0.0, stop_head: bool = False,
+                   batch_cost: tuple[float, ...] = ()) -> np.ndarray:
     """[L-1] per layer ℓ, an α below which no d ≥ 1 beats d = 0 at ℓ (TPL(ℓ, d) ≤ TPL(·, 0); ties go to d = 0),
     found by bisection and lowered by 1e-9 so that float rounding cannot make it unsound; 2 where drafting at ℓ
     never wins. TPL(·, 0) is the same for every ℓ, so "α_ℓ below it at every allowed ℓ" means TPL picks d = 0."""
     def drafting_wins(alpha: np.ndarray) -> np.ndarray:  # [L-1] bool
-        table = tpl_table(alpha, num_layers, d_max, head_cost, stop_head)
+        table = tpl_table(alpha, num_layers, d_max, head_cost, stop_head, batch_cost)
         return (table[1:] > table[:1]).any(0)
 
     n = num_layers - 1
@@ -113,6 +126,7 @@ class DEL(Method):
         self.defer_shadow = defer_shadow
         self.wants_costs = cost_model == "measured"
         self.head_cost = 0.0  # LM-head row in layer units; set by set_costs under cost_model=measured
+        self.batch_cost: tuple[float, ...] = ()  # c(T), T = 1..d_max+1 (tpl_table); set by set_costs, measured
         self.wants_confidence = dynamic_draft_exit
         self.drop_stopped_draft = True
 
@@ -133,9 +147,20 @@ class DEL(Method):
         if not isinstance(self.prefill_window, int) or self.prefill_window < 1:
             raise ValueError(f"method.prefill_window={self.prefill_window!r} must be a positive integer")
 
-    def set_costs(self, layer_s: float, head_s: float) -> None:
-        """Measured once per model/device at start-up (cost_model=measured)."""
+    def set_costs(self, layer_s: float, head_s: float, batch_s: list | None = None) -> None:
+        """Measured once per model/device at start-up (cost_model=measured). batch_s: [[T, seconds of T
+        positions through every layer], …] (LayerStack.measure_costs), interpolated for T = 1..d_max+1; absent
+        in costs measured before it existed (then a batch costs what one position does, as before)."""
         self.head_cost = head_s / layer_s
+        self.batch_cost = ()
+        if batch_s:
+            sizes, seconds = np.array(batch_s, dtype=np.float64).T
+            wanted = np.arange(1, self.d_max + 2)
+            # linear in T between measured sizes, and beyond the largest along the last segment's slope
+            slope = (seconds[-1] - seconds[-2]) / (sizes[-1] - sizes[-2]) if len(sizes) > 1 else 0.0
+            total = np.where(wanted <= sizes[-1], np.interp(wanted, sizes, seconds),
+                             seconds[-1] + slope * (wanted - sizes[-1]))
+            self.batch_cost = tuple(float(c) for c in np.maximum(total / seconds[0], 1.0))
 
     # ---- statistics ---------------------------------------------------------------------------
     def start(self, num_layers: int) -> None:
@@ -191,7 +216,8 @@ class DEL(Method):
         (plain floats for layer E alone: the per-round path stays off array ops, which cost µs each)."""
         if self._choice is None:
             exit_layer, gamma = best_exit(self.alpha, self.num_layers, self.d_max, self.allowed,
-                                          self.head_cost, stop_head=self.dynamic_draft_exit)
+                                          self.head_cost, stop_head=self.dynamic_draft_exit,
+                                          batch_cost=self.batch_cost)
             e = exit_layer - 1
             match, positions = float(self.s_match[e]), self.s_positions
             matched = self.s_true_conf[e] / match if match > 0 else 1.0  # 0/0 as in confidence_means
@@ -238,7 +264,8 @@ class DEL(Method):
             added = self.omega * added + w
         decay = self.omega ** len(windows)
         alpha_bound = (decay * self.s_match + added) / (decay * self.s_positions + added)  # [L-1]
-        below = alpha_bound < drafting_alpha(self.num_layers, self.d_max, self.head_cost, self.dynamic_draft_exit)
+        below = alpha_bound < drafting_alpha(self.num_layers, self.d_max, self.head_cost, self.dynamic_draft_exit,
+                                             self.batch_cost)
         return bool(below[self.allowed].all())
 
     def plan(self) -> Plan:
@@ -263,4 +290,5 @@ class DEL(Method):
                 "draft_budget": self.draft_budget, "exit_layer": self.fixed_exit_layer,
                 "min_exit_layer": self.min_exit_layer, "cost_model": self.cost_model,
                 "head_cost_layers": self.head_cost, "shadow_vocab": self.shadow_vocab,
+                "batch_cost": [round(c, 3) for c in self.batch_cost] or None,
                 "defer_shadow": self.defer_shadow}

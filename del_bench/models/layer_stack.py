@@ -187,10 +187,11 @@ class LayerStack:
 
     # ---- costs ------------------------------------------------------------------------------
     @torch.inference_mode()
-    def measure_costs(self, context: int = 128, reps: int = 5) -> dict[str, float]:
+    def measure_costs(self, context: int = 128, reps: int = 5, batch_sizes=(1, 2, 4, 8, 16, 32)) -> dict:
         """Seconds for one token through one decoder layer (mean over all layers) and for one LM-head
-        row, at `context` cached positions: the calibrated cost model's units. Median of `reps`."""
-        cache = self.new_cache(context + 1)
+        row, at `context` cached positions: the calibrated cost model's units. Median of `reps`.
+        batch_s: [[T, seconds for T positions through every layer], …] (what a verification batch costs)."""
+        cache = self.new_cache(context + max(batch_sizes))
         self.forward_layers(self.embed(torch.zeros(1, context, dtype=torch.long)), 0, self.num_layers, 0, cache)
         x = self.embed(torch.zeros(1, 1, dtype=torch.long))
 
@@ -206,10 +207,14 @@ class LayerStack:
             return statistics.median(times)
 
         layers_s = timed(lambda: self.forward_layers(x, 0, self.num_layers, context, cache))
+        batch_s = []
+        for T in batch_sizes:
+            xs = self.embed(torch.zeros(1, T, dtype=torch.long))  # [1, T, D]
+            batch_s.append([T, timed(lambda xs=xs: self.forward_layers(xs, 0, self.num_layers, context, cache))])
         # a draft head row: with exit adapters it includes the d×d map (so DEL's head cost h counts it)
         exit_layer = self.adapters.layers[len(self.adapters.layers) // 2] if self.adapters else self.num_layers
         head_s = timed(lambda: self.exit_logits(x, exit_layer))
-        return {"layer_s": layers_s / self.num_layers, "head_s": head_s}
+        return {"layer_s": layers_s / self.num_layers, "head_s": head_s, "batch_s": batch_s}
 
     # ---- pieces -----------------------------------------------------------------------------
     def new_cache(self, max_len: int) -> KVCache:
