@@ -115,25 +115,30 @@ def test_vanilla_etpl_is_exactly_one_over_L(run_cfg):
     assert summary["acceptance_rate"] is None
 
 
+def killed_on_call(n: int, cfg, monkeypatch) -> None:
+    """Run cfg as if killed (KeyboardInterrupt) when Engine.generate is called the n-th time."""
+    real_generate, calls = Engine.generate, {"n": 0}
+
+    def dies(self, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == n:
+            raise KeyboardInterrupt
+        return real_generate(self, *args, **kwargs)
+
+    monkeypatch.setattr(Engine, "generate", dies)
+    with pytest.raises(KeyboardInterrupt):
+        runner.run(cfg)
+    monkeypatch.setattr(Engine, "generate", real_generate)
+
+
 def test_interrupted_run_resumes_without_loss_or_duplicates(run_cfg, monkeypatch):
     cfg = run_cfg("method=ls", "method.exit_layer=2", "method.gamma=2", "limit=4")
     fresh = runner.run(run_cfg("method=ls", "method.exit_layer=2", "method.gamma=2", "limit=4",
                                f"out_dir={cfg.out_dir}-fresh"))
 
-    real_generate, calls = Engine.generate, {"n": 0}
-
-    def dies_on_third(self, *args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise KeyboardInterrupt
-        return real_generate(self, *args, **kwargs)
-
-    monkeypatch.setattr(Engine, "generate", dies_on_third)
-    with pytest.raises(KeyboardInterrupt):
-        runner.run(cfg)
+    killed_on_call(3, cfg, monkeypatch)
     run_dir = RunDir(cfg.out_dir)
     assert len(read_jsonl(run_dir.samples_path)) == 2  # warm-up is off: calls 1 and 2 finished
-    monkeypatch.setattr(Engine, "generate", real_generate)
     # a torn write: half a line at the end of both files, as a kill during write would leave
     with open(run_dir.rounds_path, "a") as f:
         f.write('{"sample_id": "HumanEval/999", "rou')
@@ -205,19 +210,8 @@ def test_state_carried_across_prompts_survives_a_resume_and_the_warm_up(run_cfg,
     over = (*method, "max_new_tokens=40")
     runner.run(run_cfg(*over, f"out_dir={tmp_path / 'whole'}"))
     resumed = run_cfg(*over, "warmup_tokens=40", f"out_dir={tmp_path / 'resumed'}")
-    real_generate, calls = Engine.generate, {"n": 0}
-
-    def dies_on_third(self, *args, **kwargs):  # call 1 is the warm-up, call 2 the first prompt
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise KeyboardInterrupt
-        return real_generate(self, *args, **kwargs)
-
-    monkeypatch.setattr(Engine, "generate", dies_on_third)
-    with pytest.raises(KeyboardInterrupt):
-        runner.run(resumed)
+    killed_on_call(3, resumed, monkeypatch)  # call 1 is the warm-up, call 2 the first prompt
     assert json.loads((tmp_path / "resumed" / "method_state.json").read_text())["samples"] == 1
-    monkeypatch.setattr(Engine, "generate", real_generate)
     runner.run(resumed)
 
     def decisions(name):
