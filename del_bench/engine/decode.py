@@ -365,7 +365,9 @@ class Engine:
     def _shadow_of(self, states: torch.Tensor, target: torch.Tensor, vocab: int | None) -> Shadow:
         """states: [L-1, W, D] (layers 1..L−1), target: [W] the full model's tokens → Shadow."""
         n_layers, W, D = states.shape
-        layers = torch.arange(1, n_layers + 1, device=states.device).repeat_interleave(W)  # row → its layer
+        layers = None  # row → its layer: only exit adapters need it (each layer's rows through its own map)
+        if self.stack.adapters is not None:
+            layers = torch.arange(1, n_layers + 1, device=states.device).repeat_interleave(W)
         tokens, confidence = self.stack.shadow_tokens(states.reshape(-1, D), target.repeat(n_layers), vocab,
                                                       layers=layers)
         return Shadow(tokens.view(n_layers, W), confidence.view(n_layers, W), target, states)
