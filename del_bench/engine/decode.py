@@ -352,10 +352,12 @@ class Engine:
         1..E come from drafting, E+1..L−1 from the verification batch."""
         L, W = self.stack.num_layers, k + 1
         m = min(E, L - 1)  # layers 1..m come from drafting
-        # early[i][j]: position i after layer j + 1, [1, 1, D] → [m, W, D]
-        states = torch.cat([torch.cat(layers[:m]) for layers in draft.early[:W]], dim=1)
+        # early[i][j]: position i after layer j + 1, [1, 1, D]; one cat → [W·m, 1, D] → view [m, W, D]
+        states = torch.cat([h for layers in draft.early[:W] for h in layers[:m]]).view(W, m, -1).transpose(0, 1)
         if m < L - 1:  # late[j]: layers E+1.., each [1, d+1, D] → [L-1-E, W, D]
             states = torch.cat([states, torch.cat(verified.late[: L - 1 - m])[:, :W]])  # [L-1, W, D]
+        elif W > 1:
+            states = states.contiguous()
         for i in range(W):  # acceptance computed rows 0..k already; this only guards the invariant
             if i not in verified.rows:
                 verified.row(i)

@@ -141,9 +141,11 @@ class DEL(Method):
     def start(self, num_layers: int) -> None:
         super().start(num_layers)
         n = num_layers - 1
-        self.s_match = np.zeros(n)  # S(c^ℓ), float64 [L-1]
-        self.s_true_conf = np.zeros(n)  # S(tcs^ℓ)
-        self.s_false_conf = np.zeros(n)  # S(fcs^ℓ)
+        # the three decayed sums as rows of one array, updated in place every round (no allocation per round)
+        self._sums = np.zeros((3, n))  # [3, L-1] float64
+        self.s_match = self._sums[0]  # S(c^ℓ): views, so readers see the in-place updates
+        self.s_true_conf = self._sums[1]  # S(tcs^ℓ)
+        self.s_false_conf = self._sums[2]  # S(fcs^ℓ)
         self.s_positions = 0.0  # S(n)
         self.allowed = np.arange(1, num_layers) >= self.min_exit_layer
         if self.fixed_exit_layer is not None:
@@ -152,13 +154,15 @@ class DEL(Method):
 
     def update(self, shadow: Shadow) -> None:
         """One round's evidence into the decayed sums (shadow covers exactly the valid window)."""
-        match = (shadow.tokens == shadow.target[None, :]).cpu().numpy().astype(np.float64)  # [L-1, W]
-        conf = shadow.confidence.cpu().numpy().astype(np.float64)
-        w = self.omega
-        self.s_match = w * self.s_match + match.sum(1)
-        self.s_true_conf = w * self.s_true_conf + (conf * match).sum(1)
-        self.s_false_conf = w * self.s_false_conf + (conf * (1 - match)).sum(1)
-        self.s_positions = w * self.s_positions + match.shape[1]
+        L1, W = shadow.tokens.shape
+        terms = np.empty((3, L1, W))  # [match, conf·match, conf·(1 − match)]: S ← ω·S + Σ_positions terms
+        np.equal(shadow.tokens.cpu().numpy(), shadow.target.cpu().numpy()[None, :], out=terms[0], casting="unsafe")
+        conf = shadow.confidence.cpu().numpy().astype(np.float64, copy=False)
+        np.multiply(conf, terms[0], out=terms[1])
+        np.multiply(conf, 1 - terms[0], out=terms[2])
+        self._sums *= self.omega  # the same two roundings per element as ω·S + x
+        self._sums += terms.sum(2)
+        self.s_positions = self.omega * self.s_positions + W
         self._changed()
 
     @property
