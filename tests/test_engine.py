@@ -233,3 +233,20 @@ def test_deferred_shadow_scoring_changes_nothing(stack_and_ref, head_cost):
         assert m_lazy.s_positions == pytest.approx(m_exact.s_positions)
     if head_cost == 6.0:
         assert CountingDEL.deferred > 0  # the case where drafting does not pay: deferral really happened
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_fused_rms_norm_gives_hf_bits(dtype):
+    """layer_stack.rms_norm calls torch's fused F.rms_norm on CPU: it must equal LlamaRMSNorm's ops bit for bit."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from del_bench.models.layer_stack import rms_norm
+
+    torch.manual_seed(0)
+    for D in (64, 576, 2048):
+        hf = LlamaRMSNorm(D, eps=1e-5).to(dtype)
+        hf.weight.data = torch.randn(D, dtype=dtype)
+        for T, scale in itertools.product((1, 5, 300), (1e-3, 1.0, 40.0)):
+            x = (torch.randn(1, T, D) * scale).to(dtype)
+            with torch.no_grad():
+                assert torch.equal(rms_norm(x, hf.weight, 1e-5), hf(x))

@@ -32,9 +32,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """LlamaRMSNorm, op for op (variance in float32, weight applied in the input dtype)."""
     if x.dtype != torch.float32:
         dtype = x.dtype
-        x32 = x.to(torch.float32)
-        return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
-    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))  # no no-op casts
+        return weight * _normalized(x.to(torch.float32), eps).to(dtype)
+    if x.device.type == "cpu":  # one fused op, the same bits (see _normalized)
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    return weight * _normalized(x, eps)  # no no-op casts
+
+
+def _normalized(x32: torch.Tensor, eps: float) -> torch.Tensor:
+    """x · rsqrt(mean(x²) + eps) in float32. On CPU torch's fused F.rms_norm gives HF's bits in one op instead of
+    five (~10 µs less per norm, two norms a layer; tests/test_engine.py holds the equality on the machine at hand)."""
+    if x32.device.type == "cpu":
+        return F.rms_norm(x32, (x32.shape[-1],), None, eps)
+    return x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
 
 
 def _fuse_transposed(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
