@@ -38,7 +38,7 @@ import torch
 from del_bench.engine import layer_parallel
 from del_bench.engine.rounds import Generation, Round  # noqa: F401 (Round: part of this module's API)
 from del_bench.engine.sampling import Sampling, accept_greedy, accept_sampling, choose
-from del_bench.methods.base import Method, RoundEvidence, Shadow, SkipSet
+from del_bench.methods.base import MAX_DEFERRED, Method, RoundEvidence, Shadow, SkipSet
 from del_bench.models.layer_stack import KVCache, LayerStack, synchronize
 
 
@@ -78,8 +78,6 @@ def _whole(layers: float) -> float:
     return int(layers) if float(layers).is_integer() else layers
 
 
-# rounds whose shadow scoring a method may defer (see Method.can_defer) before the engine scores them anyway
-MAX_DEFERRED = 16
 
 
 class Engine:
@@ -116,6 +114,7 @@ class Engine:
         cache = self._fresh_cache(len(prompt_ids) + max_new_tokens + 1)
         method.start(L)
         self._deferred: list[tuple[RoundEvidence, torch.Tensor, torch.Tensor]] = []  # unscored shadow windows
+        self._shadow_rows = 0  # shadow rows scored since the last Round was recorded (Round.shadow_rows)
         gen = Generation(output_ids=[])
         synchronize(self.device)
         t0 = time.perf_counter()
@@ -130,6 +129,7 @@ class Engine:
                 t = time.perf_counter()
                 self._observe_deferred(method)
                 gen.rounds[-1].policy_s += time.perf_counter() - t
+                gen.rounds[-1].shadow_rows += self._take_shadow_rows()
         synchronize(self.device)
         gen.wall_s = time.perf_counter() - t0
         return gen
@@ -151,7 +151,7 @@ class Engine:
             target = st.logits(h[:, -w:])[0].argmax(-1)  # [w]
             method.observe_prefill(self._shadow_of(states, target, method.shadow_vocab))
         gen.rounds.append(Round(0, None, 0, 0, 0, 1, L, 1, verify_s=t_policy - t,
-                                policy_s=time.perf_counter() - t_policy))
+                                policy_s=time.perf_counter() - t_policy, shadow_rows=self._take_shadow_rows()))
 
     def _round(self, n: int, cache, gen: Generation, method: Method, max_new_tokens: int, rng) -> None:
         """One round: plan → draft → verify → accept → observe, then its Round. n = seq length (prompt +
@@ -194,7 +194,7 @@ class Engine:
             draft_s=t_verify - t_draft - draft.keep_s, verify_s=t_observe - t_verify,
             policy_s=(t_draft - t) + draft.keep_s + (t_end - t_observe),
             adapter_rows=draft.candidates if self.stack.has_adapter(E) else 0,
-            trace=trace,
+            shadow_rows=self._take_shadow_rows(), trace=trace,
         ))
 
     # ---- draft: layers 1..E + the head, token by token ------------------------------------------------
@@ -367,12 +367,17 @@ class Engine:
     def _shadow_of(self, states: torch.Tensor, target: torch.Tensor, vocab: int | None) -> Shadow:
         """states: [L-1, W, D] (layers 1..L−1), target: [W] the full model's tokens → Shadow."""
         n_layers, W, D = states.shape
+        self._shadow_rows += n_layers * W
         layers = None  # row → its layer: only exit adapters need it (each layer's rows through its own map)
         if self.stack.adapters is not None:
             layers = torch.arange(1, n_layers + 1, device=states.device).repeat_interleave(W)
         tokens, confidence = self.stack.shadow_tokens(states.reshape(-1, D), target.repeat(n_layers), vocab,
                                                       layers=layers)
         return Shadow(tokens.view(n_layers, W), confidence.view(n_layers, W), target, states)
+
+    def _take_shadow_rows(self) -> int:
+        rows, self._shadow_rows = self._shadow_rows, 0
+        return rows
 
     def _emit(self, gen: Generation, tokens: list[int]) -> int:
         """Append tokens, stopping after an EOS or the stop condition. Returns how many were appended."""
