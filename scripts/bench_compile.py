@@ -34,6 +34,7 @@ def layer_fn(stack: LayerStack):
     """The engine's decoder-layer math (LayerStack._attention + _mlp, no bias) as a pure function of tensors and
     the write position: what a compiled graph can take without guarding on the cache's Python-side lengths."""
     H, KV, hd, eps, scale = stack.n_heads, stack.n_kv_heads, stack.head_dim, stack.eps, stack.scale
+    gqa = bool(KV != H)  # a constant: under dynamic=True an int comparison inside the graph would be a SymBool
 
     def layer(h, w_in, w_qkv, w_o, w_post, w_gate_up, w_down, k_cache, v_cache, cos, sin, pos: int):
         T = h.shape[1]
@@ -44,7 +45,7 @@ def layer_fn(stack: LayerStack):
         k_cache[:, :, pos:end] = qk[:, :, H:].transpose(1, 2)
         v_cache[:, :, pos:end] = qkv[:, :, H + KV :].transpose(1, 2)
         attn = F.scaled_dot_product_attention(qk[:, :, :H].transpose(1, 2), k_cache[:, :, :end],
-                                              v_cache[:, :, :end], scale=scale, enable_gqa=KV != H)
+                                              v_cache[:, :, :end], scale=scale, enable_gqa=gqa)
         h = torch.addmm(h[0], attn.transpose(1, 2).reshape(T, H * hd), w_o)[None]
         gate, up = (rms_norm(h, w_post, eps) @ w_gate_up).chunk(2, dim=-1)
         return torch.addmm(h[0], (F.silu(gate) * up)[0], w_down)[None]
@@ -86,8 +87,10 @@ def bench(model: str, context: int, reps: int) -> None:
     reference = stack.logits(stack.forward_layers(x, 0, L, context, cache))
     eager = ms(lambda: stack.forward_layers(x, 0, L, context, cache), reps)
     print(f"{model}: eager {eager:.2f} ms/token")
-    per_layer = all_layers(stack, cache, torch.compile(layer_fn(stack), dynamic=True))
-    whole = torch.compile(all_layers(stack, cache, layer_fn(stack)), dynamic=True)
+    # fullgraph: a graph break would silently measure something else
+    per_layer = all_layers(stack, cache, torch.compile(layer_fn(stack), dynamic=True, fullgraph=True))
+    torch._dynamo.reset()  # the whole-stack graph compiles from scratch, not from the per-layer one's caches
+    whole = torch.compile(all_layers(stack, cache, layer_fn(stack)), dynamic=True, fullgraph=True)
     for name, fn in (("per-layer graph", per_layer), ("whole-stack graph", whole)):
         t0 = time.perf_counter()
         logits = stack.logits(fn(x, context))
