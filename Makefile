@@ -14,7 +14,7 @@ export HF_DATASETS_OFFLINE ?= 1
 export TRANSFORMERS_NO_ADVISORY_WARNINGS ?= 1
 
 .DEFAULT_GOAL := help
-.PHONY: help setup demo test lint tables figures bench-peer bench-parts bench-controller bench-del bench-testbed bench-swift bench-adapters bench-sandbox exits smoke-tasks testbed clean
+.PHONY: help setup demo test lint tables figures bench-peer bench-parts bench-engine bench-compile bench-controller bench-del bench-testbed bench-swift bench-adapters bench-sandbox exits smoke-tasks testbed clean
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -64,6 +64,12 @@ bench-peer: setup ## our Vanilla/LS vs HF generate and assistant_early_exit on S
 
 bench-parts: setup ## per-part costs of a token on SmolLM2 (HF forward vs our layers, head layouts)
 	$(PY) scripts/bench_engine_parts.py
+
+bench-engine: setup ## tok/s, measured ÷ predicted speedup, DEL's controller share, Vanilla vs the memory-bandwidth floor; SmolLM2 + testbed (~10 min; QUICK=1: a few) → $(RECORDS)/bench/engine.json
+	$(PY) scripts/bench_engine.py $(if $(QUICK),--quick) --root $(RECORDS)/bench/engine_runs --out $(RECORDS)/bench/engine.json
+
+bench-compile: setup ## torch.compile (inductor) vs the eager layer loop, one decode token, per-layer and whole-stack graphs (compile time apart)
+	$(PY) scripts/bench_compile.py
 
 bench-controller: setup ## DEL's shadow-token cost and the restricted-vocabulary approximation → $(RECORDS)/bench/controller.json
 	$(PY) scripts/bench_controller.py --prompts 6 --max-new-tokens 96 --out $(RECORDS)/bench/controller.json

@@ -2,12 +2,14 @@
 (shadow_vocab=K: score only the first K token ids + the target) changes DEL's decisions.
 
 1. Agreement: DEL runs with exact shadow tokens; a twin DEL is fed the same rounds through the
-   restricted head. Per round we compare the twins' plans (E, γ) and thresholds τ_E.
+   restricted head. Per round we compare the twins' plans (E, γ) and thresholds τ_E. Likewise for
+   `shadow_every: R` (--every): a twin folds the same shadow tokens in only every R rounds; per round we compare
+   the decisions that act — the exit layer when either drafts, and whether it drafts (the budget is d_max).
 2. Cost: Vanilla, DEL as published, DEL with measured costs (exact shadow) and `del_cpu` (measured costs,
    shadow_vocab=K), rows interleaved per prompt (controller share = policy time / wall).
 
     python scripts/bench_controller.py [--model smollm2-135m] [--prompts 3] [--max-new-tokens 96] [--vocab 1024]
-                                       [--repeats 1] [--out results/runs/bench/controller.json]
+                                       [--repeats 1] [--every 2,4] [--out results/runs/bench/controller.json]
 """
 
 from __future__ import annotations
@@ -66,6 +68,43 @@ class Twin(DEL):
             self._compare()
 
 
+class Lagging(DEL):
+    """Exact DEL (it drives the decode) with a twin that folds the same shadow tokens in every R rounds only
+    (shadow_every = R); counts the rounds whose acting decision (E when drafting, or no draft) differs."""
+
+    def __init__(self, every: int, **kwargs):
+        super().__init__(**kwargs)
+        self.every, self.twin, self.rounds, self.same = every, DEL(**kwargs), 0, 0
+
+    def start(self, num_layers):
+        super().start(num_layers)
+        self.twin.start(num_layers)
+        self.pending = []
+
+    def set_costs(self, layer_s, head_s):
+        super().set_costs(layer_s, head_s)
+        self.twin.set_costs(layer_s, head_s)
+
+    def observe_prefill(self, shadow):
+        super().observe_prefill(shadow)
+        self.twin.observe_prefill(shadow)
+
+    def observe(self, evidence):
+        super().observe(evidence)
+        self.pending.append(evidence.shadow)
+        if len(self.pending) >= self.every:
+            for shadow in self.pending:
+                self.twin.update(shadow)
+            self.pending = []
+        self.rounds += 1
+        self.same += _acting(self) == _acting(self.twin)
+
+
+def _acting(method: DEL) -> tuple:
+    """What a plan does under draft_budget=d_max: the exit layer if it drafts, else nothing."""
+    return (method.exit_layer, True) if method.gamma else (None, False)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
@@ -74,6 +113,7 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=1024)
     ap.add_argument("--repeats", type=int, default=1, help="passes over the prompts (rows interleaved per prompt)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--every", default="2,4", help="shadow_every values whose decision agreement to measure")
     ap.add_argument("--out", default="results/runs/bench/controller.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -96,6 +136,13 @@ def main() -> None:
                                  "mean_tau_gap": statistics.fmean(twin.tau_gaps)}
 
     costs = stack.measure_costs()
+    lagging = {}
+    for every in (int(r) for r in args.every.split(",") if r):
+        twin = Lagging(every, cost_model="measured", shadow_vocab=args.vocab)
+        twin.set_costs(**costs)
+        for p in prompts:
+            engine.generate(p, twin, M, seed=0)
+        lagging[every] = {"rounds": twin.rounds, "same_decision": twin.same / twin.rounds}
 
     def measured(**kwargs) -> DEL:
         method = DEL(cost_model="measured", **kwargs)
@@ -130,14 +177,17 @@ def main() -> None:
     for cost_model, a in agreement.items():
         print(f"decisions (cost_model={cost_model}): restricted vocab {args.vocab} gives the same (E, γ) in "
               f"{a['same_plan']:.1%} of {a['rounds']} rounds; mean |Δτ_E| = {a['mean_tau_gap']:.4f}")
+    for every, a in lagging.items():
+        print(f"shadow_every={every} (del_cpu's settings): the same acting decision (E when drafting, or no draft) as "
+              f"folding every round in {a['same_decision']:.1%} of {a['rounds']} rounds")
     print()
     for name, t in timing.items():
         print(f"{name:<48} {t['tokens_per_s']:7.2f} tok/s  {t['tokens_per_s'] / base:5.2f}x vanilla  "
               f"controller {t['controller_share']:.1%} of decode time  outputs = vanilla: {t['equal_vanilla']}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"settings": vars(args), "agreement": agreement, "timing": timing,
-                               "provenance": provenance()}, indent=2) + "\n")
+    out.write_text(json.dumps({"settings": vars(args), "agreement": agreement, "shadow_every": lagging,
+                               "timing": timing, "provenance": provenance()}, indent=2) + "\n")
     print(f"written: {out}")
 
 

@@ -157,6 +157,16 @@ def test_no_draft_bound_is_sound_and_tight(head_cost, batch_cost):
             assert (exit_layer, gamma > 0) == (ell + 1, True)
 
 
+def test_shadow_every_holds_rounds_back_and_is_validated():
+    m = DEL(shadow_every=3)
+    m.start(4)
+    assert m.can_defer([1]) and m.can_defer([1, 2]) and not m.can_defer([1, 2, 1])  # then exact rules: no defer
+    for bad in (0, 17, 1.5):
+        with pytest.raises(ValueError, match="shadow_every"):
+            DEL(shadow_every=bad).validate(4)
+    assert "shadow_every" not in DEL().describe() and DEL(shadow_every=2).describe()["shadow_every"] == 2
+
+
 def test_the_plan_trace_reads_the_chosen_layers_statistics():
     m = DEL(omega=0.5)
     m.start(4)

@@ -28,6 +28,7 @@ METHODS = (
     + [LayerSkip(e, g) for e, g in [(1, 1), (1, 4), (2, 3), (L - 1, 1), (L - 1, 2), (2, 50)]]
     + [FiniteState(1, 2), FiniteState(L - 1, 1, floor=0), DraftVerify(1), DraftVerify(2, theta=0.3, d_max=5)]
     + [DEL(), DEL(dynamic_draft_exit=False, draft_budget="tpl"), DEL(exit_layer=2), DEL(min_exit_layer=2, omega=0.5)]
+    + [DEL(shadow_every=3, shadow_vocab=50, defer_shadow=True)]  # the lagging-statistics approximation: lossless too
 )
 
 
@@ -233,3 +234,39 @@ def test_deferred_shadow_scoring_changes_nothing(stack_and_ref, head_cost):
         assert m_lazy.s_positions == pytest.approx(m_exact.s_positions)
     if head_cost == 6.0:
         assert CountingDEL.deferred > 0  # the case where drafting does not pay: deferral really happened
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_fused_rms_norm_gives_hf_bits(dtype):
+    """layer_stack.rms_norm calls torch's fused F.rms_norm on CPU: it must equal LlamaRMSNorm's ops bit for bit."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from del_bench.models.layer_stack import rms_norm
+
+    torch.manual_seed(0)
+    for D in (64, 576, 2048):
+        hf = LlamaRMSNorm(D, eps=1e-5).to(dtype)
+        hf.weight.data = torch.randn(D, dtype=dtype)
+        for T, scale in itertools.product((1, 5, 300), (1e-3, 1.0, 40.0)):
+            x = (torch.randn(1, T, D) * scale).to(dtype)
+            with torch.no_grad():
+                assert torch.equal(rms_norm(x, hf.weight, 1e-5), hf(x))
+
+
+def test_rounds_count_the_shadow_rows_they_score(stack_and_ref):
+    """Round.shadow_rows: (L − 1) rows per position of the prefill window and of every round's valid window (the
+    accepted drafts + 1); with deferral the same total, counted in the rounds that score them; none for LS."""
+    stack, _, prompts, _ = stack_and_ref
+    engine = Engine(stack, Sampling(), set())
+    p = prompts[0]
+    exact = engine.generate(p, DEL(), 30, seed=0)
+    windows = min(32, len(p)) + sum(r.accepted + 1 for r in exact.rounds[1:])
+    assert sum(r.shadow_rows for r in exact.rounds) == (L - 1) * windows
+    assert all(r.shadow_rows == (L - 1) * (r.accepted + 1) for r in exact.rounds[1:])
+    method = DEL(defer_shadow=True, cost_model="measured")
+    method.head_cost = 6.0  # drafting does not pay: scoring is deferred, then batched
+    lazy = engine.generate(p, method, 30, seed=0)
+    windows = min(32, len(p)) + sum(r.accepted + 1 for r in lazy.rounds[1:])
+    assert sum(r.shadow_rows for r in lazy.rounds) == (L - 1) * windows
+    assert any(r.shadow_rows == 0 for r in lazy.rounds[1:])
+    assert sum(r.shadow_rows for r in engine.generate(p, LayerSkip(1, 2), 30, seed=0).rounds) == 0

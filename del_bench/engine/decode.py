@@ -51,7 +51,7 @@ from del_bench.engine.sampling import (
     accept_sampling_tree,
     choose,
 )
-from del_bench.methods.base import Method, RoundEvidence, Shadow, SkipSet
+from del_bench.methods.base import MAX_DEFERRED, Method, RoundEvidence, Shadow, SkipSet
 from del_bench.models.layer_stack import KVCache, LayerStack, TreeMask, synchronize
 
 
@@ -109,8 +109,6 @@ def _whole(layers: float) -> float:
     return int(layers) if float(layers).is_integer() else layers
 
 
-# rounds whose shadow scoring a method may defer (see Method.can_defer) before the engine scores them anyway
-MAX_DEFERRED = 16
 
 
 class Engine:
@@ -147,6 +145,7 @@ class Engine:
         cache = self._fresh_cache(len(prompt_ids) + max_new_tokens + 1)
         method.start(L)
         self._deferred: list[tuple[RoundEvidence, torch.Tensor, torch.Tensor]] = []  # unscored shadow windows
+        self._shadow_rows = 0  # shadow rows scored since the last Round was recorded (Round.shadow_rows)
         gen = Generation(output_ids=[])
         synchronize(self.device)
         t0 = time.perf_counter()
@@ -161,6 +160,7 @@ class Engine:
                 t = time.perf_counter()
                 self._observe_deferred(method)
                 gen.rounds[-1].policy_s += time.perf_counter() - t
+                gen.rounds[-1].shadow_rows += self._take_shadow_rows()
         synchronize(self.device)
         gen.wall_s = time.perf_counter() - t0
         return gen
@@ -182,7 +182,7 @@ class Engine:
             target = st.logits(h[:, -w:])[0].argmax(-1)  # [w]
             method.observe_prefill(self._shadow_of(states, target, method.shadow_vocab))
         gen.rounds.append(Round(0, None, 0, 0, 0, 1, L, 1, verify_s=t_policy - t,
-                                policy_s=time.perf_counter() - t_policy))
+                                policy_s=time.perf_counter() - t_policy, shadow_rows=self._take_shadow_rows()))
 
     def _round(self, n: int, cache, gen: Generation, method: Method, max_new_tokens: int, rng) -> None:
         """One round: plan → draft → verify → accept → observe, then its Round. n = seq length (prompt +
@@ -228,7 +228,7 @@ class Engine:
             draft_s=t_verify - t_draft - draft.keep_s, verify_s=t_observe - t_verify,
             policy_s=(t_draft - t) + draft.keep_s + (t_end - t_observe),
             adapter_rows=draft.candidates if self.stack.has_adapter(E) else 0,
-            trace=trace,
+            shadow_rows=self._take_shadow_rows(), trace=trace,
         ))
 
     # ---- draft: layers 1..E + the head, token by token ------------------------------------------------
@@ -428,10 +428,12 @@ class Engine:
         1..E come from drafting, E+1..L−1 from the verification batch."""
         L, W = self.stack.num_layers, k + 1
         m = min(E, L - 1)  # layers 1..m come from drafting
-        # early[i][j]: position i after layer j + 1, [1, 1, D] → [m, W, D]
-        states = torch.cat([torch.cat(layers[:m]) for layers in draft.early[:W]], dim=1)
+        # early[i][j]: position i after layer j + 1, [1, 1, D]; one cat → [W·m, 1, D] → view [m, W, D]
+        states = torch.cat([h for layers in draft.early[:W] for h in layers[:m]]).view(W, m, -1).transpose(0, 1)
         if m < L - 1:  # late[j]: layers E+1.., each [1, d+1, D] → [L-1-E, W, D]
             states = torch.cat([states, torch.cat(verified.late[: L - 1 - m])[:, :W]])  # [L-1, W, D]
+        elif W > 1:
+            states = states.contiguous()
         for i in range(W):  # acceptance computed rows 0..k already; this only guards the invariant
             if i not in verified.rows:
                 verified.row(i)
@@ -441,10 +443,17 @@ class Engine:
     def _shadow_of(self, states: torch.Tensor, target: torch.Tensor, vocab: int | None) -> Shadow:
         """states: [L-1, W, D] (layers 1..L−1), target: [W] the full model's tokens → Shadow."""
         n_layers, W, D = states.shape
-        layers = torch.arange(1, n_layers + 1, device=states.device).repeat_interleave(W)  # row → its layer
+        self._shadow_rows += n_layers * W
+        layers = None  # row → its layer: only exit adapters need it (each layer's rows through its own map)
+        if self.stack.adapters is not None:
+            layers = torch.arange(1, n_layers + 1, device=states.device).repeat_interleave(W)
         tokens, confidence = self.stack.shadow_tokens(states.reshape(-1, D), target.repeat(n_layers), vocab,
                                                       layers=layers)
         return Shadow(tokens.view(n_layers, W), confidence.view(n_layers, W), target, states)
+
+    def _take_shadow_rows(self) -> int:
+        rows, self._shadow_rows = self._shadow_rows, 0
+        return rows
 
     def _emit(self, gen: Generation, tokens: list[int]) -> int:
         """Append tokens, stopping after an EOS or the stop condition. Returns how many were appended."""

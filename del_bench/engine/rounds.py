@@ -25,6 +25,9 @@ class Round:
     # exit-adapter rows (model.exit_adapters): each d×d map applied in front of a draft head row (D² MACs ≈ 0.09
     # of a SmolLM2 layer); not in loaded_layers (not a decoder layer), like head_calls counted on their own
     adapter_rows: int = 0
+    # shadow-token rows (layer × position) scored by the restricted/full LM head in this round: DEL's controller
+    # work, which policy_s times (0 while scoring is deferred; a deferred batch counts in the round that scores it)
+    shadow_rows: int = 0
     trace: dict = field(default_factory=dict)  # the method's per-round fields (Plan.trace)
 
     def as_dict(self) -> dict:

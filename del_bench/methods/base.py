@@ -8,6 +8,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+# rounds whose shadow scoring a method may defer (Method.can_defer) before the engine scores them anyway
+MAX_DEFERRED = 16
+
 
 @dataclass(frozen=True)
 class SkipSet:

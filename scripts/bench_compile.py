@@ -1,0 +1,122 @@
+"""Can torch.compile (inductor; C++ on CPU) beat the eager layer loop on this machine? One decode token (T = 1)
+through all layers at a fixed context, three ways, on the model's own weights and KV cache:
+
+- eager: LayerStack.forward_layers — the engine's path and the reference;
+- per-layer graph: one compiled function for a decoder layer, its weights and cache passed as inputs, positions
+  dynamic: recompilation is bounded (one graph per batch width T: 1 for drafting, d + 1 ≤ d_max + 1 for
+  verification), so any exit layer E reuses it;
+- whole-stack graph: all L layers in one compiled function (what gpt-fast compiles): the most fusion, but one graph
+  per layer range [a, b) × T — draft [0, E) and verify [E, L) for every E that DEL may choose.
+
+Prints median ms per token, the compile time apart (first call, then new positions: recompiles), and how far the
+compiled logits are from eager (float32: not bit for bit; the argmax is compared). Noisy on a shared machine: run
+it alone.
+
+    python scripts/bench_compile.py [--models testbed,smollm2-135m] [--context 150] [--reps 20] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+from omegaconf import OmegaConf
+
+from del_bench.config import CONFIG_DIR
+from del_bench.models import loading
+from del_bench.models.layer_stack import LayerStack, rms_norm
+
+
+def layer_fn(stack: LayerStack):
+    """The engine's decoder-layer math (LayerStack._attention + _mlp, no bias) as a pure function of tensors and
+    the write position: what a compiled graph can take without guarding on the cache's Python-side lengths."""
+    H, KV, hd, eps, scale = stack.n_heads, stack.n_kv_heads, stack.head_dim, stack.eps, stack.scale
+    gqa = bool(KV != H)  # a constant: under dynamic=True an int comparison inside the graph would be a SymBool
+
+    def layer(h, w_in, w_qkv, w_o, w_post, w_gate_up, w_down, k_cache, v_cache, cos, sin, pos: int):
+        T = h.shape[1]
+        qkv = (rms_norm(h, w_in, eps) @ w_qkv).view(1, T, H + 2 * KV, hd)
+        qk = qkv[:, :, : H + KV]
+        qk = qk * cos + torch.roll(qk, hd // 2, dims=-1) * sin
+        end = pos + T
+        k_cache[:, :, pos:end] = qk[:, :, H:].transpose(1, 2)
+        v_cache[:, :, pos:end] = qkv[:, :, H + KV :].transpose(1, 2)
+        attn = F.scaled_dot_product_attention(qk[:, :, :H].transpose(1, 2), k_cache[:, :, :end],
+                                              v_cache[:, :, :end], scale=scale, enable_gqa=gqa)
+        h = torch.addmm(h[0], attn.transpose(1, 2).reshape(T, H * hd), w_o)[None]
+        gate, up = (rms_norm(h, w_post, eps) @ w_gate_up).chunk(2, dim=-1)
+        return torch.addmm(h[0], (F.silu(gate) * up)[0], w_down)[None]
+
+    return layer
+
+
+def all_layers(stack: LayerStack, cache, layer):
+    """h [1, T, D] at position pos through every layer with `layer` (eager or compiled)."""
+    def run(h, pos: int):
+        cos = stack._cos[pos : pos + h.shape[1]][None, :, None, :]
+        sin = stack._sin[pos : pos + h.shape[1]][None, :, None, :]
+        for i, w in enumerate(stack.layers):
+            h = layer(h, w.w_in_norm, w.w_qkv, w.w_o, w.w_post_norm, w.w_gate_up, w.w_down, cache.k[i], cache.v[i],
+                      cos, sin, pos)
+        return h
+
+    return run
+
+
+def ms(fn, reps: int) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return 1000 * statistics.median(times)
+
+
+@torch.inference_mode()
+def bench(model: str, context: int, reps: int) -> None:
+    stack = LayerStack(loading.load(OmegaConf.load(CONFIG_DIR / "model" / f"{model}.yaml")).model)
+    L = stack.num_layers
+    cache = stack.new_cache(context + 64)
+    stack.forward_layers(stack.embed(torch.randint(100, 1000, (1, context))), 0, L, 0, cache)
+    x = stack.embed(torch.tensor([[42]]))
+    reference = stack.logits(stack.forward_layers(x, 0, L, context, cache))
+    eager = ms(lambda: stack.forward_layers(x, 0, L, context, cache), reps)
+    print(f"{model}: eager {eager:.2f} ms/token")
+    # fullgraph: a graph break would silently measure something else
+    per_layer = all_layers(stack, cache, torch.compile(layer_fn(stack), dynamic=True, fullgraph=True))
+    torch._dynamo.reset()  # the whole-stack graph compiles from scratch, not from the per-layer one's caches
+    whole = torch.compile(all_layers(stack, cache, layer_fn(stack)), dynamic=True, fullgraph=True)
+    for name, fn in (("per-layer graph", per_layer), ("whole-stack graph", whole)):
+        t0 = time.perf_counter()
+        logits = stack.logits(fn(x, context))
+        first = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for pos in (context + 1, context + 2, context + 17):  # new positions: recompiles, if any
+            fn(x, pos)
+        later = time.perf_counter() - t0
+        t = ms(lambda fn=fn: fn(x, context), reps)
+        same = bool(logits.argmax() == reference.argmax())
+        print(f"  {name:<18} {t:7.2f} ms/token ({t / eager:.2f}× eager); compile {first:.1f} s, 3 new positions "
+              f"{later:.1f} s; max |Δlogit| {(logits - reference).abs().max().item():.1e}, argmax equal: {same}")
+    print(f"  eager again        {ms(lambda: stack.forward_layers(x, 0, L, context, cache), reps):7.2f} ms/token")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="testbed,smollm2-135m")
+    ap.add_argument("--context", type=int, default=150)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    for model in args.models.split(","):
+        bench(model, args.context, args.reps)
+
+
+if __name__ == "__main__":
+    main()

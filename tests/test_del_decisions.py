@@ -1,0 +1,85 @@
+"""DEL's per-round decisions are pinned: the controller may get cheaper, never different.
+
+tests/data/del_decisions.json holds, for DEL configurations on tiny float64 models, every round's exit layer,
+budget, drafts, acceptances, TPL's (E, γ) and τ_E, and the outputs, as the engine of commit 9c09127 (before the
+controller's fast paths) produced them. `python -m tests.test_del_decisions --write` re-pins them (only for a
+deliberate change of DEL's algorithm, never to make a speed-up pass)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from del_bench.engine.decode import Engine
+from del_bench.engine.sampling import Sampling
+from del_bench.methods.dynamic_exit import DEL
+from del_bench.models.layer_stack import LayerStack
+from tests.conftest import tiny_model
+
+GOLDEN = Path(__file__).parent / "data" / "del_decisions.json"
+PROMPTS = ["def add(a, b):\n", "The quick brown fox", "x = [i * i for i in range(10)]\n"]
+CONFIGS = {  # name → (DEL kwargs, head cost in layers: what set_costs would give)
+    "del": ({}, 0.0),
+    "del_cpu_h2": ({"cost_model": "measured", "shadow_vocab": 50, "defer_shadow": True}, 2.0),
+    "del_cpu_h6": ({"cost_model": "measured", "shadow_vocab": 50, "defer_shadow": True}, 6.0),
+    "del_cpu_full_vocab": ({"cost_model": "measured", "defer_shadow": True}, 0.5),
+    "del_e": ({"dynamic_draft_exit": False, "draft_budget": "tpl"}, 0.0),
+    "del_gamma": ({"exit_layer": 3}, 0.0),
+    "del_e_lim": ({"min_exit_layer": 3, "omega": 0.8}, 0.0),
+}
+MODELS = {"L4": {}, "L8": {"num_layers": 8}}
+
+
+def decisions(stack: LayerStack, prompt_ids: list[int], kwargs: dict, head_cost: float) -> dict:
+    method = DEL(**kwargs)
+    method.head_cost = head_cost
+    gen = Engine(stack, Sampling(), set()).generate(prompt_ids, method, 60, seed=0)
+    rounds = [[r.exit_layer, r.budget, r.drafted, r.accepted, r.emitted, r.trace.get("chosen_exit_layer"),
+               r.trace.get("gamma_tpl"), r.trace.get("tau") if r.trace.get("chosen_exit_layer") else None]
+              for r in gen.rounds[1:]]
+    return {"output_ids": gen.output_ids, "rounds": rounds}
+
+
+def compute() -> dict:
+    torch.set_num_threads(1)
+    out = {}
+    for model_name, overrides in MODELS.items():
+        model, tok = tiny_model(**overrides)
+        stack = LayerStack(model)
+        for name, (kwargs, head_cost) in CONFIGS.items():
+            for i, prompt in enumerate(PROMPTS):
+                out[f"{model_name}/{name}/{i}"] = decisions(stack, tok(prompt)["input_ids"], kwargs, head_cost)
+    return out
+
+
+@pytest.fixture(scope="module")
+def now():
+    return compute()
+
+
+@pytest.mark.parametrize("key", [f"{m}/{c}/{i}" for m in MODELS for c in CONFIGS for i in range(len(PROMPTS))])
+def test_decisions_equal_the_pinned_ones(now, key):
+    pinned, got = json.loads(GOLDEN.read_text())[key], now[key]
+    assert got["output_ids"] == pinned["output_ids"]
+    assert [r[:7] for r in got["rounds"]] == [r[:7] for r in pinned["rounds"]]  # E, γ, drafts, acceptances
+    for g, p in zip(got["rounds"], pinned["rounds"]):  # τ_E: the stopping threshold of drafting rounds
+        assert g[7] == pytest.approx(p[7], rel=1e-12, abs=1e-15)
+
+
+def test_the_pinned_runs_exercise_the_controller():
+    """Not vacuous: across the pinned runs DEL drafts at several exit layers, accepts and rejects, and stays
+    out of drafting in some rounds."""
+    pinned = json.loads(GOLDEN.read_text())
+    rounds = [r for run in pinned.values() for r in run["rounds"]]
+    assert len({r[0] for r in rounds if r[2]}) >= 3
+    assert 0 < sum(r[3] for r in rounds) < sum(r[2] for r in rounds)
+    assert any(r[1] == 0 for r in rounds)
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--write"]:
+    GOLDEN.write_text(json.dumps(compute()) + "\n")
+    print(f"written: {GOLDEN}")
