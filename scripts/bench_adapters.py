@@ -65,6 +65,7 @@ def main() -> None:
     ap.add_argument("--head-cost", type=float, default=5.0, help="LM-head row in layers, for the LS prediction")
     ap.add_argument("--ls", default=None, help="E:γ for both heads instead of the prediction")
     ap.add_argument("--methods", default="vanilla,ls,del_cpu,adadecode")
+    ap.add_argument("--del-overrides", nargs="*", default=[], help="extra overrides for the DEL rows")
     ap.add_argument("--root", default="results/runs/bench/adapters_runs")
     ap.add_argument("--out", default=None)
     ap.add_argument("--experiment", default="bench-adapters")
@@ -96,7 +97,7 @@ def main() -> None:
                 predicted_ls(agree, record["layers"], L, args.head_cost))
         rows = {"vanilla": ("Vanilla", ["method=vanilla"]),
                 "ls": (f"LS(E{e}-γ{g})", ["method=ls", f"method.exit_layer={e}", f"method.gamma={g}"]),
-                "del_cpu": ("DEL (del_cpu)", ["method=del_cpu"]),
+                "del_cpu": ("DEL (del_cpu)", ["method=del_cpu", *args.del_overrides]),
                 "adadecode": ("AdaDecode", ["method=adadecode"])}
         for name in args.methods.split(","):
             label, overrides = rows[name]
