@@ -18,16 +18,20 @@ it alone.
 from __future__ import annotations
 
 import argparse
-import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
-from del_bench.config import CONFIG_DIR
-from del_bench.models import loading
-from del_bench.models.layer_stack import LayerStack, rms_norm
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_engine_parts import ms  # noqa: E402 (median ms after a warm-up)
+
+from del_bench.config import CONFIG_DIR  # noqa: E402
+from del_bench.models import loading  # noqa: E402
+from del_bench.models.layer_stack import LayerStack, rms_norm  # noqa: E402
 
 
 def layer_fn(stack: LayerStack):
@@ -64,17 +68,6 @@ def all_layers(stack: LayerStack, cache, layer):
         return h
 
     return run
-
-
-def ms(fn, reps: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return 1000 * statistics.median(times)
 
 
 @torch.inference_mode()
