@@ -68,6 +68,12 @@ def check_choice(group: str, name: str) -> None:
                       f"(`python -m del_bench ls` describes them)")
 
 
+def load_choice(group: str, name: str) -> DictConfig:
+    """One config file of a group by name (unknown names: ConfigError with suggestions), outside Hydra's compose."""
+    check_choice(group, name)
+    return OmegaConf.load(CONFIG_DIR / group / f"{name}.yaml")
+
+
 def check_overrides(overrides: list[str]) -> None:
     """Check `group=name` command-line choices before Hydra composes (its own error has no suggestion)."""
     for override in overrides:

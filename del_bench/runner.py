@@ -153,24 +153,23 @@ def decode_all(cfg, todo, task, method, sampling, run_dir: RunDir, load) -> None
         engine.generate(tokenizer(warm)["input_ids"], copy.deepcopy(method), cfg.warmup_tokens, 0)
     weights = memory.model_bytes(loaded.model)
     for sample, repeat in tqdm(todo, desc=f"{cfg.method.tag} on {cfg.task.name}", unit="sample"):
-        if sample.turns is not None:
-            record, rounds = decode_turns(cfg, engine, tokenizer, task, method, sample, repeat, loaded)
-            record.model_bytes, record.kv_cache_bytes = weights, memory.cache_bytes(engine.cache)
-            run_dir.append(record.as_dict(), rounds)
-            finished += 1
-            run_dir.write_method_state(method.state(), finished)
-            continue
-        prompt_ids = list(tokenizer(sample.prompt)["input_ids"])
-        with memory.PeakMemory(loaded.device) as peak:  # reset/read outside the engine's timed region
-            gen = engine.generate(prompt_ids, method, cfg.max_new_tokens, sample_seed(cfg.seed, sample.id, repeat))
-        text = tokenizer.decode(gen.output_ids, skip_special_tokens=True)
-        record = sample_record(sample, repeat, prompt_ids, gen, text, task, loaded.num_layers)
-        record.peak_memory_bytes, record.memory_measure = peak.bytes, peak.measure
+        decode = decode_one if sample.turns is None else decode_turns
+        record, rounds = decode(cfg, engine, tokenizer, task, method, sample, repeat, loaded)
         record.model_bytes, record.kv_cache_bytes = weights, memory.cache_bytes(engine.cache)
-        rounds = [{"sample_id": sample.id, "repeat": repeat, **r.as_dict()} for r in gen.rounds]
         run_dir.append(record.as_dict(), rounds)
         finished += 1
         run_dir.write_method_state(method.state(), finished)
+
+
+def decode_one(cfg, engine, tokenizer, task, method, sample, repeat, loaded) -> tuple[SampleRecord, list[dict]]:
+    """A single-prompt sample: one generation, its record and its round lines."""
+    prompt_ids = list(tokenizer(sample.prompt)["input_ids"])
+    with memory.PeakMemory(loaded.device) as peak:  # reset/read outside the engine's timed region
+        gen = engine.generate(prompt_ids, method, cfg.max_new_tokens, sample_seed(cfg.seed, sample.id, repeat))
+    text = tokenizer.decode(gen.output_ids, skip_special_tokens=True)
+    record = sample_record(sample, repeat, prompt_ids, gen, text, task, loaded.num_layers)
+    record.peak_memory_bytes, record.memory_measure = peak.bytes, peak.measure
+    return record, [{"sample_id": sample.id, "repeat": repeat, **r.as_dict()} for r in gen.rounds]
 
 
 def restore_method_state(method, run_dir: RunDir) -> int:

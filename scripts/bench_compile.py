@@ -24,12 +24,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from omegaconf import OmegaConf
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_engine_parts import ms  # noqa: E402 (median ms after a warm-up)
 
-from del_bench.config import CONFIG_DIR  # noqa: E402
+from del_bench.config import load_choice  # noqa: E402
 from del_bench.models import loading  # noqa: E402
 from del_bench.models.layer_stack import LayerStack, rms_norm  # noqa: E402
 
@@ -72,7 +71,7 @@ def all_layers(stack: LayerStack, cache, layer):
 
 @torch.inference_mode()
 def bench(model: str, context: int, reps: int) -> None:
-    stack = LayerStack(loading.load(OmegaConf.load(CONFIG_DIR / "model" / f"{model}.yaml")).model)
+    stack = LayerStack(loading.load(load_choice("model", model)).model)
     L = stack.num_layers
     cache = stack.new_cache(context + 64)
     stack.forward_layers(stack.embed(torch.randint(100, 1000, (1, context))), 0, L, 0, cache)

@@ -92,13 +92,16 @@ def add_speedups(rows: list[dict]) -> None:
                                                if partners else None)
 
 
-def run_interleaved(rows: list[tuple], limit: int, load=None) -> list[tuple[str, object, dict]]:
+def run_interleaved(rows: list[tuple], limit: int, load=None, before_prompt=None) -> list[tuple[str, object, dict]]:
     """rows: (label, cfg), or (label, cfg, load) where a row needs its own model loader (another variant of the
     model, e.g. with exit adapters) instead of the shared `load`. Normal resumable runs, grown one prompt at a
-    time across all rows (`limit` is a resumable key: a run with limit i + 1 decodes only what limit i did not).
+    time across all rows (`limit` is a resumable key: a run with limit i + 1 decodes only what limit i did not);
+    `before_prompt()`, if given, runs before each prompt's rows (bench_engine's bandwidth probe).
     → (label, cfg, summary)."""
     rows = [(row[0], row[1], row[2] if len(row) > 2 else load) for row in rows]
     for i in range(1, limit + 1):
+        if before_prompt is not None:
+            before_prompt()
         for _, cfg, row_load in rows:
             cfg.limit = i
             run(cfg, row_load)

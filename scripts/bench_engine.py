@@ -37,10 +37,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_del import OFFLINE, add_speedups, compose, table_row  # noqa: E402
+from bench_del import OFFLINE, add_speedups, compose, run_interleaved, table_row  # noqa: E402
 
 from del_bench.records import RunDir  # noqa: E402
-from del_bench.runner import load_model, provenance, run  # noqa: E402
+from del_bench.runner import load_model, provenance  # noqa: E402
 
 LS_POINT = {"testbed": (4, 4)}  # the testbed's best static (E, γ) (make bench-testbed); else the model's default
 
@@ -100,19 +100,17 @@ def bench_model(model: str, args) -> dict:
         specs.append((label, cfg))
     torch.set_num_threads(args.threads)
     probes = []
-    for i in range(1, args.limit + 1):
-        probes.append(stream_gbps(args.probe_mb))
-        for _, cfg in specs:
-            cfg.limit = i
-            run(cfg, lambda: loaded)
-    rows = [table_row(args.task, label, cfg, run(cfg, lambda: loaded)) for label, cfg in specs]
+    done = run_interleaved(specs, args.limit, lambda: loaded,
+                           before_prompt=lambda: probes.append(stream_gbps(args.probe_mb)))
+    rows = [table_row(args.task, label, cfg, summary) for label, cfg, summary in done]
     add_speedups(rows)
     gbps = statistics.median(probes)
-    floor_ms = 1000 * token_bytes(loaded[1]) / (gbps * 1e9)
+    weights = token_bytes(loaded[1])
+    floor_ms = 1000 * weights / (gbps * 1e9)
     for r in rows:
         r["model"], r["decode_ms_per_token"] = model, decode_ms_per_token(r["out_dir"])
         r["floor_fraction"] = floor_ms / r["decode_ms_per_token"] if r["method_tag"] == "vanilla" else None
-    return {"model": model, "rows": rows, "probe_gbps": probes, "gbps": gbps, "token_bytes": token_bytes(loaded[1]),
+    return {"model": model, "rows": rows, "probe_gbps": probes, "gbps": gbps, "token_bytes": weights,
             "floor_ms_per_token": floor_ms, "setup_s": setup_s}
 
 

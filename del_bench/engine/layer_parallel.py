@@ -33,7 +33,7 @@ import time
 import torch
 
 from del_bench.engine.rounds import Round
-from del_bench.engine.sampling import choose
+from del_bench.engine.sampling import accepts, choose, residual
 
 
 class _Deferred:
@@ -151,10 +151,7 @@ def _verify(token: int, row: torch.Tensor, q: torch.Tensor | None, sampling, rng
         target = int(row.argmax())
         return target == token, target
     p = sampling.probs(row)
-    u = torch.rand((), generator=rng, device=p.device, dtype=p.dtype)
-    if u * q[token] < p[token]:
+    q = q.to(p.dtype)
+    if accepts(token, q, p, rng):
         return True, token
-    residual = (p - q.to(p.dtype)).clamp_min(0)
-    total = residual.sum()
-    dist = residual / total if total > 0 else p
-    return False, int(torch.multinomial(dist, 1, generator=rng))
+    return False, int(torch.multinomial(residual(p, q), 1, generator=rng))

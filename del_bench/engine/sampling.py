@@ -114,27 +114,30 @@ def accept_sampling_tree(
     for i, (x, q) in enumerate(zip(drafts, draft_probs)):
         p = sampling.probs(target_row(i))
         q = q.to(p.dtype)
-        if _uniform(rng, p) * q[x] < p[x]:  # u < p/q without dividing by a possibly tiny q
+        if accepts(x, q, p, rng):
             continue
-        residual = _residual(p, q)
+        rest = residual(p, q)
         tried = q.clone()
         tried[x] = 0
         for j, (s, row) in enumerate(zip(siblings.tokens[i], siblings.rows[i]) if siblings else ()):
             proposal = tried / tried.sum()  # [V] the distribution s was drawn from
-            if _uniform(rng, p) * proposal[s] < residual[s]:
+            if accepts(s, proposal, rest, rng):
                 return i, j, int(torch.multinomial(sampling.probs(target_row(row)), 1, generator=rng))
-            residual = _residual(residual, proposal)
+            rest = residual(rest, proposal)
             tried[s] = 0
-        return i, None, int(torch.multinomial(residual, 1, generator=rng))
+        return i, None, int(torch.multinomial(rest, 1, generator=rng))
     p = sampling.probs(target_row(len(drafts)))
     return len(drafts), None, int(torch.multinomial(p, 1, generator=rng))
 
 
-def _uniform(rng: torch.Generator, like: torch.Tensor) -> torch.Tensor:
-    return torch.rand((), generator=rng, device=like.device, dtype=like.dtype)
+def accepts(x: int, q: torch.Tensor, p: torch.Tensor, rng: torch.Generator) -> bool:
+    """One speculative-sampling test of draft token x drawn from q against the target p ([V] each, same dtype):
+    u < p(x)/q(x), written u·q(x) < p(x) so a tiny q is never divided by. Draws one uniform from rng."""
+    u = torch.rand((), generator=rng, device=p.device, dtype=p.dtype)
+    return bool(u * q[x] < p[x])
 
 
-def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """norm(max(0, p − q)) [V]; p == q exactly leaves no residual mass, and then any draw from p is already exact."""
     residual = (p - q).clamp_min(0)
     total = residual.sum()

@@ -15,7 +15,7 @@ A directory D written by `python -m del_bench train-exits` holds
   work/                  resumable state (collected states, KL checkpoint); not needed to load the adapters
 
 Cost: applying A_ℓ to one row is D² multiply-adds, the LM head D·V, a decoder layer ≈ 4D² + 3·D·I (SmolLM2:
-0.33M vs 28.3M vs 3.5M, so an adapter row ≈ 0.09 layer ≈ 1% of a head row). `exit_cost_layers` says it per model.
+0.33M vs 28.3M vs 3.5M, so an adapter row ≈ 0.09 layer ≈ 1% of a head row).
 """
 
 from __future__ import annotations
@@ -98,11 +98,6 @@ def variant_weights(base_weights: str, adapters_path: str | None) -> str:
     if not adapters_path:
         return base_weights
     return hashlib.sha256(f"{base_weights}|exit_adapters:{digest(adapters_path)}".encode()).hexdigest()[:16]
-
-
-def exit_cost_layers(dim: int, layer_params: int) -> float:
-    """One adapter row in decoder-layer units by weights read (D² / a layer's parameters)."""
-    return dim * dim / layer_params
 
 
 def resolve(path: str | Path) -> Path:

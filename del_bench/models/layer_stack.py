@@ -294,15 +294,7 @@ class LayerStack:
         every layer's output [1, T, D] is appended to it (DEL's shadow tokens read them). With `tree`, the T
         tokens are a token tree: slots pos .. pos+T-1 still, but RoPE positions and the mask from the tree."""
         T = h.shape[1]
-        if tree is None:
-            cos = self._cos[pos : pos + T][None, :, None, :]  # [1, T, 1, hd], broadcast over heads
-            sin = self._sin[pos : pos + T][None, :, None, :]  # signed: see _ensure_rope
-            mask = self._causal_mask(pos, T, h.device)
-        else:
-            positions = pos + tree.depth.to(h.device)  # [T]
-            cos, sin = self._cos[positions][None, :, None, :], self._sin[positions][None, :, None, :]
-            prefix = torch.ones(T, pos, dtype=torch.bool, device=h.device)
-            mask = torch.cat([prefix, tree.ancestors.to(h.device)], dim=1)  # [T, pos+T]
+        cos, sin, mask = self._rope_and_mask(pos, T, h.device, tree)
         for i in range(start, end):
             if cache.lengths[i] < pos:
                 raise RuntimeError(f"layer {i} holds {cache.lengths[i]} positions; cannot write at {pos}")
@@ -382,9 +374,7 @@ class LayerStack:
         write=False (the optimiser's teacher-forced pass over committed tokens): nothing is written; each
         attention sees its layer's cached entries [0, pos) and the new keys of this pass (causally)."""
         T = h.shape[1]
-        cos = self._cos[pos : pos + T][None, :, None, :]
-        sin = self._sin[pos : pos + T][None, :, None, :]
-        mask = self._causal_mask(pos, T, h.device)
+        cos, sin, mask = self._rope_and_mask(pos, T, h.device)
         for i in range(self.num_layers):
             if i not in skip_attn:
                 if cache.lengths[i] < pos:
@@ -396,14 +386,23 @@ class LayerStack:
                 h = self._mlp(i, h)
         return h
 
-    @staticmethod
-    def _causal_mask(pos: int, T: int, device) -> torch.Tensor | None:
-        """Bottom-right-aligned causal mask [T, pos+T]: query i (position pos+i) sees keys 0..pos+i.
-        A single query sees every cached key, so it needs no mask at all (None)."""
-        if T == 1:
-            return None
-        keys = torch.arange(pos + T, device=device)
-        return keys[None, :] <= (pos + torch.arange(T, device=device))[:, None]
+    def _rope_and_mask(self, pos: int, T: int, device, tree: TreeMask | None = None):
+        """cos, sin [1, T, 1, hd] (broadcast over heads; sin signed, see _ensure_rope) and the attention mask
+        [T, pos+T] of T new positions from pos. A chain: positions pos.., bottom-right-aligned causal mask (query i
+        sees keys 0..pos+i; a single query sees every cached key, so no mask at all: None). A tree: positions
+        pos + depth, each node sees the prefix, its ancestors and itself."""
+        if tree is None:
+            cos, sin = self._cos[pos : pos + T], self._sin[pos : pos + T]
+            mask = None
+            if T > 1:
+                keys = torch.arange(pos + T, device=device)
+                mask = keys[None, :] <= (pos + torch.arange(T, device=device))[:, None]
+        else:
+            positions = pos + tree.depth.to(device)  # [T]
+            cos, sin = self._cos[positions], self._sin[positions]
+            prefix = torch.ones(T, pos, dtype=torch.bool, device=device)
+            mask = torch.cat([prefix, tree.ancestors.to(device)], dim=1)
+        return cos[None, :, None, :], sin[None, :, None, :], mask
 
     def _layer(self, i, h, pos, cos, sin, mask, cache: KVCache) -> torch.Tensor:
         return self._mlp(i, self._attention(i, h, pos, cos, sin, mask, cache))

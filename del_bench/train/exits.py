@@ -220,12 +220,9 @@ def kl_refine(stack, X: torch.Tensor, Y: torch.Tensor, A: torch.Tensor, b: torch
 
 # ---- command ------------------------------------------------------------------------------------------------
 def model_config(name: str) -> DictConfig:
-    from del_bench.config import CONFIG_DIR  # registers the resolvers model configs use
+    from del_bench.config import load_choice  # the module registers the resolvers model configs use
 
-    path = CONFIG_DIR / "model" / f"{name}.yaml"
-    if not path.is_file():
-        raise ConfigError(f"train-exits: unknown model {name!r} (configs/model/)")
-    return OmegaConf.load(path)
+    return load_choice("model", name)
 
 
 def identity_of(cfg: DictConfig, model_cfg: DictConfig, layers: list[int]) -> dict:
