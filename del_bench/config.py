@@ -13,6 +13,7 @@ from del_bench import calibration_store
 from del_bench.engine.sampling import Sampling
 from del_bench.errors import ConfigError
 from del_bench.models import exit_adapters
+from del_bench.models.fused import LAYER_PATHS
 from del_bench.models.loading import weights_digest
 from del_bench.records import decoding_tag
 
@@ -62,10 +63,13 @@ def check_choice(group: str, name: str) -> None:
     options = choices(group)
     if name in options or name in ("null", ""):
         return
-    close = difflib.get_close_matches(name, options, n=3, cutoff=0.5)
-    hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
-    raise ConfigError(f"unknown {group} {name!r}.{hint} Available: {', '.join(options)} "
+    raise ConfigError(f"unknown {group} {name!r}.{did_you_mean(name, options)} Available: {', '.join(options)} "
                       f"(`python -m del_bench ls` describes them)")
+
+
+def did_you_mean(name: str, options) -> str:
+    close = difflib.get_close_matches(name, list(options), n=3, cutoff=0.5)
+    return f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
 
 
 def load_choice(group: str, name: str) -> DictConfig:
@@ -100,6 +104,10 @@ def validate(cfg: DictConfig) -> None:
         Sampling(**OmegaConf.to_container(cfg.generation, resolve=True))
     except (ValueError, TypeError) as err:
         raise ConfigError(f"invalid config for method={cfg.method.name} model={cfg.model.name}: {err}") from err
+    layers = cfg.get("layers", "auto")
+    if layers not in LAYER_PATHS:
+        raise ConfigError(f"layers={layers!r} is not a decoder-layer loop.{did_you_mean(str(layers), LAYER_PATHS)} "
+                          f"Options: {', '.join(LAYER_PATHS)}")
     if cfg.limit is not None and (not isinstance(cfg.limit, int) or cfg.limit < 1):
         raise ConfigError(f"limit={cfg.limit!r} must be a positive integer or null (all samples)")
     if not isinstance(cfg.max_new_tokens, int) or cfg.max_new_tokens < 1:

@@ -35,7 +35,7 @@ Key = tuple[str, int]  # (sample_id, repeat)
 # (data_dir, calibration and rows only feed other keys — task paths, method E/γ — which are compared resolved)
 # (records_root only feeds out_dir; experiment_name says which sweep asked for the run: one run serves several)
 RESUMABLE_KEYS = ("limit", "out_dir", "logger", "threads", "warmup_tokens", "data_dir", "calibration", "rows",
-                  "records_root", "experiment_name")
+                  "records_root", "experiment_name", "layers")
 # task settings of how outputs are scored, not of what the scores are (HumanEval's sandbox and its pool)
 RESUMABLE_TASK_KEYS = ("score_workers", "sandbox")
 # model options added later, at the value that means "as before" (model.exit_adapters: null = the own head)
@@ -84,6 +84,9 @@ class SampleRecord:
     # texts joined by a blank line, and generated_tokens, rounds, wall_s, loaded_layers, head_calls, drafted,
     # accepted = sums over turns (so tokens_per_s = all tokens ÷ all seconds of the conversation)
     turns: list[dict] | None = None
+    # the decoder-layer loop that decoded it (LayerStack.layer_path): fused | eager (None: a record from before the
+    # choice existed, which was eager). It changes speed, never tokens; machine_of keeps the two apart
+    layer_path: str | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -95,11 +98,15 @@ TURN_FIELDS = ("turn", "user", "prompt", "prompt_ids", "output_ids", "output_tex
 
 
 def machine_of(provenance: dict) -> str:
-    """device/CPU (+ torch threads on CPU, which change speed as much as the hardware does): the runs a speedup
-    may pair must share it. The provenance holds no host name, so two hosts of one CPU kind look alike."""
+    """device/CPU (+ torch threads on CPU, which change speed as much as the hardware does; + the layer loop unless
+    eager, see SampleRecord.layer_path): the runs a speedup may pair must share it. The provenance holds no host
+    name, so two hosts of one CPU kind look alike."""
     machine = f"{provenance.get('device', '?')}/{provenance.get('cpu', '?')}"
     threads = provenance.get("torch_threads")
-    return machine + (f" ({threads} threads)" if provenance.get("device") == "cpu" and threads else "")
+    extra = [f"{threads} threads"] if provenance.get("device") == "cpu" and threads else []
+    if provenance.get("layer_path") not in (None, "eager"):
+        extra.append(f"{provenance['layer_path']} layers")
+    return machine + (f" ({', '.join(extra)})" if extra else "")
 
 
 def prompts_fingerprint(task_version, sample_ids: Iterable) -> str:
@@ -257,6 +264,7 @@ class RunDir:
         self.config_path = self.path / "run_config.json"
         self.costs_path = self.path / "costs.json"
         self.method_state_path = self.path / "method_state.json"
+        self.setup_path = self.path / "setup.jsonl"
 
     @staticmethod
     def fingerprint(run_config: dict) -> dict:
@@ -323,6 +331,15 @@ class RunDir:
 
     def write_costs(self, costs: dict) -> None:
         write_json(self.costs_path, costs)
+
+    def setup(self) -> list[dict]:
+        """One line per decoding session (a resume adds one): what was spent before the first timed sample, in
+        seconds (model load, building/checking the layer loop, measuring costs, the warm-up), and the layer loop."""
+        return _read_jsonl(self.setup_path)
+
+    def append_setup(self, line: dict) -> None:
+        with open(self.setup_path, "a") as f:
+            f.write(json.dumps(line) + "\n")
 
     def method_state(self) -> dict | None:
         """{"samples": finished samples when it was saved, "state": Method.state()}, or None."""

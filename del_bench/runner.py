@@ -9,6 +9,7 @@ import logging
 import platform
 import statistics
 import subprocess
+import time
 import zlib
 from collections import Counter
 from pathlib import Path
@@ -69,9 +70,10 @@ def stop_strings(strings: list[str], tokenizer, tail_tokens: int = 16):
     return stop
 
 
-def load_model(model_cfg) -> tuple[loading.Loaded, LayerStack]:
+def load_model(model_cfg, layers: str = "auto") -> tuple[loading.Loaded, LayerStack]:
+    """The model and its LayerStack; layers: the decoder-layer loop (auto | fused | eager: models/fused.py)."""
     loaded = loading.load(model_cfg)
-    stack = LayerStack(loaded.model)
+    stack = LayerStack(loaded.model, layers=layers)
     exit_adapters.attach(stack, model_cfg)  # model.exit_adapters=D: the early-exit heads (else the own head)
     return loaded, stack
 
@@ -103,7 +105,7 @@ def run(cfg: DictConfig, load=None) -> dict:
     info = task.scoring_info() if scoring else {}
 
     if todo:
-        decode_all(cfg, todo, task, method, sampling, run_dir, load or (lambda: load_model(cfg.model)))
+        decode_all(cfg, todo, task, method, sampling, run_dir, load or (lambda: load_model(cfg.model, cfg.layers)))
     if scoring:
         score_pending(task, samples, run_dir, info)
 
@@ -112,6 +114,7 @@ def run(cfg: DictConfig, load=None) -> dict:
     rounds = [r for r in run_dir.rounds() if (r["sample_id"], r.get("repeat", 0)) in wanted]
     summary = summarize(cfg, records, rounds, task)
     summary["measured_costs"] = run_dir.costs()
+    summary["setup"] = run_dir.setup()  # untimed: model load, layer-loop build/check, cost measurement, warm-up
     summary["selection"] = selection(cfg)
     summary["run_key"] = run_key(cfg, method, task, samples, summary["provenance"], run_dir).as_dict()
     write_json(run_dir.summary_path, summary)
@@ -137,25 +140,33 @@ def run_key(cfg: DictConfig, method, task, samples: list, provenance: dict, run_
 
 def decode_all(cfg, todo, task, method, sampling, run_dir: RunDir, load) -> None:
     """Generate every (sample, repeat) in `todo`, appending its records (and its peak memory) as it finishes."""
+    t0 = time.perf_counter()
     loaded, stack = load()
+    setup = {"layer_path": stack.layer_path, "load_s": time.perf_counter() - t0, "layer_setup_s": stack.layer_setup_s}
+    log.info("decoder layers: %s (built and checked in %.1f s)", stack.layer_path, stack.layer_setup_s)
     tokenizer = loaded.tokenizer
     task.bind_tokenizer(tokenizer)  # multi-turn tasks render chat turns with it
     engine = Engine(stack, sampling, eos_ids(loaded.model, tokenizer), stop=stop_strings(task.stop_strings, tokenizer))
+    t0 = time.perf_counter()
     if method.wants_costs:  # the calibrated cost model: measured once per run (a resume reuses it)
         costs = run_dir.costs() or engine.stack.measure_costs()
         run_dir.write_costs(costs)
         method.set_costs(**costs)
+    setup["costs_s"] = time.perf_counter() - t0
     finished = restore_method_state(method, run_dir)
+    t0 = time.perf_counter()
     if cfg.warmup_tokens:  # untimed: first-call allocations and kernel selection
         first = todo[0][0]
         warm = first.prompt if first.turns is None else task.render(first, [])
         # a throwaway copy: the warm-up must leave no trace in what the method carries across prompts
         engine.generate(tokenizer(warm)["input_ids"], copy.deepcopy(method), cfg.warmup_tokens, 0)
+    run_dir.append_setup({**setup, "warmup_s": time.perf_counter() - t0, "samples_before": finished})
     weights = memory.model_bytes(loaded.model)
     for sample, repeat in tqdm(todo, desc=f"{cfg.method.tag} on {cfg.task.name}", unit="sample"):
         decode = decode_one if sample.turns is None else decode_turns
         record, rounds = decode(cfg, engine, tokenizer, task, method, sample, repeat, loaded)
         record.model_bytes, record.kv_cache_bytes = weights, memory.cache_bytes(engine.cache)
+        record.layer_path = stack.layer_path
         run_dir.append(record.as_dict(), rounds)
         finished += 1
         run_dir.write_method_state(method.state(), finished)
@@ -286,8 +297,14 @@ def summarize(cfg: DictConfig, records: list[dict], rounds: list[dict], task) ->
         "quality": task.aggregate([{"sample_id": r["sample_id"], "repeat": r.get("repeat", 0), **r["scores"]}
                                    for r in records]),
         "config": OmegaConf.to_container(cfg, resolve=True),
-        "provenance": provenance(),
+        "provenance": provenance(layer_path=layer_path_of(records)),
     }
+
+
+def layer_path_of(records: list[dict]) -> str:
+    """The decoder-layer loop of a run's samples (eager for records from before the choice; "eager+fused" when a
+    resume changed it, which machine_of then keeps apart from either)."""
+    return "+".join(sorted({r.get("layer_path") or "eager" for r in records})) or "eager"
 
 
 def memory_summary(records: list[dict]) -> dict:
@@ -304,7 +321,7 @@ def memory_summary(records: list[dict]) -> dict:
     }
 
 
-def provenance() -> dict:
+def provenance(layer_path: str | None = None) -> dict:
     repo = Path(__file__).resolve().parent.parent
 
     def git(*args):
@@ -328,4 +345,5 @@ def provenance() -> dict:
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "cpu": platform.processor() or platform.machine(),
         "torch_threads": torch.get_num_threads(),
+        **({"layer_path": layer_path} if layer_path else {}),
     }

@@ -64,6 +64,7 @@ def test_unknown_names_suggest_the_right_one(group, typo, suggestion):
     ("limit=0", r"limit=0 must be a positive integer"),
     ("method=dv method.theta=1.5", r"method.theta=1.5 must be in \[0, 1\]"),
     ("method=fs method.exit_layer=9", r"method.exit_layer=9 is out of range"),
+    ("layers=fusd", r"layers='fusd' is not a decoder-layer loop. Did you mean 'fused'\?"),
 ])
 def test_invalid_hyperparameters_fail_before_the_model_loads(run_cfg, monkeypatch, override, message):
     def no_loading(_):

@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from del_bench.models import fused
+
 HEAD_ROWS_FROM = 4  # rows from which the LM head uses the [V, D] layout (measured, see LayerStack.__init__)
 
 
@@ -141,7 +143,10 @@ class TreeMask:
 
 
 class LayerStack:
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, layers: str = "eager"):
+        """layers: the decoder-layer loop — eager (Python, the reference), fused (fused_layers.cpp) or auto (fused
+        where it builds and matches eager bit for bit here; del_bench/models/fused.py). `layer_path` says which
+        runs, `layer_setup_s` what building, loading and checking the fused loop took (apart from any decode)."""
         config = model.config
         inner = model.model
         self.model = model
@@ -166,6 +171,11 @@ class LayerStack:
         self._rotary = inner.rotary_emb
         self._cos = self._sin = torch.empty(0)
         self.adapters = None  # ExitAdapters (del_bench/models/exit_adapters.py): the early-exit heads, or own head
+        # the fused loop's arguments: 6 tensors per layer (fused_layers.cpp), in one flat list built once
+        self._fused_weights = [t for lay in self.layers for t in (lay.w_in_norm, lay.w_qkv, lay.w_o, lay.w_post_norm,
+                                                                   lay.w_gate_up, lay.w_down)]
+        self.fused = None
+        self.fused, self.layer_path, self.layer_setup_s = fused.choose(self, layers)
 
     def set_adapters(self, adapters) -> None:
         """Draft heads (and shadow tokens) of layers with an adapter become head(norm(h) @ A + b); None: own head."""
@@ -295,6 +305,8 @@ class LayerStack:
         tokens are a token tree: slots pos .. pos+T-1 still, but RoPE positions and the mask from the tree."""
         T = h.shape[1]
         cos, sin, mask = self._rope_and_mask(pos, T, h.device, tree)
+        if self.fused is not None and start < end:
+            return self._forward_fused(h, start, end, pos, cache, collect, cos, sin, mask)
         for i in range(start, end):
             if cache.lengths[i] < pos:
                 raise RuntimeError(f"layer {i} holds {cache.lengths[i]} positions; cannot write at {pos}")
@@ -303,6 +315,22 @@ class LayerStack:
             if collect is not None:
                 collect.append(h)
         return h
+
+    def _forward_fused(self, h, start, end, pos, cache: KVCache, collect, cos, sin, mask) -> torch.Tensor:
+        """forward_layers through the C++ loop (fused_layers.cpp): the same ops on the same tensors, one call."""
+        short = min(cache.lengths[start:end])
+        if short < pos:
+            raise RuntimeError(f"layer {cache.lengths.index(short, start)} holds {short} positions; cannot write at "
+                               f"{pos}")
+        T = h.shape[1]
+        outs = self.fused.forward_layers(h[0], self._fused_weights, cache.k, cache.v, start, end, pos, cos[0],
+                                         sin[0], mask, self.n_heads, self.n_kv_heads, self.head_dim, self.eps,
+                                         self.scale, collect is not None)  # each [T, D]
+        cache.lengths[start:end] = [pos + T] * (end - start)
+        if collect is None:
+            return outs[0][None]
+        collect.extend(out[None] for out in outs)  # [1, T, D] per layer
+        return collect[-1]
 
     def shadow_tokens(self, states: torch.Tensor, targets: torch.Tensor | None = None, vocab: int | None = None,
                       chunk: int = 64, layers: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

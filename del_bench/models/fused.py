@@ -1,0 +1,98 @@
+"""The fused decoder-layer loop (fused_layers.cpp): built once per machine and torch version, then checked against
+the eager loop before a LayerStack uses it.
+
+Why C++ and not torch.compile: on this CPU a compiled layer graph is slower than eager (make bench-compile: 1.19×
+per layer, 0.88× for a whole-stack graph after ~60 s of compiling per shape), because each call pays its guards
+and wrapper; the C++ loop calls the same ATen kernels as the eager path with none of the Python between them, so it
+needs no shapes fixed ahead (one build serves every batch width, prefill, drafting, verification and token trees)
+and gives the same bits. `layers` (configs/run.yaml) chooses:
+- eager: the Python loop, the reference;
+- fused: the C++ loop, an error if it cannot be built or used for this model;
+- auto: fused where it builds, supports the model, and matches eager bit for bit on the model's own weights here;
+  else eager, with the reason logged.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from functools import cache
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+LAYER_PATHS = ("auto", "fused", "eager")
+SOURCE = Path(__file__).with_name("fused_layers.cpp")
+
+
+class FusedUnavailable(RuntimeError):
+    """The fused loop cannot serve this model on this machine (the message says why)."""
+
+
+@cache
+def extension():
+    """The compiled module (torch.utils.cpp_extension caches the build under TORCH_EXTENSIONS_DIR, default
+    ~/.cache/torch_extensions: the first call on a machine compiles for ~25 s, later ones load it in < 1 s)."""
+    from torch.utils.cpp_extension import load
+
+    try:
+        return load(name="del_bench_fused_layers", sources=[str(SOURCE)], extra_cflags=["-O3"], verbose=False)
+    except Exception as err:  # no compiler, no ninja, a header mismatch: all mean "use eager"
+        raise FusedUnavailable(f"building {SOURCE.name} failed ({type(err).__name__}: {err})") from err
+
+
+def unsupported(stack) -> str | None:
+    """Why the fused loop cannot run this stack's layers (None: it can)."""
+    if any(b is not None for lay in stack.layers for b in (lay.b_qkv, lay.b_o, lay.b_gate_up, lay.b_down)):
+        return "the model's projections have biases (the C++ loop is the bias-free Llama layer)"
+    if len({lay.device for lay in stack.layers}) > 1:
+        return "the layers span several devices (device_map): the loop moves no tensor between them"
+    return None
+
+
+def choose(stack, layers: str) -> tuple[object | None, str, float]:
+    """(the extension or None, "fused" | "eager", seconds spent building, loading and checking it) for `layers`."""
+    if layers not in LAYER_PATHS:
+        raise ValueError(f"layers={layers!r}: choose one of {', '.join(LAYER_PATHS)}")
+    if layers == "eager":
+        return None, "eager", 0.0
+    t0 = time.perf_counter()
+    try:
+        reason = unsupported(stack)
+        if reason:
+            raise FusedUnavailable(reason)
+        ext = extension()
+        mismatch = check(stack, ext)
+        if mismatch:
+            raise FusedUnavailable(mismatch)
+    except FusedUnavailable as err:
+        if layers == "fused":
+            raise
+        log.warning("layers=auto: using the eager layer loop: %s", err)
+        return None, "eager", time.perf_counter() - t0
+    return ext, "fused", time.perf_counter() - t0
+
+
+@torch.inference_mode()
+def check(stack, ext, prompt: int = 5) -> str | None:
+    """Run a few random tokens through every layer both ways — a batch at position 0 (prefill, verification) and
+    then one token (drafting, Vanilla), collecting every layer's output — on a scratch cache. None when every output
+    and every cache entry is the same bits; else what differed."""
+    ids = torch.randint(0, stack.vocab_size, (1, prompt + 1), generator=torch.Generator().manual_seed(0))
+    results = []
+    for use in (None, ext):
+        stack.fused = use
+        cache = stack.new_cache(prompt + 1)
+        outs: list[torch.Tensor] = []
+        stack.forward_layers(stack.embed(ids[:, :prompt]), 0, stack.num_layers, 0, cache, collect=outs)
+        stack.forward_layers(stack.embed(ids[:, prompt:]), 0, stack.num_layers, prompt, cache, collect=outs)
+        results.append((outs, cache))
+    stack.fused = None
+    (eager, eager_cache), (fused, fused_cache) = results
+    for name, a, b in (("layer outputs", eager, fused), ("cached keys", eager_cache.k, fused_cache.k),
+                       ("cached values", eager_cache.v, fused_cache.v)):
+        if not all(torch.equal(x, y) for x, y in zip(a, b)):
+            return f"the fused loop's {name} differ from the eager loop's on this machine"
+    return None

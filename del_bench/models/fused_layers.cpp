@@ -1,0 +1,62 @@
+// The decoder-layer loop of LayerStack.forward_layers in C++ (del_bench/models/fused.py builds it).
+//
+// The same ATen ops, in the same order, on the same tensors as the eager Python loop (layer_stack.py
+// _attention / _mlp), so the results are the same bits (fused.py checks that on the machine at hand before it is
+// used). What it removes is the Python around each op: on a 2-core CPU that is ~100 µs per layer, more than the
+// matmuls of a small model's layer take. Bias-free Llama layers on one device only (fused.py says why not otherwise).
+#include <torch/extension.h>
+
+#include <vector>
+
+using torch::Tensor;
+
+// layer_stack.rms_norm, branch for branch (LlamaRMSNorm's bits: variance in float32, weight in the input dtype)
+Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) {
+  if (x.scalar_type() != at::kFloat) {
+    Tensor x32 = x.to(at::kFloat);
+    Tensor normed = x.is_cpu() ? at::rms_norm(x32, {x.size(-1)}, c10::nullopt, eps)
+                               : x32 * at::rsqrt(x32.pow(2).mean(-1, true) + eps);
+    return weight * normed.to(x.scalar_type());
+  }
+  if (x.is_cpu()) return at::rms_norm(x, {x.size(-1)}, weight, eps);
+  return weight * (x * at::rsqrt(x.pow(2).mean(-1, true) + eps));
+}
+
+// h: [T, D] the states of positions pos .. pos+T-1. weights: 6 per layer, in order
+//   in_norm [D], qkv_t [D, (H+2·KV)·hd], o_t [H·hd, D], post_norm [D], gate_up_t [D, 2·I], down_t [I, D].
+// k, v: every layer's cache [1, KV, max_len, hd], written at pos .. pos+T-1 in place.
+// cos, sin: [T, 1, hd] (sin signed: rotate_half(x)·sin == roll(x, hd/2)·(sign·sin)); mask: [T, pos+T] bool or none.
+// Returns the last layer's output [T, D], or with `collect` every layer's output (end - start of them).
+std::vector<Tensor> forward_layers(Tensor h, const std::vector<Tensor>& weights, const std::vector<Tensor>& k,
+                                   const std::vector<Tensor>& v, int64_t start, int64_t end, int64_t pos,
+                                   const Tensor& cos, const Tensor& sin, const c10::optional<Tensor>& mask,
+                                   int64_t H, int64_t KV, int64_t hd, double eps, double scale, bool collect) {
+  const int64_t T = h.size(0);
+  std::vector<Tensor> outputs;
+  for (int64_t i = start; i < end; ++i) {
+    const Tensor* w = &weights[6 * i];
+    // attention: h + o(attend(rope(q), rope(k), v)), q|k|v from one matmul
+    Tensor x = rms_norm(h, w[0], eps);
+    Tensor qkv = at::mm(x, w[1]).view({T, H + 2 * KV, hd});
+    Tensor qk = qkv.narrow(1, 0, H + KV);
+    qk = qk * cos + at::roll(qk, {hd / 2}, {-1}) * sin;                                       // [T, H+KV, hd]
+    k[i].narrow(2, pos, T).copy_(qk.narrow(1, H, KV).transpose(0, 1).unsqueeze(0));        // [1, KV, T, hd]
+    v[i].narrow(2, pos, T).copy_(qkv.narrow(1, H + KV, KV).transpose(0, 1).unsqueeze(0));
+    Tensor q = qk.narrow(1, 0, H).transpose(0, 1).unsqueeze(0);                             // [1, H, T, hd]
+    Tensor attn = at::scaled_dot_product_attention(q, k[i].narrow(2, 0, pos + T), v[i].narrow(2, 0, pos + T), mask,
+                                                   0.0, false, scale, KV != H);             // [1, H, T, hd]
+    h = at::addmm(h, attn[0].transpose(0, 1).reshape({T, H * hd}), w[2]);
+    // MLP: h + down(silu(gate) · up), gate|up from one matmul
+    x = rms_norm(h, w[3], eps);
+    Tensor gate_up = at::mm(x, w[4]);                                                       // [T, 2·I]
+    const int64_t I = gate_up.size(1) / 2;
+    h = at::addmm(h, at::silu(gate_up.narrow(1, 0, I)) * gate_up.narrow(1, I, I), w[5]);
+    if (collect) outputs.push_back(h);
+  }
+  if (!collect) outputs.push_back(h);
+  return outputs;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("forward_layers", &forward_layers, "LayerStack.forward_layers' decoder-layer loop");
+}

@@ -1,0 +1,104 @@
+"""The fused decoder-layer loop (del_bench/models/fused_layers.cpp) is the eager loop's arithmetic: the same tokens,
+the same per-round decisions and the same sampled draws for every method; `layers=auto` checks that on the machine
+at hand and falls back to eager when it does not hold."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from del_bench.engine.decode import Engine
+from del_bench.engine.sampling import Sampling
+from del_bench.methods.swift import Swift
+from del_bench.models import fused
+from del_bench.models.layer_stack import LayerStack
+from tests.conftest import tiny_model
+from tests.test_engine import METHODS, PROMPTS, hf_greedy
+
+SWIFT = [Swift(skip_set={"attn": [1], "mlp": [2]}), Swift(skip_set={"attn": [1, 2], "mlp": [1, 2]}, confidence=0.0,
+                                                          d_max=4, tree=True)]
+
+
+@pytest.fixture(scope="module")
+def stacks():
+    """(eager stack, fused stack, prompts, HF's greedy references) on two copies of one float64 tiny model."""
+    model, tok = tiny_model()
+    prompts = [tok(p)["input_ids"] for p in PROMPTS]
+    refs = [hf_greedy(model, p, 40) for p in prompts]
+    fused_stack = LayerStack(tiny_model()[0], layers="fused")
+    assert fused_stack.layer_path == "fused"
+    return LayerStack(model), fused_stack, prompts, refs
+
+
+def decisions(gen) -> list[tuple]:
+    return [(r.exit_layer, r.budget, r.drafted, r.accepted, r.emitted, r.loaded_layers, r.head_calls, r.shadow_rows,
+             sorted((k, str(v)) for k, v in r.trace.items() if not k.endswith("_s"))) for r in gen.rounds]
+
+
+@pytest.mark.parametrize("method", METHODS + SWIFT, ids=lambda m: f"{m.name}{m.describe()}")
+def test_fused_greedy_equals_hf_and_eager_round_by_round(stacks, method):
+    eager, fused_stack, prompts, refs = stacks
+    for prompt, ref in zip(prompts, refs):
+        a = Engine(eager, Sampling(), set()).generate(prompt, method, 40, seed=0)
+        b = Engine(fused_stack, Sampling(), set()).generate(prompt, method, 40, seed=0)
+        assert b.output_ids == ref
+        assert decisions(b) == decisions(a)
+
+
+@pytest.mark.parametrize("method", [METHODS[2], METHODS[-2], SWIFT[1]], ids=lambda m: m.name)
+def test_fused_sampling_draws_what_eager_draws(stacks, method):
+    """The same bits give the same accept/reject tests: every seed's sampled output is eager's."""
+    eager, fused_stack, prompts, _ = stacks
+    sampling = Sampling(do_sample=True, temperature=1.2)
+    for seed in range(8):
+        a = Engine(eager, sampling, set()).generate(prompts[1], method, 24, seed=seed)
+        b = Engine(fused_stack, sampling, set()).generate(prompts[1], method, 24, seed=seed)
+        assert b.output_ids == a.output_ids
+
+
+def test_fused_cache_and_collected_states_are_eager_bits(stacks):
+    eager, fused_stack, prompts, _ = stacks
+    out = []
+    for stack in (eager, fused_stack):
+        cache, states = stack.new_cache(64), []
+        h = stack.forward_layers(stack.embed(torch.tensor([prompts[0]])), 0, stack.num_layers, 0, cache, states)
+        h2 = stack.forward_layers(stack.embed(torch.tensor([[7]])), 0, 2, len(prompts[0]), cache)
+        out.append((h, h2, states, cache.k, cache.v, list(cache.lengths)))
+    (h, h2, states, k, v, lengths), (fh, fh2, fstates, fk, fv, flengths) = out
+    assert torch.equal(h, fh) and torch.equal(h2, fh2) and lengths == flengths
+    assert all(torch.equal(a, b) for a, b in zip(states, fstates))
+    filled = [(a[:, :, :n], b[:, :, :n]) for a, b, n in zip(k + v, fk + fv, lengths + lengths)]  # the rest: empty
+    assert all(torch.equal(a, b) for a, b in filled)
+
+
+class _OffByOneUlp:
+    """A fused loop that is not the eager arithmetic: the negative control of the self-check."""
+
+    def __init__(self, real):
+        self.real = real
+
+    def forward_layers(self, *args):
+        return [t + t.abs() * 1e-15 for t in self.real.forward_layers(*args)]
+
+
+def test_auto_falls_back_to_eager_when_the_bits_differ(monkeypatch):
+    model = tiny_model()[0]
+    wrong = _OffByOneUlp(fused.extension())
+    monkeypatch.setattr(fused, "extension", lambda: wrong)
+    stack = LayerStack(model, layers="auto")
+    assert stack.layer_path == "eager" and stack.fused is None
+    with pytest.raises(fused.FusedUnavailable, match="layer outputs differ"):
+        LayerStack(model, layers="fused")
+
+
+def test_auto_is_fused_here_and_models_it_cannot_run_stay_eager():
+    assert LayerStack(tiny_model()[0], layers="auto").layer_path == "fused"  # this machine builds it
+    biased = tiny_model()[0]
+    attn = biased.model.layers[0].self_attn
+    for proj in (attn.q_proj, attn.k_proj, attn.v_proj):  # a Qwen-style q|k|v bias
+        proj.bias = torch.nn.Parameter(torch.zeros(proj.out_features, dtype=torch.float64))
+    assert LayerStack(biased, layers="auto").layer_path == "eager"
+    with pytest.raises(fused.FusedUnavailable, match="biases"):
+        LayerStack(biased, layers="fused")
+    with pytest.raises(ValueError, match="choose one of auto, fused, eager"):
+        LayerStack(tiny_model()[0], layers="fast")
