@@ -19,10 +19,11 @@ Columns:
   On this CPU the layer-sized GEMVs stream slower than the probe's large one, so gemv < floor bounds what any loop
   can reach.
 The probe streams a large [in, out] fp32 matrix with x @ W at one row, the engine's own GEMV layout (layer_stack
-stores weights transposed), median of a few passes; the weights a Vanilla token reads are every decoder layer's
-matrices and norms plus the final norm and the LM head (the embedding row and the KV cache are left out: < 3% at
-these lengths). Warm-up and start-up (model load, building and checking the fused loop, the measured costs of
-cost_model=measured) are untimed and reported apart: `setup_s` per model and loop here, setup.jsonl in each run.
+stores q|k|v, o, gate|up and the head transposed), median of a few passes; the weights a Vanilla token reads are
+every decoder layer's matrices and norms plus the final norm and the LM head (the embedding row and the KV cache
+are left out: < 3% at these lengths). Warm-up and start-up (model load, building and checking the fused loop, the
+measured costs of cost_model=measured) are untimed and reported apart: `setup_s` per model and loop here, setup.jsonl
+in each run.
 
     python scripts/bench_engine.py [--models smollm2-135m,testbed] [--layers eager,fused] [--limit 6]
                                    [--max-new-tokens 128] [--probe-mb 512] [--threads 2] [--quick]
