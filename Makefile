@@ -62,10 +62,10 @@ figures: setup ## the paper's figures from the reference records → results/fig
 bench-peer: setup ## our Vanilla/LS vs HF generate and assistant_early_exit on SmolLM2 → $(RECORDS)/bench/peer.json
 	$(PY) scripts/bench_peer.py --out $(RECORDS)/bench/peer.json
 
-bench-parts: setup ## per-part costs of a token on SmolLM2 (HF forward vs our layers, head layouts)
+bench-parts: setup ## per-part costs of a token on SmolLM2 (HF forward vs our eager and fused layer loops, LM-head products)
 	$(PY) scripts/bench_engine_parts.py
 
-bench-engine: setup ## tok/s, measured ÷ predicted speedup, DEL's controller share, Vanilla vs the memory-bandwidth floor; SmolLM2 + testbed (~10 min; QUICK=1: a few) → $(RECORDS)/bench/engine.json
+bench-engine: setup ## eager vs fused layer loop: tok/s, measured ÷ predicted speedup, DEL's controller share, Vanilla vs the memory-bandwidth floor and vs its GEMVs alone; SmolLM2 + testbed (~20 min; QUICK=1: a few) → $(RECORDS)/bench/engine.json
 	$(PY) scripts/bench_engine.py $(if $(QUICK),--quick) --root $(RECORDS)/bench/engine_runs --out $(RECORDS)/bench/engine.json
 
 bench-compile: setup ## torch.compile (inductor) vs the eager layer loop, one decode token, per-layer and whole-stack graphs (compile time apart)

@@ -1,7 +1,8 @@
 """Can torch.compile (inductor; C++ on CPU) beat the eager layer loop on this machine? One decode token (T = 1)
 through all layers at a fixed context, three ways, on the model's own weights and KV cache:
 
-- eager: LayerStack.forward_layers — the engine's path and the reference;
+- eager: LayerStack.forward_layers — the engine's Python loop and the reference (and, for comparison, the fused C++
+  loop the engine uses by default, layers=auto: del_bench/models/fused.py);
 - per-layer graph: one compiled function for a decoder layer, its weights and cache passed as inputs, positions
   dynamic: recompilation is bounded (one graph per batch width T: 1 for drafting, d + 1 ≤ d_max + 1 for
   verification), so any exit layer E reuses it;
@@ -29,8 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_engine_parts import ms  # noqa: E402 (median ms after a warm-up)
 
 from del_bench.config import load_choice  # noqa: E402
-from del_bench.models import loading  # noqa: E402
-from del_bench.models.layer_stack import LayerStack, rms_norm  # noqa: E402
+from del_bench.models import fused, loading  # noqa: E402
+from del_bench.models.layer_stack import LayerStack, _linear, rms_norm  # noqa: E402
 
 
 def layer_fn(stack: LayerStack):
@@ -41,7 +42,7 @@ def layer_fn(stack: LayerStack):
 
     def layer(h, w_in, w_qkv, w_o, w_post, w_gate_up, w_down, k_cache, v_cache, cos, sin, pos: int):
         T = h.shape[1]
-        qkv = (rms_norm(h, w_in, eps) @ w_qkv).view(1, T, H + 2 * KV, hd)
+        qkv = _linear(rms_norm(h, w_in, eps), w_qkv, None).view(1, T, H + 2 * KV, hd)
         qk = qkv[:, :, : H + KV]
         qk = qk * cos + torch.roll(qk, hd // 2, dims=-1) * sin
         end = pos + T
@@ -49,9 +50,9 @@ def layer_fn(stack: LayerStack):
         v_cache[:, :, pos:end] = qkv[:, :, H + KV :].transpose(1, 2)
         attn = F.scaled_dot_product_attention(qk[:, :, :H].transpose(1, 2), k_cache[:, :, :end],
                                               v_cache[:, :, :end], scale=scale, enable_gqa=gqa)
-        h = torch.addmm(h[0], attn.transpose(1, 2).reshape(T, H * hd), w_o)[None]
-        gate, up = (rms_norm(h, w_post, eps) @ w_gate_up).chunk(2, dim=-1)
-        return torch.addmm(h[0], (F.silu(gate) * up)[0], w_down)[None]
+        h = _linear(attn.transpose(1, 2).reshape(1, T, H * hd), w_o, None, residual=h)
+        gate, up = _linear(rms_norm(h, w_post, eps), w_gate_up, None).chunk(2, dim=-1)
+        return _linear(F.silu(gate) * up, w_down, None, residual=h)
 
     return layer
 
@@ -96,6 +97,8 @@ def bench(model: str, context: int, reps: int) -> None:
         print(f"  {name:<18} {t:7.2f} ms/token ({t / eager:.2f}× eager); compile {first:.1f} s, 3 new positions "
               f"{later:.1f} s; max |Δlogit| {(logits - reference).abs().max().item():.1e}, argmax equal: {same}")
     print(f"  eager again        {ms(lambda: stack.forward_layers(x, 0, L, context, cache), reps):7.2f} ms/token")
+    stack.fused, _, _ = fused.choose(stack, "fused")  # the same stack and cache through the C++ loop
+    print(f"  fused loop (C++)   {ms(lambda: stack.forward_layers(x, 0, L, context, cache), reps):7.2f} ms/token")
 
 
 def main() -> None:

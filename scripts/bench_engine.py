@@ -46,6 +46,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_del import OFFLINE, add_speedups, compose, run_interleaved, table_row  # noqa: E402
 
+from del_bench.models.layer_stack import _linear  # noqa: E402
 from del_bench.records import RunDir  # noqa: E402
 from del_bench.runner import load_model, provenance  # noqa: E402
 
@@ -80,15 +81,18 @@ def stream_gbps(mb: int, reps: int = 5) -> float:
 
 @torch.inference_mode()
 def gemv_ms(stack, reps: int = 5) -> float:
-    """Milliseconds of one token's matrix products alone, in the engine's layouts and shapes (every layer's q|k|v,
-    o, gate|up and down, then the LM head, at one row), median of reps: what this BLAS streams on these shapes,
-    with no other op between them. Floor ÷ this is the best a Vanilla token could reach with any other op free."""
-    mats = [w for lay in stack.layers for w in (lay.w_qkv, lay.w_o, lay.w_gate_up, lay.w_down)] + [stack.head_t]
-    rows = {w.shape[0]: torch.randn(1, w.shape[0], dtype=w.dtype, device=w.device) for w in mats}
+    """Milliseconds of one token's matrix products alone, as the engine computes them (layer_stack._linear: every
+    layer's q|k|v, o, gate|up and down, then the LM head, at one position), median of reps: what this BLAS streams
+    on these shapes, with no other op between them. Floor ÷ this is the best a Vanilla token could reach with every
+    other op free."""
+    mats = [w for lay in stack.layers for w in (lay.w_qkv, lay.w_o, lay.w_gate_up, lay.w_down)]
+    rows = {w.shape[1]: torch.randn(1, 1, w.shape[1], dtype=w.dtype, device=w.device) for w in mats}
+    head_row = torch.randn(1, 1, stack.head_weight.shape[1], dtype=stack.dtype, device=stack.head_weight.device)
 
     def products():
         for w in mats:
-            rows[w.shape[0]] @ w
+            _linear(rows[w.shape[1]], w, None)
+        stack.head(head_row)
 
     products()
     times = []
@@ -100,11 +104,9 @@ def gemv_ms(stack, reps: int = 5) -> float:
 
 
 def token_bytes(stack) -> int:
-    """Bytes of weights one Vanilla token reads: every decoder layer's tensors, the final norm, the LM head [D, V]."""
-    layer = sum(t.numel() * t.element_size() for lay in stack.layers for t in vars(lay).values()
-                if isinstance(t, torch.Tensor))
-    return layer + stack.norm_weight.numel() * stack.norm_weight.element_size() + \
-        stack.head_t.numel() * stack.head_t.element_size()
+    """Bytes of weights one Vanilla token reads: every decoder layer's tensors, the final norm, the LM head [V, D]."""
+    tensors = [t for lay in stack.layers for t in vars(lay).values() if isinstance(t, torch.Tensor)]
+    return sum(t.numel() * t.element_size() for t in [*tensors, stack.norm_weight, stack.head_weight])
 
 
 def decode_ms_per_token(out_dir: str) -> float:

@@ -1,5 +1,6 @@
-"""Where a token's time goes on SmolLM2 (CPU, fp32): HF's forward vs our layer loop, and the LM head
-in both weight layouts, so each engine choice can be checked on this machine.
+"""Where a token's time goes on SmolLM2 (CPU, fp32): HF's forward vs our layer loop (eager and fused), and the LM
+head's product at 1, 2 and 5 rows in the engine's form (layer_stack._linear: [V, D] @ Xᵀ, X ≥ 2 rows) beside the plain
+x @ W_t ([D, V] copy) and F.linear, so each engine choice can be checked on this machine.
 
     python scripts/bench_engine_parts.py [--threads 2] [--context 150]
 """
@@ -16,7 +17,7 @@ from omegaconf import OmegaConf
 
 from del_bench.config import CONFIG_DIR
 from del_bench.models import loading
-from del_bench.models.layer_stack import LayerStack
+from del_bench.models.layer_stack import LayerStack, _linear
 
 
 def ms(fn, reps: int = 20) -> float:
@@ -29,6 +30,23 @@ def ms(fn, reps: int = 20) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return 1000 * statistics.median(times)
+
+
+def loop_rows(stack, layers: str, prompt, token, context: int) -> dict[str, float]:
+    """Median ms of the layer loop `layers` at one token (all layers, with and without the head; an LS draft) and
+    at an LS verification batch, after a prefill of `prompt`."""
+    kv = stack.new_cache(context + 64)
+    stack.forward_layers(stack.embed(prompt), 0, stack.num_layers, 0, kv)
+    x, x5 = stack.embed(token), torch.randn(1, 5, stack.head_weight.shape[1])
+    return {
+        f"ours ({layers}), 1 token, 30 layers + head": ms(lambda: stack.logits(stack.forward_layers(x, 0, 30, context,
+                                                                                                   kv))),
+        f"ours ({layers}), 1 token, 30 layers": ms(lambda: stack.forward_layers(x, 0, 30, context, kv)),
+        f"ours ({layers}), 1 token, 24 layers (an LS draft at E=24)": ms(
+            lambda: stack.forward_layers(x, 0, 24, context, kv)),
+        f"ours ({layers}), 5 positions, layers 25-30 (LS verify at E=24, γ=4)": ms(
+            lambda: stack.forward_layers(x5, 24, 30, context, kv)),
+    }
 
 
 @torch.inference_mode()
@@ -54,24 +72,16 @@ def main() -> None:
         cache.crop(-1)  # keep the context length fixed (transformers 5.x: crop takes tokens to remove)
 
     rows["HF forward, 1 token (30 layers + head)"] = ms(hf_step)
-    head_rows = hf.lm_head.weight.detach().clone()  # [V, D], HF's layout
+    head = hf.lm_head.weight.detach().clone()  # [V, D], HF's layout
+    head_t = head.t().contiguous()  # [D, V]
 
-    ours = loading.load(cfg).model
-    stack = LayerStack(ours)
-    kv = stack.new_cache(args.context + 64)
-    stack.forward_layers(stack.embed(prompt), 0, stack.num_layers, 0, kv)
-    x = stack.embed(token)
-    rows["ours, 1 token, 30 layers + head"] = ms(lambda: stack.logits(stack.forward_layers(x, 0, 30, args.context, kv)))
-    rows["ours, 1 token, 30 layers"] = ms(lambda: stack.forward_layers(x, 0, 30, args.context, kv))
-    rows["ours, 1 token, 24 layers (an LS draft at E=24)"] = ms(
-        lambda: stack.forward_layers(x, 0, 24, args.context, kv))
-    x5 = torch.randn(1, 5, stack.head_t.shape[0])
-    rows["ours, 5 positions, layers 25-30 (LS verify at E=24, γ=4)"] = ms(
-        lambda: stack.forward_layers(x5, 24, 30, args.context, kv))
-    for n in (1, 5):
-        h = torch.randn(1, n, stack.head_t.shape[0])
-        rows[f"LM head, {n} row(s), [V, D] layout (F.linear, HF's)"] = ms(lambda h=h: F.linear(h, head_rows))
-        rows[f"LM head, {n} row(s), [D, V] layout (x @ W_t)"] = ms(lambda h=h: h @ stack.head_t)
+    for layers in ("eager", "fused"):
+        rows.update(loop_rows(LayerStack(loading.load(cfg).model, layers=layers), layers, prompt, token, args.context))
+    for n in (1, 2, 5):
+        h = torch.randn(1, n, head.shape[1])
+        rows[f"LM head, {n} row(s), the engine's [V, D] @ Xᵀ (_linear)"] = ms(lambda h=h: _linear(h, head, None))
+        rows[f"LM head, {n} row(s), F.linear on [V, D] (HF's)"] = ms(lambda h=h: F.linear(h, head))
+        rows[f"LM head, {n} row(s), x @ W_t on a [D, V] copy"] = ms(lambda h=h: h @ head_t)
     print(f"SmolLM2-135M fp32, {args.threads} threads, context {args.context} (median ms)")
     for name, value in rows.items():
         print(f"  {name:<60} {value:7.2f}")

@@ -187,7 +187,7 @@ def test_a_stop_condition_ends_output_at_the_same_token_for_every_method(stack_a
 def test_restricted_shadow_vocabulary_is_exact_where_it_can_be(stack_and_ref):
     stack = stack_and_ref[0]
     torch.manual_seed(0)
-    states = torch.randn(200, stack.head_t.shape[0], dtype=stack.dtype)
+    states = torch.randn(200, stack.head_weight.shape[1], dtype=stack.dtype)
     full_tokens, full_conf = stack.shadow_tokens(states)
     targets = torch.where(torch.rand(200) < 0.5, full_tokens, torch.randint(0, stack.vocab_size, (200,)))
     K = 100

@@ -102,3 +102,25 @@ def test_auto_is_fused_here_and_models_it_cannot_run_stay_eager():
         LayerStack(biased, layers="fused")
     with pytest.raises(ValueError, match="choose one of auto, fused, eager"):
         LayerStack(tiny_model()[0], layers="fast")
+
+
+def test_records_say_which_loop_decoded_and_loops_never_pair(run_cfg, tmp_path):
+    """Each sample records its loop, the run's machine names it (so a speedup never pairs eager with fused), and
+    setup.jsonl keeps the untimed setup of every decoding session apart; a resume under another loop shows in both."""
+    from del_bench import runner
+    from del_bench.records import RunDir, run_key_of
+
+    fused_run = runner.run(run_cfg("method=vanilla", "limit=1", "layers=fused"))
+    assert fused_run["run_key"]["machine"].endswith("fused layers)")
+    resumed = runner.run(run_cfg("method=vanilla", "limit=2", "layers=eager"))  # `layers` may change on resume
+    run_dir = RunDir(resumed["config"]["out_dir"])
+    assert [r["layer_path"] for r in run_dir.finished()] == ["fused", "eager"]
+    assert [s["layer_path"] for s in run_dir.setup()] == ["fused", "eager"] == [s["layer_path"] for s in
+                                                                                 resumed["setup"]]
+    assert all(s["layer_setup_s"] >= 0 and s["warmup_s"] >= 0 for s in run_dir.setup())
+    assert resumed["run_key"]["machine"].endswith("eager+fused layers)")
+    cfg = run_cfg("method=vanilla", "limit=1", "layers=eager")
+    cfg.out_dir = str(tmp_path / "eager")
+    eager_run = runner.run(cfg)
+    assert run_key_of(eager_run).machine == run_key_of(fused_run).machine.replace(", fused layers", "")
+    assert not run_key_of(fused_run).pairs_with(run_key_of(eager_run))

@@ -64,7 +64,11 @@ def choose(stack, layers: str) -> tuple[object | None, str, float]:
         if reason:
             raise FusedUnavailable(reason)
         ext = extension()
-        mismatch = check(stack, ext)
+        try:
+            mismatch = check(stack, ext)
+        except RuntimeError as err:  # e.g. a stale build of other code, loaded after a failed rebuild
+            stack.fused = None
+            raise FusedUnavailable(f"the fused loop failed on this model ({err})") from err
         if mismatch:
             raise FusedUnavailable(mismatch)
     except FusedUnavailable as err:

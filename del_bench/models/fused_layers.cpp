@@ -22,8 +22,21 @@ Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) {
   return weight * (x * at::rsqrt(x.pow(2).mean(-1, true) + eps));
 }
 
-// h: [T, D] the states of positions pos .. pos+T-1. weights: 6 per layer, in order
-//   in_norm [D], qkv_t [D, (H+2·KV)·hd], o_t [H·hd, D], post_norm [D], gate_up_t [D, 2·I], down_t [I, D].
+// layer_stack._linear without a bias: x [T, in] times weight [out, in]ᵀ (+ residual [T, out]) → [T, out]. On CPU
+// as weight @ Xᵀ with X at least two rows (MKL's few-column GEMM streams these matrices fastest: see _linear).
+Tensor product(const Tensor& x, const Tensor& weight, const c10::optional<Tensor>& residual) {
+  if (!x.is_cpu()) {
+    Tensor y = at::mm(x, weight.t());
+    return residual ? *residual + y : y;
+  }
+  const int64_t T = x.size(0);
+  Tensor rows = T > 1 ? x : x.expand({2, x.size(1)}).contiguous();  // [T', in], T' >= 2
+  Tensor y = residual ? at::addmm(residual->t(), weight, rows.t()) : at::mm(weight, rows.t());  // [out, T']
+  return y.narrow(1, 0, T).t().contiguous();
+}
+
+// h: [T, D] the states of positions pos .. pos+T-1. weights: 6 per layer, in order (matrices [out, in], HF's layout)
+//   in_norm [D], qkv [(H+2·KV)·hd, D], o [D, H·hd], post_norm [D], gate_up [2·I, D], down [D, I].
 // k, v: every layer's cache [1, KV, max_len, hd], written at pos .. pos+T-1 in place.
 // cos, sin: [T, 1, hd] (sin signed: rotate_half(x)·sin == roll(x, hd/2)·(sign·sin)); mask: [T, pos+T] bool or none.
 // Returns the last layer's output [T, D], or with `collect` every layer's output (end - start of them).
@@ -37,7 +50,7 @@ std::vector<Tensor> forward_layers(Tensor h, const std::vector<Tensor>& weights,
     const Tensor* w = &weights[6 * i];
     // attention: h + o(attend(rope(q), rope(k), v)), q|k|v from one matmul
     Tensor x = rms_norm(h, w[0], eps);
-    Tensor qkv = at::mm(x, w[1]).view({T, H + 2 * KV, hd});
+    Tensor qkv = product(x, w[1], c10::nullopt).view({T, H + 2 * KV, hd});
     Tensor qk = qkv.narrow(1, 0, H + KV);
     qk = qk * cos + at::roll(qk, {hd / 2}, {-1}) * sin;                                       // [T, H+KV, hd]
     k[i].narrow(2, pos, T).copy_(qk.narrow(1, H, KV).transpose(0, 1).unsqueeze(0));        // [1, KV, T, hd]
@@ -45,12 +58,12 @@ std::vector<Tensor> forward_layers(Tensor h, const std::vector<Tensor>& weights,
     Tensor q = qk.narrow(1, 0, H).transpose(0, 1).unsqueeze(0);                             // [1, H, T, hd]
     Tensor attn = at::scaled_dot_product_attention(q, k[i].narrow(2, 0, pos + T), v[i].narrow(2, 0, pos + T), mask,
                                                    0.0, false, scale, KV != H);             // [1, H, T, hd]
-    h = at::addmm(h, attn[0].transpose(0, 1).reshape({T, H * hd}), w[2]);
+    h = product(attn[0].transpose(0, 1).reshape({T, H * hd}), w[2], h);
     // MLP: h + down(silu(gate) · up), gate|up from one matmul
     x = rms_norm(h, w[3], eps);
-    Tensor gate_up = at::mm(x, w[4]);                                                       // [T, 2·I]
+    Tensor gate_up = product(x, w[4], c10::nullopt);                                       // [T, 2·I]
     const int64_t I = gate_up.size(1) / 2;
-    h = at::addmm(h, at::silu(gate_up.narrow(1, 0, I)) * gate_up.narrow(1, I, I), w[5]);
+    h = product(at::silu(gate_up.narrow(1, 0, I)) * gate_up.narrow(1, I, I), w[5], h);
     if (collect) outputs.push_back(h);
   }
   if (!collect) outputs.push_back(h);

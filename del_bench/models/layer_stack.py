@@ -21,8 +21,6 @@ from torch import nn
 
 from del_bench.models import fused
 
-HEAD_ROWS_FROM = 4  # rows from which the LM head uses the [V, D] layout (measured, see LayerStack.__init__)
-
 
 def synchronize(device: torch.device) -> None:
     """Wait for queued kernels before reading a clock (no-op on CPU)."""
@@ -48,37 +46,45 @@ def _normalized(x32: torch.Tensor, eps: float) -> torch.Tensor:
     return x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
 
 
-def _fuse_transposed(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One [in, Σout] matrix for linears that read the same input (the engine computes x @ W_t), stored with its
-    longer dimension contiguous: transposed ([in, Σout] storage) when Σout ≥ in, else as HF lays it out ([Σout, in]
-    storage, W_t a transposed view).
-
-    Why: on this CPU a one-row product streams weights fastest along the longer dimension. x @ W_t with W_t [in, out]
-    contiguous beats F.linear's [out, in] ~1.45× for q|k|v, gate|up and the LM head (27 vs 40 ms for SmolLM2's 30
-    layers at one token), while for the down projection (in = 2.7·out) [out, in] wins (20 vs 16 GB/s alone; a token
-    4% / 9% faster on SmolLM2 / the testbed). The HF modules are re-pointed at views of the new storage, so no weight
-    is stored twice and the HF model still runs (on the same numbers)."""
+def _fuse_rows(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One [Σout, in] matrix (HF's own layout, concatenated) for linears that read the same input (q|k|v, gate|up).
+    The HF modules are re-pointed at row slices of it, so no weight is stored twice and the HF model still runs (on
+    the same numbers)."""
     weight = torch.cat([lin.weight.detach() for lin in linears], dim=0)  # [Σout, in]
-    weight_t = weight.t().contiguous() if weight.shape[0] >= weight.shape[1] else weight.t()  # [in, Σout]
     has_bias = linears[0].bias is not None
     bias = torch.cat([lin.bias.detach() for lin in linears]) if has_bias else None
-    col = 0
+    row = 0
     for lin in linears:
         n = lin.weight.shape[0]
-        lin.weight.data = weight_t[:, col : col + n].t()
+        lin.weight.data = weight[row : row + n]
         if has_bias:
-            lin.bias.data = bias[col : col + n]
-        col += n
-    return weight_t, bias
+            lin.bias.data = bias[row : row + n]
+        row += n
+    return weight, bias
 
 
-def _linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None, residual=None) -> torch.Tensor:
-    """x: [1, T, in] @ weight_t: [in, out] (+ bias) (+ residual [1, T, out]) → [1, T, out]"""
-    if residual is not None and bias is None:  # one fused kernel: residual + x @ W
-        return torch.addmm(residual[0], x[0], weight_t)[None]
-    y = x @ weight_t
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual=None) -> torch.Tensor:
+    """x: [1, T, in] @ weight: [out, in]ᵀ (+ bias) (+ residual [1, T, out]) → [1, T, out]; fused_layers.cpp's
+    `product` does the same ops.
+
+    On CPU it is computed as weight @ Xᵀ with X at least two rows (one row is repeated): MKL's GEMM kernel for a few
+    columns streams these [out, in] matrices faster than its GEMV does and far faster than x @ Wᵀ's GEMM for a few
+    rows. Measured on SmolLM2 / the testbed (the fused loop, 2 threads; the layers were stored [in, out] for x @ W
+    before): a whole token's layers at one position take 0.96× / 1.03× the time, at 2 positions 0.63× / 0.73× and at
+    5 positions 0.72× / 0.86× — a verification batch of 2 now costs ~1.1 single positions, not ~1.5. The LM head
+    likewise from 2 rows (SmolLM2: 2 rows 5.2 vs 8.5 ms, 5 rows 7.0 vs 20 ms; one row: see LayerStack.head). Elsewhere
+    (CUDA) it is x @ Wᵀ."""
+    T = x.shape[1]
+    if x.device.type != "cpu":
+        y = x[0] @ weight.t()  # [T, out]
+    elif residual is not None and bias is None:  # one kernel: residual + W @ Xᵀ (residual broadcast over the rows)
+        rows = x[0] if T > 1 else x[0].expand(2, -1).contiguous()  # [T', in], T' ≥ 2
+        return torch.addmm(residual[0].t(), weight, rows.t())[:, :T].t().contiguous()[None]  # [out, T'] → [1, T, out]
+    else:
+        rows = x[0] if T > 1 else x[0].expand(2, -1).contiguous()
+        y = (weight @ rows.t())[:, :T].t().contiguous()  # [T, out]
     y = y if bias is None else y + bias
-    return y if residual is None else residual + y
+    return (y if residual is None else residual[0] + y)[None]
 
 
 @dataclass
@@ -86,14 +92,14 @@ class _Layer:
     """One decoder layer's tensors, fused for fewer kernel launches."""
 
     w_in_norm: torch.Tensor
-    w_qkv: torch.Tensor  # [D, (H + 2·KV)·hd]  (all as [in, out] for x @ W; see _fuse_transposed for the storage)
+    w_qkv: torch.Tensor  # [(H + 2·KV)·hd, D]  (all [out, in], HF's layout: see _linear)
     b_qkv: torch.Tensor | None
-    w_o: torch.Tensor  # [H·hd, D]
+    w_o: torch.Tensor  # [D, H·hd]
     b_o: torch.Tensor | None
     w_post_norm: torch.Tensor
-    w_gate_up: torch.Tensor  # [D, 2·I]
+    w_gate_up: torch.Tensor  # [2·I, D]
     b_gate_up: torch.Tensor | None
-    w_down: torch.Tensor  # [I, D]
+    w_down: torch.Tensor  # [D, I]
     b_down: torch.Tensor | None
     device: torch.device
 
@@ -164,13 +170,14 @@ class LayerStack:
         self.dtype = inner.embed_tokens.weight.dtype
         self.norm_weight = inner.norm.weight.detach()
         head = model.get_output_embeddings()
-        # For 2+ rows (verification) this CPU's GEMM is faster on the [V, D] layout (5 rows: 17 vs 22 ms
-        # on SmolLM2), for one row (drafting, vanilla) on [D, V] (4.9 vs 9.8 ms): keep both on CPU.
-        self.head_rows = head.weight.detach().clone() if head.weight.device.type == "cpu" else None
-        # head_t: [D, V]; a tied embedding becomes a (strided) view of it, which F.embedding reads fine
-        self.head_t, self.head_bias = _fuse_transposed([head])
+        # [V, D], HF's own storage (a tied embedding's too): _linear's products read it as they read the layers'. One
+        # row (drafting, Vanilla) streams faster as x @ W_t from a [D, V] copy on this CPU (3.9 vs 5.1 ms on SmolLM2;
+        # make bench-parts), 2+ rows far slower (8.5 vs 5.2 ms at 2 rows): on CPU keep the copy for single rows
+        self.head_weight = head.weight.detach()
+        self.head_bias = None if head.bias is None else head.bias.detach()
+        self.head_t = self.head_weight.t().contiguous() if self.head_weight.device.type == "cpu" else None
         self.embed_weight = inner.embed_tokens.weight.detach()
-        self.vocab_size = self.head_t.shape[1]
+        self.vocab_size = self.head_weight.shape[0]
         self.layers = [self._wrap(layer) for layer in inner.layers[: self.num_layers]]
         self._rotary = inner.rotary_emb
         self._cos = self._sin = torch.empty(0)
@@ -190,10 +197,10 @@ class LayerStack:
     @staticmethod
     def _wrap(layer: nn.Module) -> _Layer:
         attn, mlp = layer.self_attn, layer.mlp
-        w_qkv, b_qkv = _fuse_transposed([attn.q_proj, attn.k_proj, attn.v_proj])
-        w_gate_up, b_gate_up = _fuse_transposed([mlp.gate_proj, mlp.up_proj])
-        w_o, b_o = _fuse_transposed([attn.o_proj])
-        w_down, b_down = _fuse_transposed([mlp.down_proj])
+        w_qkv, b_qkv = _fuse_rows([attn.q_proj, attn.k_proj, attn.v_proj])
+        w_gate_up, b_gate_up = _fuse_rows([mlp.gate_proj, mlp.up_proj])
+        w_o, b_o = _fuse_rows([attn.o_proj])
+        w_down, b_down = _fuse_rows([mlp.down_proj])
         return _Layer(
             w_in_norm=layer.input_layernorm.weight.detach(),
             w_qkv=w_qkv,
@@ -253,10 +260,11 @@ class LayerStack:
 
     def head(self, h_normed: torch.Tensor) -> torch.Tensor:
         """h_normed: [1, T, D] → logits [1, T, V] (the model's own LM head, full vocabulary)."""
-        h_normed = h_normed.to(self.head_t.device)
-        if self.head_rows is not None and h_normed.shape[1] >= HEAD_ROWS_FROM:
-            return F.linear(h_normed, self.head_rows, self.head_bias)
-        return _linear(h_normed, self.head_t, self.head_bias)
+        h_normed = h_normed.to(self.head_weight.device)
+        if self.head_t is None or h_normed.shape[1] > 1:
+            return _linear(h_normed, self.head_weight, self.head_bias)
+        logits = h_normed @ self.head_t  # [1, 1, V]
+        return logits if self.head_bias is None else logits + self.head_bias
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.head(self.norm(h))
@@ -364,9 +372,7 @@ class LayerStack:
         row's target, and its probability normalised over them. Runs every round of DEL, on a few dozen rows, so
         each op counts (~5 µs apiece on this CPU): the target's own logit is computed only for rows whose target
         lies outside the first `vocab` ids (BPE ids ≈ frequency order: rare), and logsumexp reuses the max."""
-        if getattr(self, "_head_top", None) is None or self._head_top.shape[1] != vocab:
-            self._head_top = self.head_t[:, :vocab].contiguous()  # [D, K]; BPE ids ≈ frequency order
-        sub = hn @ self._head_top  # [N, K]
+        sub = _linear(hn[None], self.head_weight[:vocab], None)[0]  # [N, K]; BPE ids ≈ frequency order
         if self.head_bias is not None:
             sub = sub + self.head_bias[:vocab]
         sub = sub.float()
@@ -380,9 +386,7 @@ class LayerStack:
 
     def _add_targets(self, hn, targets, outside, sub_max, tokens, norm):
         """Rows whose target lies outside the scored ids: the target's logit joins the argmax and the norm."""
-        # the targets' head rows: a row gather from the [V, D] copy where there is one (a column gather
-        # from [D, V] touches a cache line per element)
-        target_rows = self.head_rows[targets] if self.head_rows is not None else self.head_t[:, targets].t()
+        target_rows = self.head_weight[targets]  # [N, D] the targets' head rows
         target_logit = (hn * target_rows).sum(-1)  # [N]
         if self.head_bias is not None:
             target_logit = target_logit + self.head_bias[targets]

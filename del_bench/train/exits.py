@@ -149,7 +149,7 @@ def agreement(stack, X: torch.Tensor, Y: torch.Tensor, A: torch.Tensor | None, b
               chunk: int = 256) -> dict[str, list[float]]:
     """Per layer: greedy agreement with the last layer, share of rows with top p > CONFIDENT, and agreement among
     those. X [n, R, D] normed states, Y [R, D]; A/b None = the own head (identity)."""
-    head = stack.head_rows.float() if stack.head_rows is not None else stack.head_t.t().float()  # [V, D]
+    head = stack.head_weight.float()  # [V, D]
     target = torch.cat([(y @ head.t()).argmax(-1) for y in Y.split(chunk)])  # [R]
     agree, confident, precise = [], [], []
     for i in range(X.shape[0]):
@@ -174,7 +174,7 @@ def kl_refine(stack, X: torch.Tensor, Y: torch.Tensor, A: torch.Tensor, b: torch
     Resumes from work/kl.pt when it was written by the same training (identity)."""
     from tqdm import tqdm
 
-    head_t = stack.head_t.float()  # [D, V], frozen
+    head_t = stack.head_weight.float().t()  # [D, V], frozen
     A, b = A.clone().requires_grad_(True), b.clone().requires_grad_(True)
     opt = torch.optim.Adam([A, b], lr=cfg.kl.lr)
     gen = torch.Generator().manual_seed(cfg.seed)
