@@ -4,14 +4,19 @@ at hand and falls back to eager when it does not hold."""
 
 from __future__ import annotations
 
+import os
+import time
+
 import pytest
 import torch
 
+from del_bench import runner
 from del_bench.engine.decode import Engine
 from del_bench.engine.sampling import Sampling
 from del_bench.methods.swift import Swift
 from del_bench.models import fused
 from del_bench.models.layer_stack import LayerStack
+from del_bench.records import RunDir, run_key_of
 from tests.conftest import tiny_model
 from tests.test_engine import METHODS, PROMPTS, hf_greedy
 
@@ -107,9 +112,6 @@ def test_auto_is_fused_here_and_models_it_cannot_run_stay_eager():
 def test_records_say_which_loop_decoded_and_loops_never_pair(run_cfg, tmp_path):
     """Each sample records its loop, the run's machine names it (so a speedup never pairs eager with fused), and
     setup.jsonl keeps the untimed setup of every decoding session apart; a resume under another loop shows in both."""
-    from del_bench import runner
-    from del_bench.records import RunDir, run_key_of
-
     fused_run = runner.run(run_cfg("method=vanilla", "limit=1", "layers=fused"))
     assert fused_run["run_key"]["machine"].endswith("fused layers)")
     resumed = runner.run(run_cfg("method=vanilla", "limit=2", "layers=eager"))  # `layers` may change on resume
@@ -124,3 +126,14 @@ def test_records_say_which_loop_decoded_and_loops_never_pair(run_cfg, tmp_path):
     eager_run = runner.run(cfg)
     assert run_key_of(eager_run).machine == run_key_of(fused_run).machine.replace(", fused layers", "")
     assert not run_key_of(fused_run).pairs_with(run_key_of(eager_run))
+
+
+def test_a_lock_left_by_a_killed_build_is_removed_and_a_live_one_kept(tmp_path):
+    lock = tmp_path / "lock"
+    lock.touch()
+    fused.clear_stale_lock(tmp_path)
+    assert lock.exists()  # a build may be running
+    old = time.time() - fused.STALE_LOCK_S - 1
+    os.utime(lock, (old, old))
+    fused.clear_stale_lock(tmp_path)
+    assert not lock.exists()

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from del_bench.models.loading import cache_root
+
 log = logging.getLogger(__name__)
 
 LAYER_PATHS = ("auto", "fused", "eager")
@@ -31,14 +33,35 @@ class FusedUnavailable(RuntimeError):
     """The fused loop cannot serve this model on this machine (the message says why)."""
 
 
+STALE_LOCK_S = 600  # a build takes ~25 s: a lock this old was left by a killed build
+
+
+def build_dir() -> Path:
+    """Where the build lives: beside the model cache (DEL_BENCH_CACHE), one per torch version."""
+    return cache_root() / "torch_extensions" / f"torch-{torch.__version__}"
+
+
+def clear_stale_lock(directory: Path) -> None:
+    """torch waits on a build directory's lock file forever: one left by a run killed mid-build must not hang the
+    next run (a lock younger than STALE_LOCK_S may belong to a build in progress, and stays)."""
+    lock = directory / "lock"
+    if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+        log.warning("removing %s, left by a build that was killed", lock)
+        lock.unlink(missing_ok=True)
+
+
 @cache
 def extension():
-    """The compiled module (torch.utils.cpp_extension caches the build under TORCH_EXTENSIONS_DIR, default
-    ~/.cache/torch_extensions: the first call on a machine compiles for ~25 s, later ones load it in < 1 s)."""
+    """The compiled module: the first call on a machine compiles for ~25 s (torch.utils.cpp_extension, which rebuilds
+    when the source changes), later ones load it in < 1 s."""
     from torch.utils.cpp_extension import load
 
+    directory = build_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    clear_stale_lock(directory)
     try:
-        return load(name="del_bench_fused_layers", sources=[str(SOURCE)], extra_cflags=["-O3"], verbose=False)
+        return load(name="del_bench_fused_layers", sources=[str(SOURCE)], extra_cflags=["-O3"],
+                    build_directory=str(directory), verbose=False)
     except Exception as err:  # no compiler, no ninja, a header mismatch: all mean "use eager"
         raise FusedUnavailable(f"building {SOURCE.name} failed ({type(err).__name__}: {err})") from err
 

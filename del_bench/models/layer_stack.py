@@ -372,7 +372,11 @@ class LayerStack:
         row's target, and its probability normalised over them. Runs every round of DEL, on a few dozen rows, so
         each op counts (~5 µs apiece on this CPU): the target's own logit is computed only for rows whose target
         lies outside the first `vocab` ids (BPE ids ≈ frequency order: rare), and logsumexp reuses the max."""
-        sub = _linear(hn[None], self.head_weight[:vocab], None)[0]  # [N, K]; BPE ids ≈ frequency order
+        if getattr(self, "_head_top", None) is None or self._head_top.shape[1] != vocab:
+            # [D, K]; BPE ids ≈ frequency order. x @ W_t, not _linear: for a few dozen rows against a cached K × D
+            # matrix the plain GEMM is ~100-200 µs faster (measured on both models)
+            self._head_top = self.head_weight[:vocab].t().contiguous()
+        sub = hn @ self._head_top  # [N, K]
         if self.head_bias is not None:
             sub = sub + self.head_bias[:vocab]
         sub = sub.float()
