@@ -68,7 +68,7 @@ bench-parts: setup ## per-part costs of a token on SmolLM2 (HF forward vs our ea
 bench-engine: setup ## eager vs fused layer loop: tok/s, measured ÷ predicted speedup, DEL's controller share, Vanilla vs the memory-bandwidth floor and vs its GEMVs alone; SmolLM2 + testbed (~20 min; QUICK=1: a few) → $(RECORDS)/bench/engine.json
 	$(PY) scripts/bench_engine.py $(if $(QUICK),--quick) --root $(RECORDS)/bench/engine_runs --out $(RECORDS)/bench/engine.json
 
-bench-compile: setup ## torch.compile (inductor) vs the eager layer loop, one decode token, per-layer and whole-stack graphs (compile time apart)
+bench-compile: setup ## torch.compile (inductor) vs the eager and fused layer loops, one decode token, per-layer and whole-stack graphs (compile time apart)
 	$(PY) scripts/bench_compile.py
 
 bench-controller: setup ## DEL's shadow-token cost and the restricted-vocabulary approximation → $(RECORDS)/bench/controller.json

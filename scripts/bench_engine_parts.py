@@ -1,6 +1,6 @@
-"""Where a token's time goes on SmolLM2 (CPU, fp32): HF's forward vs our layer loop (eager and fused), and the LM
-head's product at 1, 2 and 5 rows in the engine's form (layer_stack._linear: [V, D] @ Xᵀ, X ≥ 2 rows) beside the plain
-x @ W_t ([D, V] copy) and F.linear, so each engine choice can be checked on this machine.
+"""Where a token's time goes on SmolLM2 (CPU, fp32): HF's forward vs our layer loop (eager and fused); every layer's
+products and the LM head's at 1, 2 and 5 rows in the engine's form (layer_stack._linear: W @ Xᵀ on [out, in], X ≥ 2
+rows) beside the plain x @ W_t (an [in, out] copy) and F.linear, so each engine choice can be checked on this machine.
 
     python scripts/bench_engine_parts.py [--threads 2] [--context 150]
 """
@@ -49,6 +49,22 @@ def loop_rows(stack, layers: str, prompt, token, context: int) -> dict[str, floa
     }
 
 
+def product_rows(stack) -> dict[str, float]:
+    """Median ms of every layer's four products (q|k|v, o, gate|up, down: 425 MB on SmolLM2, streamed from memory) at
+    1, 2 and 5 rows: the engine's (_linear: W @ Xᵀ on HF's [out, in], X ≥ 2 rows) against x @ W_t on [in, out]
+    copies (the layout before). Why the engine lays its layers out as it does."""
+    mats = [w for lay in stack.layers for w in (lay.w_qkv, lay.w_o, lay.w_gate_up, lay.w_down)]  # [out, in]
+    copies = [w.t().contiguous() for w in mats]  # [in, out]
+    rows = {}
+    for n in (1, 2, 5):
+        xs = {w.shape[1]: torch.randn(1, n, w.shape[1]) for w in mats}
+        rows[f"layer products, {n} row(s), the engine's W @ Xᵀ (_linear)"] = ms(
+            lambda xs=xs: [_linear(xs[w.shape[1]], w, None) for w in mats], reps=5)
+        rows[f"layer products, {n} row(s), x @ W_t on [in, out] copies"] = ms(
+            lambda xs=xs: [xs[w.shape[0]] @ w for w in copies], reps=5)
+    return rows
+
+
 @torch.inference_mode()
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -76,7 +92,9 @@ def main() -> None:
     head_t = head.t().contiguous()  # [D, V]
 
     for layers in ("eager", "fused"):
-        rows.update(loop_rows(LayerStack(loading.load(cfg).model, layers=layers), layers, prompt, token, args.context))
+        stack = LayerStack(loading.load(cfg).model, layers=layers)
+        rows.update(loop_rows(stack, layers, prompt, token, args.context))
+    rows.update(product_rows(stack))
     for n in (1, 2, 5):
         h = torch.randn(1, n, head.shape[1])
         rows[f"LM head, {n} row(s), the engine's [V, D] @ Xᵀ (_linear)"] = ms(lambda h=h: _linear(h, head, None))
