@@ -45,6 +45,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_del import OFFLINE, add_speedups, compose, run_interleaved, table_row  # noqa: E402
+from bench_engine_parts import ms  # noqa: E402 (median ms after a warm-up)
 
 from del_bench.models.layer_stack import _linear  # noqa: E402
 from del_bench.records import RunDir  # noqa: E402
@@ -94,13 +95,7 @@ def gemv_ms(stack, reps: int = 5) -> float:
             _linear(rows[w.shape[1]], w, None)
         stack.head(head_row)
 
-    products()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        products()
-        times.append(time.perf_counter() - t0)
-    return 1000 * statistics.median(times)
+    return ms(products, reps)
 
 
 def token_bytes(stack) -> int:

@@ -6,7 +6,7 @@ num_assistant_tokens=γ)` (confidence threshold 0, so both draft exactly γ toke
 separately loaded, untouched model; our rows on the LayerStack view. Every row gets one untimed
 warm-up generation. Prints a table and writes results/runs/bench/peer.json (--out).
 
-    python scripts/bench_peer.py [--prompts 4] [--max-new-tokens 96] [--configs 24:4,27:3]
+    python scripts/bench_peer.py [--prompts 4] [--max-new-tokens 96] [--configs 24:4,27:3] [--layers auto]
 """
 
 from __future__ import annotations
@@ -68,6 +68,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--configs", default="24:4,27:3", help="comma-separated E:γ pairs")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--layers", default="auto", choices=("auto", "fused", "eager"), help="our layer loop")
     ap.add_argument("--out", default="results/runs/bench/peer.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -79,7 +80,8 @@ def main() -> None:
     tokenizer, eos = hf.tokenizer, eos_ids(hf.model, hf.tokenizer)
     samples = HumanEval().load()[: args.prompts]
     prompts = [list(tokenizer(s.prompt)["input_ids"]) for s in samples]
-    engine = Engine(LayerStack(ours.model), Sampling(), eos)
+    engine = Engine(LayerStack(ours.model, layers=args.layers), Sampling(), eos)
+    print(f"our layer loop: {engine.stack.layer_path}")
     M = args.max_new_tokens
 
     def ours_row(method):

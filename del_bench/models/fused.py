@@ -1,11 +1,12 @@
 """The fused decoder-layer loop (fused_layers.cpp): built once per machine and torch version, then checked against
 the eager loop before a LayerStack uses it.
 
-Why C++ and not torch.compile: on this CPU a compiled layer graph is slower than eager (make bench-compile: 1.19×
-per layer, 0.88× for a whole-stack graph after ~60 s of compiling per shape), because each call pays its guards
-and wrapper; the C++ loop calls the same ATen kernels as the eager path with none of the Python between them, so it
-needs no shapes fixed ahead (one build serves every batch width, prefill, drafting, verification and token trees)
-and gives the same bits. `layers` (configs/run.yaml) chooses:
+Why C++ and not torch.compile (make bench-compile, the testbed, time ÷ eager's): a per-layer graph takes 0.92× (each
+call pays its guards and wrapper), a whole-stack graph 0.63× — about the fused loop's 0.65× — but only after ~70 s
+of compiling per (layer range, batch width), and DEL picks a new E every round; and neither gives eager's bits. The
+C++ loop calls the same ATen kernels as the eager path with none of the Python between them, so it needs no shapes
+fixed ahead (one build serves every batch width, prefill, drafting, verification and token trees) and gives the same
+bits. `layers` (configs/run.yaml) chooses:
 - eager: the Python loop, the reference;
 - fused: the C++ loop, an error if it cannot be built or used for this model;
 - auto: fused where it builds, supports the model, and matches eager bit for bit on the model's own weights here;

@@ -174,7 +174,7 @@ def kl_refine(stack, X: torch.Tensor, Y: torch.Tensor, A: torch.Tensor, b: torch
     Resumes from work/kl.pt when it was written by the same training (identity)."""
     from tqdm import tqdm
 
-    head_t = stack.head_weight.float().t()  # [D, V], frozen
+    head_t = (stack.head_t if stack.head_t is not None else stack.head_weight.t()).float()  # [D, V], frozen
     A, b = A.clone().requires_grad_(True), b.clone().requires_grad_(True)
     opt = torch.optim.Adam([A, b], lr=cfg.kl.lr)
     gen = torch.Generator().manual_seed(cfg.seed)
