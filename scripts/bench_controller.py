@@ -81,9 +81,9 @@ class Lagging(DEL):
         self.twin.start(num_layers)
         self.pending = []
 
-    def set_costs(self, layer_s, head_s):
-        super().set_costs(layer_s, head_s)
-        self.twin.set_costs(layer_s, head_s)
+    def set_costs(self, **costs):  # layer_s, head_s and (since the batch-cost model) batch_s
+        super().set_costs(**costs)
+        self.twin.set_costs(**costs)
 
     def observe_prefill(self, shadow):
         super().observe_prefill(shadow)
