@@ -91,7 +91,6 @@ def choose(stack, layers: str) -> tuple[object | None, str, float]:
         try:
             mismatch = check(stack, ext)
         except RuntimeError as err:  # e.g. a stale build of other code, loaded after a failed rebuild
-            stack.fused = None
             raise FusedUnavailable(f"the fused loop failed on this model ({err})") from err
         if mismatch:
             raise FusedUnavailable(mismatch)
@@ -110,14 +109,16 @@ def check(stack, ext, prompt: int = 5) -> str | None:
     and every cache entry is the same bits; else what differed."""
     ids = torch.randint(0, stack.vocab_size, (1, prompt + 1), generator=torch.Generator().manual_seed(0))
     results = []
-    for use in (None, ext):
-        stack.fused = use
-        cache = stack.new_cache(prompt + 1)
-        outs: list[torch.Tensor] = []
-        stack.forward_layers(stack.embed(ids[:, :prompt]), 0, stack.num_layers, 0, cache, collect=outs)
-        stack.forward_layers(stack.embed(ids[:, prompt:]), 0, stack.num_layers, prompt, cache, collect=outs)
-        results.append((outs, cache))
-    stack.fused = None
+    try:
+        for use in (None, ext):
+            stack.fused = use
+            cache = stack.new_cache(prompt + 1)
+            outs: list[torch.Tensor] = []
+            stack.forward_layers(stack.embed(ids[:, :prompt]), 0, stack.num_layers, 0, cache, collect=outs)
+            stack.forward_layers(stack.embed(ids[:, prompt:]), 0, stack.num_layers, prompt, cache, collect=outs)
+            results.append((outs, cache))
+    finally:
+        stack.fused = None  # the caller installs the loop it chooses
     (eager, eager_cache), (fused, fused_cache) = results
     for name, a, b in (("layer outputs", eager, fused), ("cached keys", eager_cache.k, fused_cache.k),
                        ("cached values", eager_cache.v, fused_cache.v)):

@@ -77,11 +77,11 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, re
     T = x.shape[1]
     if x.device.type != "cpu":
         y = x[0] @ weight.t()  # [T, out]
-    elif residual is not None and bias is None:  # one kernel: residual + W @ Xᵀ (residual broadcast over the rows)
-        rows = x[0] if T > 1 else x[0].expand(2, -1).contiguous()  # [T', in], T' ≥ 2
-        return torch.addmm(residual[0].t(), weight, rows.t())[:, :T].t().contiguous()[None]  # [out, T'] → [1, T, out]
     else:
-        rows = x[0] if T > 1 else x[0].expand(2, -1).contiguous()
+        rows = x[0] if T > 1 else x[0].expand(2, -1).contiguous()  # [T', in], T' ≥ 2
+        if residual is not None and bias is None:  # one kernel: residual + W @ Xᵀ (residual broadcast over the rows)
+            y = torch.addmm(residual[0].t(), weight, rows.t())  # [out, T']
+            return y[:, :T].t().contiguous()[None]  # [1, T, out]
         y = (weight @ rows.t())[:, :T].t().contiguous()  # [T, out]
     y = y if bias is None else y + bias
     return (y if residual is None else residual[0] + y)[None]
@@ -185,7 +185,6 @@ class LayerStack:
         # the fused loop's arguments: 6 tensors per layer (fused_layers.cpp), in one flat list built once
         self._fused_weights = [t for lay in self.layers for t in (lay.w_in_norm, lay.w_qkv, lay.w_o, lay.w_post_norm,
                                                                    lay.w_gate_up, lay.w_down)]
-        self.fused = None
         self.fused, self.layer_path, self.layer_setup_s = fused.choose(self, layers)
 
     def set_adapters(self, adapters) -> None:
