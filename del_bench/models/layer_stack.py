@@ -46,6 +46,13 @@ def _normalized(x32: torch.Tensor, eps: float) -> torch.Tensor:
     return x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
 
 
+def _widened(logits: torch.Tensor) -> torch.Tensor:
+    """Logits to softmax over: half precision widened to float32 (as transformers' sampling does), float32 and
+    float64 kept — a float64 model's confidences stay float64, so they are the same bits on every CPU (a float32
+    softmax's exp and sum depend on the SIMD width the CPU picks: 1e-8 relative between AVX2 and AVX-512)."""
+    return logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+
+
 def _fuse_rows(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One [Σout, in] matrix (HF's own layout, concatenated) for linears that read the same input (q|k|v, gate|up).
     The HF modules are re-pointed at row slices of it, so no weight is stored twice and the HF model still runs (on
@@ -360,7 +367,7 @@ class LayerStack:
             return self._shadow_restricted(hn, targets, vocab)
         tokens, confidence = [], []
         for rows in hn.split(chunk):
-            probs = self.head(rows[None])[0].float().softmax(-1)  # [n, V]
+            probs = _widened(self.head(rows[None])[0]).softmax(-1)  # [n, V]
             top, ids = probs.max(-1)
             tokens.append(ids)
             confidence.append(top)
@@ -378,7 +385,7 @@ class LayerStack:
         sub = hn @ self._head_top  # [N, K]
         if self.head_bias is not None:
             sub = sub + self.head_bias[:vocab]
-        sub = sub.float()
+        sub = _widened(sub)
         sub_max, tokens = sub.max(-1)  # [N]
         # torch.logsumexp's own steps (amax, exp of the shifted logits, sum, log, + max), the max reused
         norm = (sub - sub_max[:, None]).exp_().sum(-1).log_().add_(sub_max)  # [N]
@@ -393,7 +400,7 @@ class LayerStack:
         target_logit = (hn * target_rows).sum(-1)  # [N]
         if self.head_bias is not None:
             target_logit = target_logit + self.head_bias[targets]
-        target_logit = target_logit.float()
+        target_logit = _widened(target_logit)
         take_target = outside & (target_logit > sub_max)
         tokens = torch.where(take_target, targets, tokens)
         norm = torch.where(outside, torch.logaddexp(norm, target_logit), norm)
