@@ -21,7 +21,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from del_bench.config import CONFIG_DIR, GROUPS, check_overrides, choices, describe
+from del_bench.config import ALIASES, CONFIG_DIR, GROUPS, check_overrides, choices, describe, resolve_aliases
 from del_bench.errors import CalibrationError, ConfigError, RunConflict, TaskError
 
 USER_ERRORS = (ConfigError, RunConflict, TaskError)  # reported in one line, exit code 2
@@ -35,6 +35,7 @@ def _hydra_command(argv: list[str], config_name: str, body) -> int:
 
     from del_bench import jobs
 
+    argv = resolve_aliases(argv)  # task=cnndm → task=cnndm_sum: Hydra, the records and out_dir see the canonical name
     check_overrides([a for a in argv if not a.startswith("-")])
 
     @hydra.main(config_path=str(CONFIG_DIR), config_name=config_name, version_base="1.3")
@@ -93,17 +94,20 @@ def cmd_ls(_: list[str]) -> int:
         print(f"{group}:")
         for name in choices(group):
             print(f"  {name:<22} {describe(group, name)}")
+        for alias, name in ALIASES.get(group, {}).items():
+            print(f"  {alias:<22} = {name} (an alias: recorded as {name})")
     return 0
 
 
 def format_table(summaries: list[dict], keys: list | None = None) -> str:
     """Speed, speedup (vs the mean of the Vanilla summaries among them that pair with it: RunKey.pairs_with, the
-    report's rule), eTPL, α; then a line for each run that drafted nothing (why its α is '-')."""
+    report's rule), eTPL, α, the decoder-layer loop that ran (fused | eager: a failed fused build shows here); then a
+    line for each run that drafted nothing (why its α is '-')."""
     from del_bench.records import run_key_of
 
     keys = keys or [run_key_of(s) for s in summaries]
     header = (f"{'model':<14} {'task':<10} {'method':<16} {'n':>3} {'tok/s':>7} {'speedup':>8} {'eTPL':>6} {'α':>5}"
-              "  quality")
+              f" {'layers':<6}  quality")
     lines, notes = [header, "-" * len(header)], []
     for s, key in zip(summaries, keys):
         partners = [v["tokens_per_s"] for v, k in zip(summaries, keys) if key.pairs_with(k) and v["tokens_per_s"]]
@@ -111,8 +115,10 @@ def format_table(summaries: list[dict], keys: list | None = None) -> str:
         speedup = f"{s['tokens_per_s'] / base:.2f}x" if base and s["tokens_per_s"] else "n/a"
         alpha = f"{s['acceptance_rate']:.2f}" if s["acceptance_rate"] is not None else "-"
         quality = " ".join(f"{k}={v:.3g}" for k, v in s.get("quality", {}).items() if not k.startswith("bleu_"))
+        loop = s.get("provenance", {}).get("layer_path") or "eager"  # records from before the fused loop: eager
         lines.append(f"{s['model']:<14} {s['task']:<10} {s['method_tag']:<16} {s['n_samples']:>3} "
-                     f"{s['tokens_per_s'] or 0:>7.2f} {speedup:>8} {s['etpl'] or 0:>6.3f} {alpha:>5}  {quality}")
+                     f"{s['tokens_per_s'] or 0:>7.2f} {speedup:>8} {s['etpl'] or 0:>6.3f} {alpha:>5} {loop:<6}  "
+                     f"{quality}")
         if s["method"] != "vanilla" and not s.get("drafted"):
             notes.append(f"{s['method_tag']} drafted no token on {s['model']}: its policy never expected an early "
                          "exit to pay on this model, so every round was a full pass (eTPL = 1/L, α '-'), as Vanilla's.")

@@ -19,6 +19,11 @@ from del_bench.records import decoding_tag
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 GROUPS = ("model", "task", "method", "logger", "experiment", "data", "row")
+# Short names a user may type for a config, each standing for one canonical config: the command line is rewritten
+# before Hydra composes (resolve_aliases), so the config, its task_data, records, out_dir and pairing only ever see
+# the canonical name. `task=cnndm` (the model cards' command) is the paper's CNN/DM by default: 1-shot summarisation
+# (Appendix B: "we use 1-shot summarization for CNN/DM"; Table 6, Figures 3b and 4; README "Tasks").
+ALIASES = {"task": {"cnndm": "cnndm_sum"}}
 
 
 def _calibrated(key: str, default, _root_):
@@ -61,10 +66,16 @@ def describe(group: str, name: str) -> str:
 
 def check_choice(group: str, name: str) -> None:
     options = choices(group)
-    if name in options or name in ("null", ""):
+    if name in options or name in ALIASES.get(group, {}) or name in ("null", ""):
         return
-    raise ConfigError(f"unknown {group} {name!r}.{did_you_mean(name, options)} Available: {', '.join(options)} "
+    suggestion = did_you_mean(name, [*options, *ALIASES.get(group, {})])
+    raise ConfigError(f"unknown {group} {name!r}.{suggestion} Available: {', '.join(options)} "
                       f"(`python -m del_bench ls` describes them)")
+
+
+def canonical(group: str, name: str) -> str:
+    """The config an alias stands for (other names unchanged)."""
+    return ALIASES.get(group, {}).get(name, name)
 
 
 def did_you_mean(name: str, options) -> str:
@@ -75,16 +86,33 @@ def did_you_mean(name: str, options) -> str:
 def load_choice(group: str, name: str) -> DictConfig:
     """One config file of a group by name (unknown names: ConfigError with suggestions), outside Hydra's compose."""
     check_choice(group, name)
-    return OmegaConf.load(CONFIG_DIR / group / f"{name}.yaml")
+    return OmegaConf.load(CONFIG_DIR / group / f"{canonical(group, name)}.yaml")
+
+
+def _group_of(key: str) -> str:
+    """The config group an override's key names (`+task`, `override task` → task), else the key itself."""
+    key = key.lstrip("+~")
+    return key.split(" ", 1)[1] if key.startswith("override ") else key
+
+
+def resolve_aliases(overrides: list[str]) -> list[str]:
+    """The command line with every aliased choice replaced by its canonical name (`task=cnndm` → `task=cnndm_sum`;
+    sweeps too: `task=cnndm,xsum`), for Hydra to compose."""
+    out = []
+    for override in overrides:
+        key, sep, value = override.partition("=")
+        aliases = ALIASES.get(_group_of(key), {}) if sep else {}
+        if any(name.strip() in aliases for name in value.split(",")):
+            override = f"{key}={','.join(aliases.get(name.strip(), name) for name in value.split(','))}"
+        out.append(override)
+    return out
 
 
 def check_overrides(overrides: list[str]) -> None:
     """Check `group=name` command-line choices before Hydra composes (its own error has no suggestion)."""
     for override in overrides:
         key, sep, value = override.partition("=")
-        key = key.lstrip("+~")
-        if key.startswith("override "):
-            key = key.split(" ", 1)[1]
+        key = _group_of(key)
         if sep and key in GROUPS:
             for name in value.split(","):  # multirun sweeps: method=vanilla,ls
                 check_choice(key, name.strip())

@@ -10,7 +10,8 @@ import sys
 import pytest
 
 from del_bench import runner
-from del_bench.config import ConfigError, check_overrides, choices, validate
+from del_bench.__main__ import cmd_run
+from del_bench.config import ConfigError, check_overrides, choices, resolve_aliases, validate
 from del_bench.engine.decode import Engine
 from del_bench.models import loading
 from del_bench.records import RunConflict, RunDir
@@ -228,3 +229,36 @@ def test_state_carried_across_prompts_survives_a_resume_and_the_warm_up(run_cfg,
         searched = [r for r in decisions("whole") if "opt_step" in r]
         assert [r["opt_step"] for r in searched] == list(range(1, len(searched) + 1))
         assert len({r["sample_id"] for r in searched}) > 1
+
+
+def test_the_cards_task_cnndm_is_the_papers_cnndm_summarisation():
+    """`task=cnndm` (the model cards' command) composes, without loading weights, as cnndm_sum — the paper's default
+    CNN/DM (1-shot summarisation) — with its offline data paths; sweeps resolve too; typos still get a suggestion."""
+    cfg = compose_run(*resolve_aliases(["method=del", "model=llama2-7b", "task=cnndm"]))
+    assert cfg.task.name == "cnndm_sum" and "/cnndm_sum/" in cfg.out_dir
+    validate(cfg)
+    local = compose_run(*resolve_aliases(["task=cnndm", "data=local"]))
+    assert local.task.shots_files.endswith("cnn_dailymail/test_specbench80.jsonl")
+    assert resolve_aliases(["task=cnndm,xsum", "+task=cnndm", "task.n=3", "model=cnndm"]) == [
+        "task=cnndm_sum,xsum", "+task=cnndm_sum", "task.n=3", "model=cnndm"]
+    check_overrides(["task=cnndm"])
+    with pytest.raises(ConfigError, match="Did you mean 'cnndm'"):
+        check_overrides(["task=cnndn"])
+
+
+def test_the_cli_records_an_aliased_task_under_its_canonical_name(tmp_path, capsys):
+    """The CLI resolves `task=cnndm` before Hydra: the run's config, run_key and out_dir name cnndm_sum; the table
+    it prints (show's) names the task and the layer loop that ran."""
+    data = tmp_path / "cnndm.jsonl"
+    data.write_text("".join(json.dumps({"id": f"a{i}", "article": f"Article {i}.", "highlights": f"Summary {i}."})
+                            + "\n" for i in range(3)))
+    argv = ["model=tiny-random", "task=cnndm", "method=vanilla", f"task.data_files={data}", f"task.shots_files={data}",
+            "limit=1", "max_new_tokens=4", "warmup_tokens=0", "threads=1", "layers=eager",
+            f"records_root={tmp_path / 'runs'}"]
+    assert cmd_run(argv) == 0
+    (path,) = (tmp_path / "runs").glob("tiny-random/*/vanilla/*/summary.json")
+    summary = json.loads(path.read_text())
+    assert path.parts[-4] == summary["run_key"]["task"] == summary["config"]["task"]["name"] == "cnndm_sum"
+    assert all(r["layer_path"] == "eager" for r in read_jsonl(path.parent / "samples.jsonl"))
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("tiny-random"))
+    assert row.split()[1:3] == ["cnndm_sum", "vanilla"] and " eager " in row
