@@ -14,7 +14,7 @@ export HF_DATASETS_OFFLINE ?= 1
 export TRANSFORMERS_NO_ADVISORY_WARNINGS ?= 1
 
 .DEFAULT_GOAL := help
-.PHONY: help setup constraints demo test lint tables figures bench-peer bench-parts bench-engine bench-compile bench-controller bench-del bench-testbed bench-swift bench-adapters bench-sandbox exits smoke-tasks testbed clean
+.PHONY: help setup constraints bench-gpu demo test lint tables figures bench-peer bench-parts bench-engine bench-compile bench-controller bench-del bench-testbed bench-swift bench-adapters bench-sandbox exits smoke-tasks testbed clean
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -65,6 +65,12 @@ figures: setup ## the paper's figures from the reference records → results/fig
 
 bench-peer: setup ## our Vanilla/LS vs HF generate and assistant_early_exit on SmolLM2 → $(RECORDS)/bench/peer.json
 	$(PY) scripts/bench_peer.py --out $(RECORDS)/bench/peer.json
+
+# bench-gpu runs in your CUDA environment's python (README "GPU": del-bench installed there, its torch kept), not in
+# .venv's CPU stack: GPU_PYTHON=/path/to/python to choose it, BENCH_GPU_ARGS="--layers 4 …" for other shapes.
+GPU_PYTHON ?= python3
+bench-gpu: ## Llama-2-7B-shaped random bf16 model on a GPU: our Vanilla/LS/DEL vs HF generate and assistant_early_exit, tok/s, HBM roofline, peak memory → $(RECORDS)/bench/gpu.json
+	$(GPU_PYTHON) scripts/bench_gpu.py $(BENCH_GPU_ARGS) --out $(RECORDS)/bench/gpu.json
 
 bench-parts: setup ## per-part costs of a token on SmolLM2 (HF forward vs our eager and fused layer loops, LM-head products)
 	$(PY) scripts/bench_engine_parts.py

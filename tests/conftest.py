@@ -16,6 +16,11 @@ torch.set_num_threads(1)
 TINY = dict(hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
             init_std=0.1, late_residual_scale=0.3, seed=0)
 
+# Devices the lossless tests run on: the CPU always, CUDA where one is present — skipped otherwise, with a reason that
+# `pytest -rs` (addopts) prints, so a CPU-only run says what it did not check.
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device here: the lossless tests ran on CPU only"))]
+
 
 def tiny_model(**overrides):
     model, tokenizer = build_tiny_random(OmegaConf.create({**TINY, **overrides}), torch.float64)

@@ -19,7 +19,7 @@ from del_bench.methods.fs import FiniteState
 from del_bench.methods.ls import LayerSkip
 from del_bench.methods.vanilla import Vanilla
 from del_bench.models.layer_stack import LayerStack
-from tests.conftest import tiny_model
+from tests.conftest import DEVICES, tiny_model
 
 PROMPTS = ["def add(a, b):\n", "The quick brown fox", "x"]
 L = 4
@@ -34,8 +34,8 @@ METHODS = (
 
 def hf_greedy(model, prompt_ids, max_new_tokens, eos=None):
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt_ids]), do_sample=False, max_new_tokens=max_new_tokens,
-                             eos_token_id=eos, pad_token_id=0)
+        out = model.generate(torch.tensor([prompt_ids], device=model.device), do_sample=False,
+                             max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=0)
     return out[0, len(prompt_ids):].tolist()
 
 
@@ -47,9 +47,21 @@ def stack_and_ref():
     return LayerStack(model), model, prompts, refs
 
 
+@pytest.fixture(scope="module", params=DEVICES)
+def stack_and_ref_on(request):
+    """stack_and_ref on each of DEVICES (the float64 tiny model moved there before LayerStack lays it out)."""
+    if request.param == "cpu":
+        return request.getfixturevalue("stack_and_ref")
+    model, tok = tiny_model()
+    model.to(request.param)
+    prompts = [tok(p)["input_ids"] for p in PROMPTS]
+    refs = [hf_greedy(model, p, 40) for p in prompts]
+    return LayerStack(model), model, prompts, refs
+
+
 @pytest.mark.parametrize("method", METHODS, ids=lambda m: f"{m.name}{m.describe()}")
-def test_greedy_equals_hf_generate(stack_and_ref, method):
-    stack, _, prompts, refs = stack_and_ref
+def test_greedy_equals_hf_generate(stack_and_ref_on, method):
+    stack, _, prompts, refs = stack_and_ref_on
     engine = Engine(stack, Sampling(), eos_ids=set())
     for prompt, ref in zip(prompts, refs):
         for budget in (1, 7, 40):  # γ > tokens left is hit near each budget's end
