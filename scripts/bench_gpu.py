@@ -46,8 +46,9 @@ from del_bench.models.loading import DTYPES
 from del_bench.runner import provenance
 
 NOMINAL_GBPS = (  # (substring of torch.cuda.get_device_name, GB/s): HBM bandwidth from the vendors' data sheets
-    ("H200", 4800.0), ("H100 PCIe", 2000.0), ("H100", 3350.0), ("A100-SXM4-80GB", 2039.0), ("A100 80GB PCIe", 1935.0),
-    ("A100", 1555.0), ("L40S", 864.0), ("A10G", 600.0), ("A10", 600.0), ("L4", 300.0), ("V100", 900.0),
+    ("H200", 4800.0), ("H100 PCIe", 2000.0), ("H100 NVL", 3900.0), ("H100", 3350.0),  # first match wins
+    ("A100-SXM4-80GB", 2039.0), ("A100 80GB PCIe", 1935.0), ("A100", 1555.0),
+    ("L40S", 864.0), ("A10G", 600.0), ("A10", 600.0), ("L4", 300.0), ("V100", 900.0),
 )
 
 
@@ -100,11 +101,13 @@ def build_model(args, device: torch.device):
     return model.eval()
 
 
+def nominal_gbps(device_name: str) -> float | None:
+    """The data-sheet HBM bandwidth of a GPU by its torch.cuda.get_device_name (None: not in NOMINAL_GBPS)."""
+    return next((gbps for key, gbps in NOMINAL_GBPS if key in device_name), None)
+
+
 def nominal_bandwidth(device: torch.device) -> float | None:
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((gbps for key, gbps in NOMINAL_GBPS if key in name), None)
+    return nominal_gbps(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
 
 
 @torch.inference_mode()

@@ -50,3 +50,10 @@ def test_bench_gpu_builds_the_model_in_the_dtype_on_the_device():
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     assert model.config.num_hidden_layers == 2 and model.config.num_key_value_heads == 2
     assert torch.get_default_dtype() == torch.float32  # restored
+
+
+def test_nominal_bandwidth_tells_the_variants_apart():
+    module = bench_gpu()
+    names = {"NVIDIA H100 80GB HBM3": 3350.0, "NVIDIA H100 PCIe": 2000.0, "NVIDIA A100-SXM4-80GB": 2039.0,
+             "NVIDIA A100-SXM4-40GB": 1555.0, "NVIDIA L40S": 864.0, "NVIDIA L4": 300.0, "Some GPU": None}
+    assert {name: module.nominal_gbps(name) for name in names} == names
