@@ -358,10 +358,12 @@ def _tests_code(prompt: str, test: str):
 class _Session:
     """One sandboxed program: JSON lines to its stdin, JSON lines back from its stdout, each within a deadline."""
 
-    def __init__(self, proc: subprocess.Popen, deadline: float, info_fd: int | None = None):
-        self.proc, self.deadline, self.info_fd = proc, deadline, info_fd
+    def __init__(self, proc: subprocess.Popen, deadline: float):
+        self.proc, self.deadline = proc, deadline
         self.buffer = bytearray()
         self.seq = 0
+        self.poll = select.poll()  # not select(): a harness with many files open has descriptors past 1024
+        self.poll.register(proc.stdout.fileno(), select.POLLIN)
 
     def send(self, message: dict) -> None:
         try:
@@ -374,7 +376,7 @@ class _Session:
         fd = self.proc.stdout.fileno()
         while b"\n" not in self.buffer:
             left = self.deadline - time.monotonic()
-            if left <= 0 or not select.select([fd], [], [], left)[0]:
+            if left <= 0 or not self.poll.poll(math.ceil(left * 1000)):
                 raise _Broken("timed out")
             chunk = os.read(fd, 1 << 16)
             if not chunk:
