@@ -89,7 +89,8 @@ def test_decisions_are_the_same_on_avx2_kernels(now, tmp_path):
     """The L4 runs again in a subprocess on torch's AVX2 kernels (ATEN_CPU_CAPABILITY): on an AVX-512 host this is
     what an AVX2-only (e.g. AMD Zen 2/3) host computes; on an AVX2 host it repeats the run."""
     out = tmp_path / "avx2.json"
-    code = f"import json; from tests.test_del_decisions import compute; json.dump(compute(('L4',)), open({str(out)!r}, 'w'))"
+    code = ("import json; from tests.test_del_decisions import compute; "
+            f"json.dump(compute(('L4',)), open({str(out)!r}, 'w'))")
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
     subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=Path(__file__).parent.parent, timeout=300)
     avx2 = json.loads(out.read_text())
