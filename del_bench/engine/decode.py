@@ -176,12 +176,14 @@ class Engine:
         token, _ = choose(st.logits(h[:, -1:])[0, -1], self.sampling, rng)
         self._emit(gen, [token])
         t_policy = time.perf_counter()
+        head_rows = 1
         if layers is not None:
             w = min(method.prefill_window, len(prompt_ids))
             states = torch.cat(layers[: L - 1])[:, -w:]  # [L-1, w, D]
-            target = st.logits(h[:, -w:])[0].argmax(-1)  # [w]
+            target = st.logits(h[:, -w:])[0].argmax(-1)  # [w]: the shadow window's targets, w more head rows
+            head_rows += w
             method.observe_prefill(self._shadow_of(states, target, method.shadow_vocab))
-        gen.rounds.append(Round(0, None, 0, 0, 0, 1, L, 1, verify_s=t_policy - t,
+        gen.rounds.append(Round(0, None, 0, 0, 0, 1, L, head_rows, verify_s=t_policy - t,
                                 policy_s=time.perf_counter() - t_policy, shadow_rows=self._take_shadow_rows()))
 
     def _round(self, n: int, cache, gen: Generation, method: Method, max_new_tokens: int, rng) -> None:

@@ -18,7 +18,8 @@ class Round:
     emitted: int
     loaded_layers: float  # drafted·E + L; SWIFT: drafted·(L − skipped/2) + L + its optimiser's pass (an int
     # unless half a layer is left over)
-    head_calls: int  # LM-head rows: draft candidates (incl. a dropped one) + verify rows up to the rejection
+    head_calls: int  # LM-head rows: draft candidates (incl. a dropped one) + verify rows up to the rejection;
+    # prefill: 1, + the prefill window's w target rows for shadow-token methods (DEL)
     draft_s: float = 0.0
     verify_s: float = 0.0
     policy_s: float = 0.0  # the method's own time: plan, keep_drafting, observe, and shadow tokens

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -111,6 +113,19 @@ class _Layer:
     device: torch.device
 
 
+@dataclass
+class WorkCounter:
+    """What a LayerStack really executed, counted where it runs — below the engine, apart from its bookkeeping —
+    so tests can hold each Round's self-reported accounting against it (LayerStack.counting). Units are the
+    paper's: a decoder layer run over any number of positions at once is one load (a batch of positions reads the
+    weights once), an attention or MLP sublayer half of one; a head row is one position through the LM head."""
+
+    layers: float = 0.0  # decoder layers loaded: ½ per sublayer run (eager), end − start per fused call
+    head_rows: int = 0  # LM-head rows (LayerStack.head): drafts, verification, prefill, SWIFT's probe
+    shadow_rows: int = 0  # rows scored by shadow_tokens (DEL's controller; its head work is not in head_rows)
+    adapter_rows: int = 0  # exit-head rows through an exit adapter (exit_input; shadow rows not included)
+
+
 class KVCache:
     """Preallocated keys/values per layer, each layer with its own filled length.
 
@@ -189,10 +204,20 @@ class LayerStack:
         self._rotary = inner.rotary_emb
         self._cos = self._sin = torch.empty(0)
         self.adapters = None  # ExitAdapters (del_bench/models/exit_adapters.py): the early-exit heads, or own head
+        self.counter: WorkCounter | None = None  # set only while counting (tests); None: no counting at all
         # the fused loop's arguments: 6 tensors per layer (fused_layers.cpp), in one flat list built once
         self._fused_weights = [t for lay in self.layers for t in (lay.w_in_norm, lay.w_qkv, lay.w_o, lay.w_post_norm,
                                                                    lay.w_gate_up, lay.w_down)]
         self.fused, self.layer_path, self.layer_setup_s = fused.choose(self, layers)
+
+    @contextmanager
+    def counting(self) -> Iterator[WorkCounter]:
+        """Count the layers, sublayers and head rows this stack executes inside the block (tests)."""
+        self.counter = WorkCounter()
+        try:
+            yield self.counter
+        finally:
+            self.counter = None
 
     def set_adapters(self, adapters) -> None:
         """Draft heads (and shadow tokens) of layers with an adapter become head(norm(h) @ A + b); None: own head."""
@@ -265,7 +290,13 @@ class LayerStack:
         return rms_norm(h.to(self.norm_weight.device), self.norm_weight, self.eps)
 
     def head(self, h_normed: torch.Tensor) -> torch.Tensor:
-        """h_normed: [1, T, D] → logits [1, T, V] (the model's own LM head, full vocabulary)."""
+        """h_normed: [1, T, D] → logits [1, T, V] (the model's own LM head, full vocabulary): T head rows."""
+        if self.counter is not None:
+            self.counter.head_rows += h_normed.shape[1]
+        return self._head(h_normed)
+
+    def _head(self, h_normed: torch.Tensor) -> torch.Tensor:
+        """head, uncounted (shadow_tokens counts its rows as shadow rows)."""
         h_normed = h_normed.to(self.head_weight.device)
         if self.head_t is None or h_normed.shape[1] > 1:
             return _linear(h_normed, self.head_weight, self.head_bias)
@@ -279,7 +310,11 @@ class LayerStack:
         """h: [..., D] pre-norm state after 1-based `layer` → the head's input: norm(h), through the layer's exit
         adapter when one is loaded (norm(h) @ A + b)."""
         hn = self.norm(h)
-        return hn if self.adapters is None else self.adapters.apply(hn, layer)
+        if self.adapters is None:
+            return hn
+        if self.counter is not None and layer in self.adapters.index:
+            self.counter.adapter_rows += hn.shape[-2]
+        return self.adapters.apply(hn, layer)
 
     def has_adapter(self, layer: int) -> bool:
         return self.adapters is not None and layer in self.adapters.index
@@ -341,6 +376,8 @@ class LayerStack:
             raise RuntimeError(f"layer {cache.lengths.index(short, start)} holds {short} positions; cannot write at "
                                f"{pos}")
         T = h.shape[1]
+        if self.counter is not None:  # the C++ loop runs every layer of [start, end) once, whole
+            self.counter.layers += end - start
         outs = self.fused.forward_layers(h[0], self._fused_weights, cache.k, cache.v, start, end, pos, cos[0],
                                          sin[0], mask, self.n_heads, self.n_kv_heads, self.head_dim, self.eps,
                                          self.scale, collect is not None)  # each [T, D]
@@ -362,12 +399,14 @@ class LayerStack:
 
         `layers` [N]: the 1-based layer of each row; with exit adapters loaded each row goes through its layer's
         adapter (exit_input), so shadow tokens are what the adapter-headed draft would have produced."""
+        if self.counter is not None:
+            self.counter.shadow_rows += states.shape[0]
         hn = self._exit_rows(states, layers)  # [N, D] the head's inputs
         if vocab is not None and vocab < self.vocab_size:
             return self._shadow_restricted(hn, targets, vocab)
         tokens, confidence = [], []
         for rows in hn.split(chunk):
-            probs = _widened(self.head(rows[None])[0]).softmax(-1)  # [n, V]
+            probs = _widened(self._head(rows[None])[0]).softmax(-1)  # [n, V]
             top, ids = probs.max(-1)
             tokens.append(ids)
             confidence.append(top)
@@ -456,6 +495,8 @@ class LayerStack:
     def _attention(self, i, h, pos, cos, sin, mask, cache: KVCache, write: bool = True) -> torch.Tensor:
         """h + attention(norm(h)) for layer i; with write=False the new keys/values stay out of the cache."""
         w = self.layers[i]
+        if self.counter is not None:
+            self.counter.layers += 0.5
         if h.device != w.device:  # multi-device (device_map) models only
             h, cos, sin = h.to(w.device), cos.to(w.device), sin.to(w.device)
             mask = None if mask is None else mask.to(w.device)
@@ -480,6 +521,8 @@ class LayerStack:
     def _mlp(self, i, h) -> torch.Tensor:
         """h + MLP(norm(h)) for layer i."""
         w = self.layers[i]
+        if self.counter is not None:
+            self.counter.layers += 0.5
         if h.device != w.device:
             h = h.to(w.device)
         x = rms_norm(h, w.w_post_norm, self.eps)
