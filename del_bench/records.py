@@ -3,7 +3,8 @@
     run_config.json   the settings that define the run (resume refuses a different one)
     costs.json        measured layer/head costs of a calibrated run (reused on resume)
     method_state.json what a method carries across prompts (Method.state: SWIFT's search with scope run, DV
-                      without reset), as it stood after the `samples` finished samples (restored on resume)
+                      without reset), as it stood after the `samples` finished samples, and the one before it
+                      (`previous`): written before a sample's records, so a resume finds the one that matches
     samples.jsonl     one line per generated output (written after its rounds)
     rounds.jsonl      one line per round
     summary.json      written atomically at the end, recomputed from samples.jsonl; its `run_key` says
@@ -341,12 +342,25 @@ class RunDir:
         with open(self.setup_path, "a") as f:
             f.write(json.dumps(line) + "\n")
 
-    def method_state(self) -> dict | None:
-        """{"samples": finished samples when it was saved, "state": Method.state()}, or None."""
-        return json.loads(self.method_state_path.read_text()) if self.method_state_path.exists() else None
+    def method_state(self, samples: int) -> dict | None:
+        """{"samples": n, "state": Method.state() after n finished samples}: the saved state for `samples`
+        finished samples (the last one, or the one before it when a kill came between writing the state and
+        appending its sample), else the last one saved (records written before states were kept in pairs), or
+        None if none was saved."""
+        if not self.method_state_path.exists():
+            return None
+        saved = json.loads(self.method_state_path.read_text())
+        previous = saved.get("previous")
+        return previous if previous and previous["samples"] == samples and saved["samples"] != samples else saved
 
     def write_method_state(self, state: dict | None, samples: int) -> None:
-        """After a sample's records are appended (a kill in between leaves the state one sample behind, which
-        costs that sample's search steps again, never a record)."""
-        if state is not None:
-            write_json(self.method_state_path, {"samples": samples, "state": state})
+        """Before a sample's records are appended, the state after it (`samples` counting it), keeping the state
+        saved before it as `previous`: however a kill falls around the append, a resume finds the state that
+        matches the finished samples."""
+        if state is None:
+            return
+        last = self.method_state(samples - 1)
+        if last and last["samples"] != samples - 1:
+            last = None
+        previous = last and {"samples": last["samples"], "state": last["state"]}
+        write_json(self.method_state_path, {"samples": samples, "state": state, "previous": previous})

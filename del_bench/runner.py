@@ -167,9 +167,9 @@ def decode_all(cfg, todo, task, method, sampling, run_dir: RunDir, load) -> None
         record, rounds = decode(cfg, engine, tokenizer, task, method, sample, repeat, loaded)
         record.model_bytes, record.kv_cache_bytes = weights, memory.cache_bytes(engine.cache)
         record.layer_path = stack.layer_path
-        run_dir.append(record.as_dict(), rounds)
         finished += 1
-        run_dir.write_method_state(method.state(), finished)
+        run_dir.write_method_state(method.state(), finished)  # first: the sample line commits it (RunDir)
+        run_dir.append(record.as_dict(), rounds)
 
 
 def decode_one(cfg, engine, tokenizer, task, method, sample, repeat, loaded) -> tuple[SampleRecord, list[dict]]:
@@ -187,12 +187,13 @@ def restore_method_state(method, run_dir: RunDir) -> int:
     """Give the method back what it carried across the prompts already finished (Method.state). Returns how many
     samples are finished."""
     finished = len(run_dir.finished())
-    saved = run_dir.method_state()
-    if saved is not None:
-        if saved["samples"] != finished:
-            log.warning("%s: the method's state was saved after %d samples, %d are finished (a kill between the "
-                        "two writes): continuing from it", run_dir.path, saved["samples"], finished)
-        method.restore(saved["state"])
+    saved = run_dir.method_state(finished)
+    if saved is None or saved["samples"] > finished:  # none, or the first sample's, written before its records
+        return finished
+    if saved["samples"] != finished:
+        log.warning("%s: the method's state was saved after %d samples, %d are finished (records written before "
+                    "states were kept in pairs): continuing from it", run_dir.path, saved["samples"], finished)
+    method.restore(saved["state"])
     return finished
 
 

@@ -4,8 +4,11 @@ recomputable, and an interrupted run resumes without losing or duplicating sampl
 from __future__ import annotations
 
 import json
+import shutil
+import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -159,6 +162,77 @@ def test_interrupted_run_resumes_without_loss_or_duplicates(run_cfg, monkeypatch
     fresh_outputs = {s["sample_id"]: s["output_ids"] for s in read_jsonl(RunDir(f"{cfg.out_dir}-fresh").samples_path)}
     assert {s["sample_id"]: s["output_ids"] for s in samples} == fresh_outputs
     assert resumed["generated_tokens"] == fresh["generated_tokens"]
+
+
+MEASURED = {  # measurements of time and memory, different in any two runs: blanked before records are compared
+    "samples.jsonl": ("wall_s", "tokens_per_s", "peak_memory_bytes"),
+    "rounds.jsonl": ("draft_s", "verify_s", "policy_s", "opt_s"),
+}
+# a method that carries state across prompts (θ), so a resume must also continue it from the right sample
+KILLED_RUN = ("model=tiny-random", "method=dv", "method.exit_layer=2", "method.reset_per_prompt=false",
+              "max_new_tokens=12", "warmup_tokens=0", "threads=1")
+KILL_POINTS = {  # POINT: K, then the files as the kill leaves them: samples lines, samples in rounds, state's samples
+    "decoded": (2, 1, 1, 1),  # mid-sample: the 2nd sample decoded, nothing of it written
+    "method_state.json": (2, 1, 1, 2),  # mid-sample: the state after the 2nd sample written, none of its records
+    "rounds.jsonl": (3, 2, 3, 3),  # between the two appends: the 3rd sample's rounds written, its sample line not
+    "samples.jsonl": (2, 2, 2, 2),  # after both appends
+}
+
+
+def comparable_records(run_dir) -> dict[str, str]:
+    """samples.jsonl and rounds.jsonl with MEASURED blanked (everything else byte for byte, in file order), and
+    method_state.json."""
+    out = {}
+    for name, measured in MEASURED.items():
+        rows = [json.loads(line) for line in (run_dir / name).read_text().splitlines()]
+        out[name] = "".join(json.dumps({k: None if k in measured else v for k, v in r.items()}) + "\n" for r in rows)
+    out["method_state.json"] = (run_dir / "method_state.json").read_text()
+    return out
+
+
+def tear_last_line(path) -> None:
+    """Cut the file inside its last line, as a kill during that line's write leaves it."""
+    data = path.read_bytes()
+    path.write_bytes(data[:data.rstrip(b"\n").rfind(b"\n") + 20])
+
+
+def test_sigkilled_run_resumes_to_the_records_of_an_uninterrupted_one(run_cfg, tmp_path):
+    """A CLI run killed with SIGKILL at each KILL_POINT (and, at the two appends, the same with a torn last line)
+    resumes to records identical to an uninterrupted run's but for MEASURED: no sample lost, no round duplicated,
+    the cross-prompt state continued from the right sample."""
+    prompts = tmp_path / "prompts.jsonl"  # task=prompts: the CLI skips HumanEval's scoring imports (seconds)
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": p}) + "\n"
+                               for i, p in enumerate(["Hello", "def f(x):", "The cat sat", "1, 2, 3,"])))
+    overrides = (*KILLED_RUN, "task=prompts", f"task.data_files={prompts}", "limit=null")
+
+    def out_dir(point):
+        return tmp_path / point.split(".")[0]
+
+    killed = {point: subprocess.Popen(  # all at once: each is mostly imports
+        [sys.executable, "-m", "tests.killed_run", point, str(k), "run", *overrides, f"out_dir={out_dir(point)}"],
+        cwd=Path(__file__).parent.parent, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        for point, (k, *_) in KILL_POINTS.items()}
+    runner.run(run_cfg(*overrides, f"out_dir={tmp_path / 'whole'}"))
+    whole = comparable_records(tmp_path / "whole")
+    assert whole["samples.jsonl"].count("\n") == 4
+
+    resume = []
+    for point, (_, samples, round_samples, state_samples) in KILL_POINTS.items():
+        stderr = killed[point].communicate()[1].decode()
+        assert killed[point].returncode == -signal.SIGKILL, stderr[-2000:]
+        run_dir = out_dir(point)
+        assert len(read_jsonl(run_dir / "samples.jsonl")) == samples
+        assert len({r["sample_id"] for r in read_jsonl(run_dir / "rounds.jsonl")}) == round_samples
+        assert json.loads((run_dir / "method_state.json").read_text())["samples"] == state_samples
+        resume.append(run_dir)
+        if point.endswith(".jsonl"):  # the same kill during the write of the last line
+            torn = tmp_path / f"{run_dir.name}-torn"
+            shutil.copytree(run_dir, torn)
+            tear_last_line(torn / point)
+            resume.append(torn)
+    for run_dir in resume:
+        runner.run(run_cfg(*overrides, f"out_dir={run_dir}"))
+        assert comparable_records(run_dir) == whole, run_dir.name
 
 
 def test_resume_refuses_a_run_with_other_settings(run_cfg):
