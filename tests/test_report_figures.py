@@ -4,10 +4,15 @@ byte-identical files, so committed figures regenerate exactly."""
 
 from __future__ import annotations
 
+import json
+import math
 import shutil
+import statistics
 from pathlib import Path
 
 import matplotlib.pyplot as plt
+import numpy as np
+import pytest
 
 from del_bench.report import figures
 from del_bench.report.build import write_report
@@ -140,3 +145,118 @@ def test_stale_figures_are_pruned(tmp_path):
     (tmp_path / "notes.txt").write_text("mine")
     assert figures.write_figures(load_runs([tmp_path / "no-records"]), tmp_path) == []
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+
+
+# ---- the plotted data: each array drawn equals the value recomputed here from rounds.jsonl itself (json, no pandas)
+
+def _raw_rounds(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "rounds.jsonl").read_text().splitlines()]
+
+
+def _first_output(rows: list[dict], field: str) -> list[dict]:
+    """The rounds of the first output (sample_id, repeat) with `field` recorded, in file order."""
+    rows = [r for r in rows if r.get(field) is not None]
+    first = (rows[0]["sample_id"], rows[0]["repeat"])
+    return [r for r in rows if (r["sample_id"], r["repeat"]) == first]
+
+
+def _xy(artist) -> tuple[list, list]:
+    return list(artist.get_xdata()), list(artist.get_ydata())
+
+
+def test_fig3b_bars_are_mean_phase_times_by_gamma(runs_dir):
+    run = next(runs_dir.glob("llama2-7b/aqua_rat/del-*/*seed42"))
+    rows = [r for r in _raw_rounds(run) if r["round"] > 0]
+    gammas = sorted({r["drafted"] for r in rows})
+    by_gamma = [[r for r in rows if r["drafted"] == g] for g in gammas]
+    fig = figures.fig3b(load_rounds(run), "t")
+    ax = fig.axes[0]
+    assert [t.get_text() for t in ax.get_xticklabels()] == [str(g) for g in gammas] and len(gammas) > 3
+    bottom = [0.0] * len(gammas)
+    for bars, phase in zip(ax.containers, ("draft_s", "verify_s", "policy_s"), strict=True):
+        means = [1000 * statistics.fmean(r[phase] for r in group) for group in by_gamma]  # ms
+        assert [b.get_height() for b in bars] == pytest.approx(means, rel=1e-12)
+        assert [b.get_y() for b in bars] == pytest.approx(bottom, rel=1e-12)  # stacked on the phases before
+        bottom = [b + m for b, m in zip(bottom, means)]
+    assert [t.get_text() for t in ax.texts] == [str(len(group)) for group in by_gamma]  # rounds per bar
+    plt.close(fig)
+
+
+def test_fig4a_lines_are_tau_of_each_runs_first_prompt(runs_dir):
+    runs = {"smol": next(runs_dir.glob("smollm2-135m/humaneval/del-*/*")),
+            "llama": next(runs_dir.glob("llama2-7b/humaneval/del-*/*"))}
+    fig = figures.fig4a({label: load_rounds(run) for label, run in runs.items()}, "cpu", max_rounds=20)
+    lines = fig.axes[0].get_lines()
+    assert [line.get_label() for line in lines] == list(runs)
+    for line, run in zip(lines, runs.values()):
+        first = [r for r in _first_output(_raw_rounds(run), "tau") if r["round"] <= 20]
+        assert _xy(line) == ([r["round"] for r in first], [r["tau"] for r in first])
+    plt.close(fig)
+
+
+def test_fig4b_band_drafts_and_tau_are_the_first_prompts_rounds(runs_dir, tmp_path):
+    rows = _raw_rounds(next(runs_dir.glob("smollm2-135m/humaneval/del-*/*")))
+    for r in rows:  # the golden records lack draft_confidences: one per draft, spread around τ
+        if r.get("tau") is not None:
+            r["draft_confidences"] = [round(r["tau"] + 0.01 * (i - r["accepted"]), 6) for i in range(r["drafted"])]
+    (tmp_path / "rounds.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    first = _first_output(rows, "tau")
+    fig = figures.fig4b(load_rounds(tmp_path), "t")
+    ax = fig.axes[0]
+    band, accepted, rejected = ax.collections
+    drawn = {tuple(v) for path in band.get_paths() for v in path.vertices}
+    assert drawn == {(r["round"], r[k]) for r in first for k in ("conf_matched", "conf_mismatched")}
+    for dots, kept in ((accepted, True), (rejected, False)):
+        expected = [(r["round"], c) for r in first for i, c in enumerate(r["draft_confidences"])
+                    if (i < r["accepted"]) == kept]
+        assert [tuple(p) for p in dots.get_offsets()] == expected and expected
+    (tau,) = ax.get_lines()
+    assert _xy(tau) == ([r["round"] for r in first], [r["tau"] for r in first])
+    plt.close(fig)
+
+
+def test_fig4c_lines_are_the_chosen_exit_layer_and_its_alpha(runs_dir):
+    run = next(runs_dir.glob("smollm2-135m/humaneval/del-*/*"))
+    first = _first_output(_raw_rounds(run), "chosen_exit_layer")
+    fig = figures.fig4c(load_rounds(run), "t")
+    (exit_layer,), (alpha,) = fig.axes[0].get_lines(), fig.axes[1].get_lines()
+    rounds = [r["round"] for r in first]
+    assert _xy(exit_layer) == (rounds, [r["chosen_exit_layer"] for r in first])
+    assert _xy(alpha) == (rounds, [r["alpha_exit"] for r in first])
+    assert len(set(_xy(exit_layer)[1])) > 1  # E moves: a constant would not tell the columns apart
+    plt.close(fig)
+
+
+def _segment_speeds(rows: list[dict], size: int) -> list[float]:
+    """Tokens/s per `size`-token segment of one output: each token carries its round's time ÷ its tokens."""
+    seconds: list[float] = []
+    for r in sorted(rows, key=lambda r: r["round"]):
+        for _ in range(r["emitted"]):
+            seconds.append((r["draft_s"] + r["verify_s"] + r["policy_s"]) / r["emitted"])
+    segments = [seconds[i:i + size] for i in range(0, len(seconds), size)]
+    return [len(seg) / sum(seg) for seg in segments]
+
+
+def test_fig1b_heatmaps_are_segment_speeds_from_rounds(df, runs_dir):
+    grid = runs_dir / "calibration/smollm2-135m/humaneval"
+    runs = df[(df.model == "smollm2-135m") & (df.task == "humaneval") & (df.method == "ls")
+              & (df.sample_set == "calibration")].sort_values("run_dir")
+    fig = figures.fig1b(figures.grid_segments(runs), "t")
+    es, gs = [12, 20], [2, 4]
+    speeds = {}  # (prompt, E, γ) → segment tokens/s
+    for e in es:
+        for g in gs:
+            rows = _raw_rounds(next(grid.glob(f"ls-E{e}-g{g}/*")))
+            for sid in ("c0", "c1"):  # the first two prompts, sorted
+                speeds[sid, e, g] = _segment_speeds([r for r in rows if r["sample_id"] == sid and r["repeat"] == 0],
+                                                    figures.SEGMENT_TOKENS)
+    assert len(fig.axes) == 2 * 3
+    for k, ax in enumerate(fig.axes):
+        sid, segment = ("c0", "c1")[k // 3], k % 3
+        (image,) = ax.get_images()
+        # rows E, columns γ (origin lower); c1 has 96 tokens: no third segment, a blank (masked) heatmap
+        expected = [(speeds[sid, e, g] + [math.nan] * 3)[segment] for e in es for g in gs]
+        drawn = np.ma.filled(image.get_array(), np.nan)
+        assert drawn.shape == (len(es), len(gs))
+        assert drawn.ravel().tolist() == pytest.approx(expected, rel=1e-12, nan_ok=True), (sid, segment)
+    plt.close(fig)
