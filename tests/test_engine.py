@@ -8,9 +8,7 @@ import itertools
 import numpy as np
 import pytest
 import torch
-from scipy.stats import chisquare
 
-from del_bench.engine import decode
 from del_bench.engine.decode import Engine
 from del_bench.engine.sampling import Sampling
 from del_bench.methods.dv import DraftVerify
@@ -108,70 +106,8 @@ def test_never_overshoots_the_budget(stack_and_ref):
         assert all(r.drafted <= budget - 1 for r in gen.rounds)
 
 
-# ---- speculative sampling preserves the target distribution --------------------------------------
-
-VOCAB = 6
-SAMPLING = Sampling(do_sample=True, temperature=0.9, top_p=0.95)
-N_DRAWS = 3000
-
-
-def exact_joint(model, prompt, n_tokens):
-    """P(x1..xn | prompt) for every sequence, from the full model's warped distributions."""
-    seqs = [()]
-    probs = {(): 1.0}
-    for _ in range(n_tokens):
-        batch = torch.tensor([list(prompt) + list(s) for s in seqs])
-        with torch.no_grad():
-            logits = model(batch).logits[:, -1]
-        p = SAMPLING.probs(logits)
-        new = {}
-        for s, row in zip(seqs, p):
-            for x in range(VOCAB):
-                new[s + (x,)] = probs[s] * float(row[x])
-        probs, seqs = new, list(new)
-    return probs
-
-
-def draw_and_test(model, method, prompt, n_tokens=3):
-    """Chi-square p-value of engine draws against the exact joint of the first n tokens."""
-    engine = Engine(LayerStack(model), SAMPLING, set())
-    counts = {}
-    for seed in range(N_DRAWS):
-        seq = tuple(engine.generate(prompt, method, n_tokens, seed=seed).output_ids)
-        counts[seq] = counts.get(seq, 0) + 1
-    exact = exact_joint(model, prompt, n_tokens)
-    # pool cells with expected count < 5 into one, as the chi-square approximation needs
-    big = [s for s, p in exact.items() if p * N_DRAWS >= 5]
-    small = [s for s in exact if s not in big]
-    observed = [counts.get(s, 0) for s in big] + [sum(counts.get(s, 0) for s in small)]
-    expected = [exact[s] * N_DRAWS for s in big] + [sum(exact[s] for s in small) * N_DRAWS]
-    return chisquare(observed, expected).pvalue
-
-
-@pytest.fixture(scope="module")
-def small_vocab_model():
-    model, _ = tiny_model(vocab_size=VOCAB, late_residual_scale=0.6, seed=3)
-    return model
-
-
-@pytest.mark.parametrize("method", [LayerSkip(1, 4), DraftVerify(1, theta=0.5), DEL(d_max=4)],
-                         ids=["ls", "dv", "del"])
-def test_speculative_sampling_preserves_distribution(small_vocab_model, method):
-    # tokens 2 and 3 come from a round with up to two drafts (E = 1): acceptance, rejection and bonus
-    # paths; DV also stops drafting on confidence
-    p_value = draw_and_test(small_vocab_model, method, prompt=[1, 2, 3])
-    assert p_value > 1e-3
-
-
-def test_the_distribution_test_catches_a_biased_sampler(small_vocab_model, monkeypatch):
-    """Negative control: accepting every draft samples from the draft model, and the test must see it."""
-
-    def accept_everything(drafts, draft_probs, target_row, sampling, rng):
-        p = sampling.probs(target_row(len(drafts)))
-        return len(drafts), int(torch.multinomial(p, 1, generator=rng))
-
-    monkeypatch.setattr(decode, "accept_sampling", accept_everything)
-    assert draw_and_test(small_vocab_model, LayerSkip(1, 4), prompt=[1, 2, 3]) < 1e-6
+# speculative sampling keeps the target distribution: tests/test_sampling_exact.py (enumerated, exact) and
+# tests/test_sampling_stats.py (every method end to end, with subtle bugs as negative controls)
 
 
 @pytest.mark.parametrize("method", [DEL(), DEL(dynamic_draft_exit=False, draft_budget="tpl"), DEL(exit_layer=2)],

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from del_bench import runner
-from del_bench.engine import decode
 from del_bench.engine.decode import Engine
 from del_bench.engine.sampling import Sampling
 from del_bench.errors import ConfigError
@@ -19,7 +18,7 @@ from del_bench.methods.base import Probe, SkipSet
 from del_bench.methods.swift import Swift, compact, odd_layers, parse_skip_set, skip_count, skip_set_of
 from del_bench.models.layer_stack import LayerStack
 from tests.conftest import tiny_model
-from tests.test_engine import L, draw_and_test, small_vocab_model, stack_and_ref  # noqa: F401 (fixtures)
+from tests.test_engine import L, stack_and_ref  # noqa: F401 (fixtures)
 
 METHODS = [
     Swift(skip_set={"attn": [1], "mlp": [2]}),
@@ -122,47 +121,8 @@ def test_accounting_counts_a_sublayer_as_half_a_layer(stack_and_ref):  # noqa: F
     assert all(0 <= r.trace["opt_s"] <= r.policy_s for r in gen.rounds if "opt_s" in r.trace)
 
 
-# ---- speculative sampling keeps the target distribution --------------------------------------------------------
-
-# one sibling beside each draft of a poor draft model (every sublayer of layers 1, 2 skipped): of ~1,100 rounds in
-# 1,000 draws ~210 reject the chain token, ~70 of them take the sibling, ~140 draw from the residual
-TREE = Swift(skip_set={"attn": [1, 2], "mlp": [1, 2]}, confidence=0.0, d_max=2, tree=True, tree_widths=[2, 2],
-             tree_confidences=[0.5])
-
-
-@pytest.mark.parametrize("method", [Swift(skip_set={"attn": [1], "mlp": [2]}, confidence=0.5, d_max=4),
-                                    Swift(skip_set={"attn": [1, 2], "mlp": []}, confidence=0.0, d_max=2), TREE],
-                         ids=["confidence-stop", "fixed-length", "tree"])
-def test_speculative_sampling_preserves_distribution(small_vocab_model, method):  # noqa: F811
-    assert draw_and_test(small_vocab_model, method, prompt=[1, 2, 3]) > 1e-3
-
-
-def test_the_distribution_test_catches_a_biased_sampler(small_vocab_model, monkeypatch):  # noqa: F811
-    """Negative control: accepting every SWIFT draft samples from the draft model, and the test must see it."""
-
-    def accept_everything(drafts, draft_probs, target_row, sampling, rng):
-        p = sampling.probs(target_row(len(drafts)))
-        return len(drafts), int(torch.multinomial(p, 1, generator=rng))
-
-    monkeypatch.setattr(decode, "accept_sampling", accept_everything)
-    method = Swift(skip_set={"attn": [1, 2], "mlp": []}, confidence=0.0, d_max=2)
-    assert draw_and_test(small_vocab_model, method, prompt=[1, 2, 3]) < 1e-6
-
-
-def test_the_distribution_test_catches_a_tree_that_trusts_its_siblings(small_vocab_model, monkeypatch):  # noqa: F811
-    """Negative control for the tree: taking the first sibling whenever the chain token is rejected (no residual
-    test) samples siblings from the draft model, and the test must see it."""
-    real = decode.accept_sampling_tree
-
-    def trust_siblings(drafts, draft_probs, siblings, target_row, sampling, rng):
-        k, j, token = real(drafts, draft_probs, siblings, target_row, sampling, rng)
-        if k < len(drafts) and j is None and siblings.tokens[k]:
-            p = sampling.probs(target_row(siblings.rows[k][0]))
-            return k, 0, int(torch.multinomial(p, 1, generator=rng))
-        return k, j, token
-
-    monkeypatch.setattr(decode, "accept_sampling_tree", trust_siblings)
-    assert draw_and_test(small_vocab_model, TREE, prompt=[1, 2, 3]) < 1e-6
+# speculative sampling (chain and tree) keeps the target distribution: tests/test_sampling_exact.py and
+# tests/test_sampling_stats.py
 
 
 # ---- the optimiser ------------------------------------------------------------------------------------------------

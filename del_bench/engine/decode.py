@@ -43,6 +43,7 @@ import torch
 from del_bench.engine import layer_parallel
 from del_bench.engine.rounds import Generation, Round  # noqa: F401 (Round: part of this module's API)
 from del_bench.engine.sampling import (
+    Draws,
     Sampling,
     Siblings,
     accept_greedy,
@@ -138,10 +139,12 @@ class Engine:
         return torch.tensor([ids], dtype=torch.long, device=self.device)
 
     @torch.inference_mode()
-    def generate(self, prompt_ids: list[int], method: Method, max_new_tokens: int, seed: int) -> Generation:
-        """Decode up to max_new_tokens (never more) or through the first EOS. Timed end to end."""
+    def generate(self, prompt_ids: list[int], method: Method, max_new_tokens: int, seed: int,
+                 draws: Draws | None = None) -> Generation:
+        """Decode up to max_new_tokens (never more) or through the first EOS. Timed end to end.
+        draws: where the random draws come from (tests enumerate them); default a torch.Generator seeded by seed."""
         L = self.stack.num_layers
-        rng = torch.Generator(device=self.device).manual_seed(seed)
+        rng = draws or Draws(torch.Generator(device=self.device).manual_seed(seed))
         cache = self._fresh_cache(len(prompt_ids) + max_new_tokens + 1)
         method.start(L)
         self._deferred: list[tuple[RoundEvidence, torch.Tensor, torch.Tensor]] = []  # unscored shadow windows
@@ -321,7 +324,7 @@ class Engine:
         rest = q.clone()
         rest[chain] = 0  # [V]
         count = min(count, int((rest > 0).sum()))
-        return torch.multinomial(rest, count, replacement=False, generator=rng).tolist() if count else []
+        return rng.without_replacement(rest, count) if count else []
 
     def _verify_full(self, pending: int, draft: Draft, pos: int, cache) -> Verified:
         """The pending token and the drafts (positions pos ..) — with a token tree, its siblings too (slots after

@@ -154,4 +154,4 @@ def _verify(token: int, row: torch.Tensor, q: torch.Tensor | None, sampling, rng
     q = q.to(p.dtype)
     if accepts(token, q, p, rng):
         return True, token
-    return False, int(torch.multinomial(residual(p, q), 1, generator=rng))
+    return False, rng.categorical(residual(p, q))

@@ -36,12 +36,35 @@ class Sampling:
         return scores.softmax(dim=-1)
 
 
-def choose(logits: torch.Tensor, sampling: Sampling, rng: torch.Generator) -> tuple[int, torch.Tensor | None]:
+class Draws:
+    """Every random draw of decoding, in the three shapes decoding uses, from one torch.Generator in call order.
+
+    The acceptance rules below and the engine draw only through this: a test substitutes an implementation that
+    enumerates both sides of every draw with its exact probability (tests/test_sampling_exact.py)."""
+
+    def __init__(self, generator: torch.Generator):
+        self.generator = generator
+
+    def below(self, num: torch.Tensor, den: torch.Tensor) -> bool:
+        """One uniform u ∈ [0, 1): u·den < num, i.e. True with probability min(1, num/den) (scalars, same dtype)."""
+        u = torch.rand((), generator=self.generator, device=num.device, dtype=num.dtype)
+        return bool(u * den < num)
+
+    def categorical(self, weights: torch.Tensor) -> int:
+        """One index of weights [V] (≥ 0, not necessarily normalised) with probability weights / weights.sum()."""
+        return int(torch.multinomial(weights, 1, generator=self.generator))
+
+    def without_replacement(self, weights: torch.Tensor, count: int) -> list[int]:
+        """count distinct indices of weights [V], drawn one after another, each renormalised without the earlier."""
+        return torch.multinomial(weights, count, replacement=False, generator=self.generator).tolist()
+
+
+def choose(logits: torch.Tensor, sampling: Sampling, rng: Draws) -> tuple[int, torch.Tensor | None]:
     """One token from logits [V]: argmax, or a sample from the warped distribution (returned too)."""
     if not sampling.do_sample:
         return int(logits.argmax()), None
     probs = sampling.probs(logits)
-    return int(torch.multinomial(probs, 1, generator=rng)), probs
+    return rng.categorical(probs), probs
 
 
 def accept_greedy(drafts: list[int], target_row) -> tuple[int, int]:
@@ -61,7 +84,7 @@ def accept_sampling(
     draft_probs: list[torch.Tensor],
     target_row,
     sampling: Sampling,
-    rng: torch.Generator,
+    rng: Draws,
 ) -> tuple[int, int]:
     """Speculative sampling. draft_probs[i]: q_i [V]; target_row(i) → logits [V] whose warping is p_i.
 
@@ -101,7 +124,7 @@ def accept_sampling_tree(
     siblings: Siblings | None,
     target_row,
     sampling: Sampling,
-    rng: torch.Generator,
+    rng: Draws,
 ) -> tuple[int, int | None, int]:
     """Speculative sampling over a chain with sibling leaves (SpecInfer-style recursive rejection).
 
@@ -122,19 +145,18 @@ def accept_sampling_tree(
         for j, (s, row) in enumerate(zip(siblings.tokens[i], siblings.rows[i]) if siblings else ()):
             proposal = tried / tried.sum()  # [V] the distribution s was drawn from
             if accepts(s, proposal, rest, rng):
-                return i, j, int(torch.multinomial(sampling.probs(target_row(row)), 1, generator=rng))
+                return i, j, rng.categorical(sampling.probs(target_row(row)))
             rest = residual(rest, proposal)
             tried[s] = 0
-        return i, None, int(torch.multinomial(rest, 1, generator=rng))
+        return i, None, rng.categorical(rest)
     p = sampling.probs(target_row(len(drafts)))
-    return len(drafts), None, int(torch.multinomial(p, 1, generator=rng))
+    return len(drafts), None, rng.categorical(p)
 
 
-def accepts(x: int, q: torch.Tensor, p: torch.Tensor, rng: torch.Generator) -> bool:
+def accepts(x: int, q: torch.Tensor, p: torch.Tensor, rng: Draws) -> bool:
     """One speculative-sampling test of draft token x drawn from q against the target p ([V] each, same dtype):
     u < p(x)/q(x), written u·q(x) < p(x) so a tiny q is never divided by. Draws one uniform from rng."""
-    u = torch.rand((), generator=rng, device=p.device, dtype=p.dtype)
-    return bool(u * q[x] < p[x])
+    return rng.below(p[x], q[x])
 
 
 def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
