@@ -14,6 +14,7 @@ compiled logits are from eager (float32: not bit for bit; the argmax is compared
 it alone.
 
     python scripts/bench_compile.py [--models testbed,smollm2-135m] [--context 150] [--reps 20] [--threads 2]
+                                    [--backend inductor]
 """
 
 from __future__ import annotations
@@ -71,19 +72,21 @@ def all_layers(stack: LayerStack, cache, layer):
 
 
 @torch.inference_mode()
-def bench(model: str, context: int, reps: int) -> None:
+def bench(model: str, context: int, reps: int, backend: str = "inductor") -> None:
     stack = LayerStack(loading.load(load_choice("model", model)).model)
     L = stack.num_layers
     cache = stack.new_cache(context + 64)
-    stack.forward_layers(stack.embed(torch.randint(100, 1000, (1, context))), 0, L, 0, cache)
+    ids = torch.randint(100, min(1000, stack.vocab_size), (1, context))  # a tiny model's vocabulary is smaller
+    stack.forward_layers(stack.embed(ids), 0, L, 0, cache)
     x = stack.embed(torch.tensor([[42]]))
     reference = stack.logits(stack.forward_layers(x, 0, L, context, cache))
     eager = ms(lambda: stack.forward_layers(x, 0, L, context, cache), reps)
     print(f"{model}: eager {eager:.2f} ms/token")
     # fullgraph: a graph break would silently measure something else
-    per_layer = all_layers(stack, cache, torch.compile(layer_fn(stack), dynamic=True, fullgraph=True))
+    compiled = torch.compile(layer_fn(stack), dynamic=True, fullgraph=True, backend=backend)
+    per_layer = all_layers(stack, cache, compiled)
     torch._dynamo.reset()  # the whole-stack graph compiles from scratch, not from the per-layer one's caches
-    whole = torch.compile(all_layers(stack, cache, layer_fn(stack)), dynamic=True, fullgraph=True)
+    whole = torch.compile(all_layers(stack, cache, layer_fn(stack)), dynamic=True, fullgraph=True, backend=backend)
     for name, fn in (("per-layer graph", per_layer), ("whole-stack graph", whole)):
         t0 = time.perf_counter()
         logits = stack.logits(fn(x, context))
@@ -107,10 +110,11 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=150)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--backend", default="inductor", help="torch.compile backend (eager: tracing only, no codegen)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     for model in args.models.split(","):
-        bench(model, args.context, args.reps)
+        bench(model, args.context, args.reps, args.backend)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 products and the LM head's at 1, 2 and 5 rows in the engine's form (layer_stack._linear: W @ Xᵀ on [out, in], X ≥ 2
 rows) beside the plain x @ W_t (an [in, out] copy) and F.linear, so each engine choice can be checked on this machine.
 
-    python scripts/bench_engine_parts.py [--threads 2] [--context 150]
+    python scripts/bench_engine_parts.py [--threads 2] [--context 150] [--model smollm2-135m]
 """
 
 from __future__ import annotations
@@ -37,15 +37,16 @@ def loop_rows(stack, layers: str, prompt, token, context: int) -> dict[str, floa
     at an LS verification batch, after a prefill of `prompt`."""
     kv = stack.new_cache(context + 64)
     stack.forward_layers(stack.embed(prompt), 0, stack.num_layers, 0, kv)
-    x, x5 = stack.embed(token), torch.randn(1, 5, stack.head_weight.shape[1])
+    x, x5 = stack.embed(token), torch.randn(1, 5, stack.head_weight.shape[1], dtype=stack.head_weight.dtype)
+    L, E = stack.num_layers, 4 * stack.num_layers // 5  # SmolLM2: 30 layers, E = 24
     return {
-        f"ours ({layers}), 1 token, 30 layers + head": ms(lambda: stack.logits(stack.forward_layers(x, 0, 30, context,
-                                                                                                   kv))),
-        f"ours ({layers}), 1 token, 30 layers": ms(lambda: stack.forward_layers(x, 0, 30, context, kv)),
-        f"ours ({layers}), 1 token, 24 layers (an LS draft at E=24)": ms(
-            lambda: stack.forward_layers(x, 0, 24, context, kv)),
-        f"ours ({layers}), 5 positions, layers 25-30 (LS verify at E=24, γ=4)": ms(
-            lambda: stack.forward_layers(x5, 24, 30, context, kv)),
+        f"ours ({layers}), 1 token, {L} layers + head": ms(lambda: stack.logits(stack.forward_layers(x, 0, L, context,
+                                                                                                    kv))),
+        f"ours ({layers}), 1 token, {L} layers": ms(lambda: stack.forward_layers(x, 0, L, context, kv)),
+        f"ours ({layers}), 1 token, {E} layers (an LS draft at E={E})": ms(
+            lambda: stack.forward_layers(x, 0, E, context, kv)),
+        f"ours ({layers}), 5 positions, layers {E + 1}-{L} (LS verify at E={E}, γ=4)": ms(
+            lambda: stack.forward_layers(x5, E, L, context, kv)),
     }
 
 
@@ -57,7 +58,7 @@ def product_rows(stack) -> dict[str, float]:
     copies = [w.t().contiguous() for w in mats]  # [in, out]
     rows = {}
     for n in (1, 2, 5):
-        xs = {w.shape[1]: torch.randn(1, n, w.shape[1]) for w in mats}
+        xs = {w.shape[1]: torch.randn(1, n, w.shape[1], dtype=w.dtype) for w in mats}
         rows[f"layer products, {n} row(s), the engine's W @ Xᵀ (_linear)"] = ms(
             lambda xs=xs: [_linear(xs[w.shape[1]], w, None) for w in mats], reps=5)
         rows[f"layer products, {n} row(s), x @ W_t on [in, out] copies"] = ms(
@@ -70,11 +71,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--context", type=int, default=150)
+    ap.add_argument("--model", default="smollm2-135m", help="a configs/model name (tiny-random: the suite's smoke run)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    cfg = OmegaConf.load(CONFIG_DIR / "model" / "smollm2-135m.yaml")
+    cfg = OmegaConf.load(CONFIG_DIR / "model" / f"{args.model}.yaml")
     hf = loading.load(cfg).model
-    prompt = torch.randint(100, 10_000, (1, args.context))
+    prompt = torch.randint(100, min(10_000, hf.config.vocab_size), (1, args.context))  # a tiny model's is smaller
     token = torch.tensor([[42]])
     rows = {}
 
@@ -87,7 +89,7 @@ def main() -> None:
         hf(token, past_key_values=cache, use_cache=True)
         cache.crop(-1)  # keep the context length fixed (transformers 5.x: crop takes tokens to remove)
 
-    rows["HF forward, 1 token (30 layers + head)"] = ms(hf_step)
+    rows[f"HF forward, 1 token ({hf.config.num_hidden_layers} layers + head)"] = ms(hf_step)
     head = hf.lm_head.weight.detach().clone()  # [V, D], HF's layout
     head_t = head.t().contiguous()  # [D, V]
 
@@ -96,11 +98,11 @@ def main() -> None:
         rows.update(loop_rows(stack, layers, prompt, token, args.context))
     rows.update(product_rows(stack))
     for n in (1, 2, 5):
-        h = torch.randn(1, n, head.shape[1])
+        h = torch.randn(1, n, head.shape[1], dtype=head.dtype)
         rows[f"LM head, {n} row(s), the engine's [V, D] @ Xᵀ (_linear)"] = ms(lambda h=h: _linear(h, head, None))
         rows[f"LM head, {n} row(s), F.linear on [V, D] (HF's)"] = ms(lambda h=h: F.linear(h, head))
         rows[f"LM head, {n} row(s), x @ W_t on a [D, V] copy"] = ms(lambda h=h: h @ head_t)
-    print(f"SmolLM2-135M fp32, {args.threads} threads, context {args.context} (median ms)")
+    print(f"{args.model} {hf.dtype}, {args.threads} threads, context {args.context} (median ms)")
     for name, value in rows.items():
         print(f"  {name:<60} {value:7.2f}")
 

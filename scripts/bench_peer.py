@@ -7,6 +7,7 @@ separately loaded, untouched model; our rows on the LayerStack view. Every row g
 warm-up generation. Prints a table and writes results/runs/bench/peer.json (--out).
 
     python scripts/bench_peer.py [--prompts 4] [--max-new-tokens 96] [--configs 24:4,27:3] [--layers auto]
+                                 [--model smollm2-135m]
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ def hf_forward_loop(model, prompt_ids, max_new_tokens, eos):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m", help="a configs/model name (tiny-random: the suite's smoke run)")
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--configs", default="24:4,27:3", help="comma-separated E:γ pairs")
@@ -74,7 +76,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     configs = [tuple(int(x) for x in c.split(":")) for c in args.configs.split(",")]
 
-    model_cfg = OmegaConf.load(CONFIG_DIR / "model" / "smollm2-135m.yaml")
+    model_cfg = OmegaConf.load(CONFIG_DIR / "model" / f"{args.model}.yaml")
     hf = loading.load(model_cfg)  # untouched: the peer rows
     ours = loading.load(model_cfg)  # re-laid out by LayerStack
     tokenizer, eos = hf.tokenizer, eos_ids(hf.model, hf.tokenizer)

