@@ -14,7 +14,7 @@ export HF_DATASETS_OFFLINE ?= 1
 export TRANSFORMERS_NO_ADVISORY_WARNINGS ?= 1
 
 .DEFAULT_GOAL := help
-.PHONY: help setup constraints bench-gpu demo test lint tables figures bench-peer bench-parts bench-engine bench-compile bench-controller bench-del bench-testbed bench-swift bench-adapters bench-sandbox exits smoke-tasks testbed clean
+.PHONY: help setup constraints bench-gpu demo test lint tables figures bench-peer bench-parts bench-engine bench-compile bench-controller bench-memory bench-del bench-testbed bench-swift bench-adapters bench-sandbox exits smoke-tasks testbed clean
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -83,6 +83,9 @@ bench-compile: setup ## torch.compile (inductor) vs the eager and fused layer lo
 
 bench-controller: setup ## DEL's shadow-token cost and the restricted-vocabulary approximation → $(RECORDS)/bench/controller.json
 	$(PY) scripts/bench_controller.py --prompts 6 --max-new-tokens 96 --out $(RECORDS)/bench/controller.json
+
+bench-memory: setup ## DEL's peak memory over Vanilla's on a 2048-token prompt (SmolLM2) against the state it keeps → $(RECORDS)/bench/memory.json
+	$(PY) scripts/bench_memory.py --model smollm2-135m --prompt-tokens 2048 --json $(RECORDS)/bench/memory.json
 
 bench-del: setup ## DEL + ablations vs Vanilla and grid-searched LS/FS/DV on SmolLM2 (~20 min) → $(RECORDS)/bench/del.json
 	$(PY) scripts/bench_del.py --root $(RECORDS)/bench/del_runs --out $(RECORDS)/bench/del.json --limit 4 --max-new-tokens 96 --del-methods del,del_cpu,del_e,del_gamma,del_e_lim \

@@ -14,6 +14,8 @@ paper's overhead column does. Where the reset is impossible, ru_maxrss (the life
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import resource
 import sys
 from pathlib import Path
@@ -71,6 +73,21 @@ class PeakMemory:
             self.bytes = _vm_hwm()
         else:  # ru_maxrss is in kB on Linux, bytes on macOS
             self.bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+
+
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+
+
+def rss_follows_live_memory(threshold: int = 1 << 16) -> bool:
+    """Make the CPU RSS peak follow live memory (for memory measurements; glibc only, else False): every block of
+    ≥ `threshold` bytes (a tensor of 16k float32 or more) gets its own mmap and goes back to the OS when freed.
+    By default glibc raises this threshold as big blocks are freed and serves later ones from its heap, which it
+    keeps: a sample's peak then depends on what ran before it. Process-wide; costs a syscall per big tensor."""
+    name = ctypes.util.find_library("c")
+    try:
+        return bool(name) and ctypes.CDLL(name).mallopt(M_MMAP_THRESHOLD, threshold) == 1
+    except (OSError, AttributeError):
+        return False
 
 
 def model_bytes(model) -> int:

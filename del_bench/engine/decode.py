@@ -53,7 +53,7 @@ from del_bench.engine.sampling import (
     choose,
 )
 from del_bench.methods.base import MAX_DEFERRED, Method, RoundEvidence, Shadow, SkipSet
-from del_bench.models.layer_stack import KVCache, LayerStack, TreeMask, synchronize
+from del_bench.models.layer_stack import KVCache, LayerStack, TreeMask, cat_on
 
 
 @dataclass
@@ -120,7 +120,7 @@ class Engine:
         self.sampling = sampling
         self.eos_ids = set(eos_ids)
         self.stop = stop
-        self.device = stack.embed_weight.device
+        self.device = stack.embed_weight.device  # token ids start here; logits, the RNG: stack.head_device
         self._cache: KVCache | None = None
 
     @property
@@ -135,6 +135,12 @@ class Engine:
         self._cache.crop(0)
         return self._cache
 
+    @property
+    def rng_device(self) -> torch.device:
+        """Where the sampling RNG lives: beside the logits it samples from (the head's device; torch draws with a
+        generator on the tensor's own device only)."""
+        return self.stack.head_device
+
     def _ids(self, ids: list[int]) -> torch.Tensor:
         return torch.tensor([ids], dtype=torch.long, device=self.device)
 
@@ -144,13 +150,13 @@ class Engine:
         """Decode up to max_new_tokens (never more) or through the first EOS. Timed end to end.
         draws: where the random draws come from (tests enumerate them); default a torch.Generator seeded by seed."""
         L = self.stack.num_layers
-        rng = draws or Draws(torch.Generator(device=self.device).manual_seed(seed))
+        rng = draws or Draws(torch.Generator(device=self.rng_device).manual_seed(seed))
         cache = self._fresh_cache(len(prompt_ids) + max_new_tokens + 1)
         method.start(L)
         self._deferred: list[tuple[RoundEvidence, torch.Tensor, torch.Tensor]] = []  # unscored shadow windows
         self._shadow_rows = 0  # shadow rows scored since the last Round was recorded (Round.shadow_rows)
         gen = Generation(output_ids=[])
-        synchronize(self.device)
+        self.stack.synchronize()
         t0 = time.perf_counter()
         if max_new_tokens > 0:
             self._prefill(prompt_ids, cache, gen, method, rng)
@@ -164,7 +170,7 @@ class Engine:
                 self._observe_deferred(method)
                 gen.rounds[-1].policy_s += time.perf_counter() - t
                 gen.rounds[-1].shadow_rows += self._take_shadow_rows()
-        synchronize(self.device)
+        self.stack.synchronize()
         gen.wall_s = time.perf_counter() - t0
         return gen
 
@@ -174,20 +180,25 @@ class Engine:
     def _prefill(self, prompt_ids, cache, gen, method: Method, rng) -> None:
         t = time.perf_counter()
         st, L = self.stack, self.stack.num_layers
-        layers = [] if method.wants_shadow else None
-        h = st.forward_layers(st.embed(self._ids(prompt_ids)), 0, L, 0, cache, collect=layers)  # [1, P, D]
+        layers = [] if method.wants_shadow else None  # each layer's last w positions [1, w, D]: the shadow window
+        w = min(method.prefill_window, len(prompt_ids))
+        h = st.forward_layers(st.embed(self._ids(prompt_ids)), 0, L, 0, cache, collect=layers, keep=w)  # [1, P, D]
         token, _ = choose(st.logits(h[:, -1:])[0, -1], self.sampling, rng)
         self._emit(gen, [token])
         t_policy = time.perf_counter()
         head_rows = 1
         if layers is not None:
-            w = min(method.prefill_window, len(prompt_ids))
-            states = torch.cat(layers[: L - 1])[:, -w:]  # [L-1, w, D]
-            target = st.logits(h[:, -w:])[0].argmax(-1)  # [w]: the shadow window's targets, w more head rows
-            head_rows += w
-            method.observe_prefill(self._shadow_of(states, target, method.shadow_vocab))
+            method.observe_prefill(self._prefill_shadow(layers, h, w, method.shadow_vocab))
+            head_rows += w  # the shadow window's targets
         gen.rounds.append(Round(0, None, 0, 0, 0, 1, L, head_rows, verify_s=t_policy - t,
                                 policy_s=time.perf_counter() - t_policy, shadow_rows=self._take_shadow_rows()))
+
+    def _prefill_shadow(self, layers: list[torch.Tensor], h: torch.Tensor, w: int, vocab: int | None) -> Shadow:
+        """Shadow tokens of the prompt's last w positions: layers 1..L−1's kept states (each [1, w, D], on its
+        layer's device) gathered on the head's device, against the full model's tokens there (w head rows)."""
+        states = cat_on(layers[: self.stack.num_layers - 1], self.stack.head_device)  # [L-1, w, D]
+        target = self.stack.logits(h[:, -w:])[0].argmax(-1)  # [w]
+        return self._shadow_of(states, target, vocab)
 
     def _round(self, n: int, cache, gen: Generation, method: Method, max_new_tokens: int, rng) -> None:
         """One round: plan → draft → verify → accept → observe, then its Round. n = seq length (prompt +
@@ -434,9 +445,10 @@ class Engine:
         L, W = self.stack.num_layers, k + 1
         m = min(E, L - 1)  # layers 1..m come from drafting
         # early[i][j]: position i after layer j + 1, [1, 1, D]; one cat → [W·m, 1, D] → view [m, W, D]
-        states = torch.cat([h for layers in draft.early[:W] for h in layers[:m]]).view(W, m, -1).transpose(0, 1)
+        head = self.stack.head_device  # shadow states and their scoring live there, whichever device made them
+        states = cat_on([h for layers in draft.early[:W] for h in layers[:m]], head).view(W, m, -1).transpose(0, 1)
         if m < L - 1:  # late[j]: layers E+1.., each [1, d+1, D] → [L-1-E, W, D]
-            states = torch.cat([states, torch.cat(verified.late[: L - 1 - m])[:, :W]])  # [L-1, W, D]
+            states = torch.cat([states, cat_on(verified.late[: L - 1 - m], head)[:, :W]])  # [L-1, W, D]
         elif W > 1:
             states = states.contiguous()
         for i in range(W):  # acceptance computed rows 0..k already; this only guards the invariant

@@ -34,6 +34,7 @@ import torch
 
 from del_bench.engine.rounds import Round
 from del_bench.engine.sampling import accepts, choose, residual
+from del_bench.models.layer_stack import cat_on
 
 
 class _Deferred:
@@ -84,8 +85,9 @@ def _step(engine, prompt_len, cache, gen, method, rng, deferred: _Deferred, flus
     for i in range(L):
         owed = cache.lengths[i]
         if owed < start:  # deferred positions whose next layer is i join the batch: [1, start − owed, D]
-            picked = torch.cat([deferred.state[p] for p in range(owed, start)], dim=1)
-            h = picked if h is None else torch.cat([picked, h], dim=1)
+            on = st.layers[i].device  # layer i runs where its weights live (device_map: a stored state may not)
+            picked = cat_on([deferred.state[p] for p in range(owed, start)], on, dim=1)
+            h = picked if h is None else cat_on([picked, h], on, dim=1)
             start = owed
         if h is None:  # flush: no position owes this layer yet
             continue

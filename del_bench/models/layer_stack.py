@@ -22,12 +22,24 @@ import torch.nn.functional as F
 from torch import nn
 
 from del_bench.models import fused
+from del_bench.models.loading import check_resident
 
 
 def synchronize(device: torch.device) -> None:
     """Wait for queued kernels before reading a clock (no-op on CPU)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def cat_on(tensors, device: torch.device, dim: int = 0) -> torch.Tensor:
+    """torch.cat on `device` of tensors that may live on several (states of layers split by device_map): each moves
+    there first — a no-op for a tensor already there, so on one device this is the plain cat."""
+    return torch.cat([t.to(device) for t in tensors], dim=dim)
+
+
+def _moved(device: torch.device, *tensors):
+    """RoPE tables and mask (None, or any non-tensor, stays as it is) on a layer's device: once per device crossed."""
+    return tuple(t.to(device) if isinstance(t, torch.Tensor) else t for t in tensors)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -179,6 +191,7 @@ class LayerStack:
         """layers: the decoder-layer loop — eager (Python, the reference), fused (fused_layers.cpp) or auto (fused
         where it builds and matches eager bit for bit here; del_bench/models/fused.py). `layer_path` says which
         runs, `layer_setup_s` what building, loading and checking the fused loop took (apart from any decode)."""
+        check_resident(model)  # offloaded or meta weights: one clear error here, not a device mismatch mid-decode
         config = model.config
         inner = model.model
         self.model = model
@@ -190,8 +203,12 @@ class LayerStack:
         self.eps: float = config.rms_norm_eps
         self.scale = self.head_dim**-0.5
         self.dtype = inner.embed_tokens.weight.dtype
-        self.norm_weight = inner.norm.weight.detach()
         head = model.get_output_embeddings()
+        # One device rule (device_map across GPUs): each layer runs where its weights live, its KV cache beside it;
+        # token ids start on the embedding's device; everything after the layers — the final norm, exit adapters,
+        # the head, shadow states and their scoring, the sampling RNG — on the head's device. One device: all one.
+        self.head_device = head.weight.device
+        self.norm_weight = inner.norm.weight.detach().to(self.head_device)  # [D]: a copy only if it lived elsewhere
         # [V, D], HF's own storage (a tied embedding's too): _linear's products read it as they read the layers'. One
         # row (drafting, Vanilla) streams faster as x @ W_t from a [D, V] copy on this CPU (3.9 vs 5.1 ms on SmolLM2;
         # make bench-parts), 2+ rows far slower (8.5 vs 5.2 ms at 2 rows): on CPU keep the copy for single rows
@@ -222,8 +239,18 @@ class LayerStack:
     def set_adapters(self, adapters) -> None:
         """Draft heads (and shadow tokens) of layers with an adapter become head(norm(h) @ A + b); None: own head."""
         if adapters is not None:
-            adapters = adapters.to(self.dtype, self.norm_weight.device)
+            adapters = adapters.to(self.dtype, self.head_device)
         self.adapters = adapters
+
+    @property
+    def devices(self) -> list[torch.device]:
+        """Every device the stack computes on (several under a device_map), each once."""
+        return list(dict.fromkeys([self.embed_weight.device, *(lay.device for lay in self.layers), self.head_device]))
+
+    def synchronize(self) -> None:
+        """Wait for the queued kernels of every device the stack uses, before reading a clock (no-op on CPU)."""
+        for device in self.devices:
+            synchronize(device)
 
     @staticmethod
     def _wrap(layer: nn.Module) -> _Layer:
@@ -260,10 +287,10 @@ class LayerStack:
             fn()  # warm-up
             times = []
             for _ in range(reps):
-                synchronize(x.device)
+                self.synchronize()
                 t0 = time.perf_counter()
                 fn()
-                synchronize(x.device)
+                self.synchronize()
                 times.append(time.perf_counter() - t0)
             return statistics.median(times)
 
@@ -350,23 +377,34 @@ class LayerStack:
 
     # ---- layers -----------------------------------------------------------------------------
     def forward_layers(self, h: torch.Tensor, start: int, end: int, pos: int, cache: KVCache,
-                       collect: list | None = None, tree: TreeMask | None = None) -> torch.Tensor:
+                       collect: list | None = None, tree: TreeMask | None = None,
+                       keep: int | None = None) -> torch.Tensor:
         """Run 0-based layers [start, end) on h: [1, T, D] holding positions pos .. pos+T-1.
 
         Each layer writes its keys/values at those positions and attends to [0, pos+T). With `collect`,
-        every layer's output [1, T, D] is appended to it (DEL's shadow tokens read them). With `tree`, the T
-        tokens are a token tree: slots pos .. pos+T-1 still, but RoPE positions and the mask from the tree."""
+        every layer's output [1, T, D] is appended to it (DEL's shadow tokens read them); with `keep` too, only
+        its last `keep` positions [1, keep, D], copied, so no layer's whole output outlives the next layer (DEL's
+        prefill: (L−1)·w·D kept of a P-token prompt, not (L−1)·P·D). With `tree`, the T tokens are a token tree:
+        slots pos .. pos+T-1 still, but RoPE positions and the mask from the tree."""
         T = h.shape[1]
         cos, sin, mask = self._rope_and_mask(pos, T, h.device, tree)
+        trim = collect is not None and keep is not None and keep < T
         if self.fused is not None and start < end:
-            return self._forward_fused(h, start, end, pos, cache, collect, cos, sin, mask)
+            if not trim:
+                return self._forward_fused(h, start, end, pos, cache, collect, cos, sin, mask)
+            for i in range(start, end):  # one layer a call, so each layer's whole output can go
+                h = self._forward_fused(h, i, i + 1, pos, cache, None, cos, sin, mask)
+                collect.append(h[:, -keep:].clone())
+            return h
         for i in range(start, end):
             if cache.lengths[i] < pos:
                 raise RuntimeError(f"layer {i} holds {cache.lengths[i]} positions; cannot write at {pos}")
+            if cos.device != self.layers[i].device:  # device_map: the layers moved on to another device
+                cos, sin, mask = _moved(self.layers[i].device, cos, sin, mask)
             h = self._layer(i, h, pos, cos, sin, mask, cache)
             cache.lengths[i] = pos + T
             if collect is not None:
-                collect.append(h)
+                collect.append(h[:, -keep:].clone() if trim else h)  # a clone: a view would keep all T rows alive
         return h
 
     def _forward_fused(self, h, start, end, pos, cache: KVCache, collect, cos, sin, mask) -> torch.Tensor:
@@ -461,6 +499,8 @@ class LayerStack:
         T = h.shape[1]
         cos, sin, mask = self._rope_and_mask(pos, T, h.device)
         for i in range(self.num_layers):
+            if cos.device != self.layers[i].device:  # device_map: the layers moved on to another device
+                cos, sin, mask = _moved(self.layers[i].device, cos, sin, mask)
             if i not in skip_attn:
                 if cache.lengths[i] < pos:
                     raise RuntimeError(f"layer {i} holds {cache.lengths[i]} positions; cannot attend at {pos}")

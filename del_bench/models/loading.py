@@ -45,10 +45,47 @@ def load(cfg) -> Loaded:
     else:
         raise ValueError(f"model.source must be hub, local, gguf_package or tiny_random, not {cfg.source!r}")
     model.eval()
+    check_resident(model)
     if model.config.num_hidden_layers != cfg.num_layers:
         raise ValueError(f"model {cfg.name}: config says num_layers={cfg.num_layers} but the checkpoint "
                          f"has {model.config.num_hidden_layers}; fix configs/model/{cfg.name}.yaml")
     return Loaded(model, tokenizer, model.config.num_hidden_layers, str(next(model.parameters()).device))
+
+
+OFFLOAD_TARGETS = {"cpu", "disk"}  # hf_device_map values that mean offloaded when beside an accelerator
+
+
+def check_resident(model) -> None:
+    """Raise ConfigError, naming the modules, when some weights do not live on a device: on 'meta' (accelerate's
+    cpu/disk offload keeps them there and moves them in with hooks at each forward; or never loaded), or mapped to
+    cpu/disk by a device_map that also uses accelerators. The engine (LayerStack) reads the weights itself and runs
+    each layer where its weights live, so offload hooks never run for it: decoding would fail or read nothing."""
+    meta = _modules(name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta)
+    device_map = getattr(model, "hf_device_map", None) or {}
+    targets = {str(d) for d in device_map.values()}
+    offloaded = []
+    if "disk" in targets or (targets & OFFLOAD_TARGETS and targets - OFFLOAD_TARGETS):
+        offloaded = [name for name, d in device_map.items() if str(d) in OFFLOAD_TARGETS]
+    if meta or offloaded:
+        where = "; ".join([f"on the meta device: {_listed(meta)}"] * bool(meta) + [
+            f"offloaded by device_map to cpu/disk: {_listed(offloaded)}"] * bool(offloaded))
+        raise ConfigError(f"model weights are not resident ({where}). The engine runs each layer where its weights "
+                          "live and cannot use offloaded or meta weights: give device_map enough accelerator memory "
+                          "(more GPUs, max_memory) or load the model whole on one device (model.device).")
+
+
+def _modules(param_names) -> list[str]:
+    """Parameter names → their modules, in order, each once ('model.layers.3.mlp.up_proj.weight' → 'model.layers.3')."""
+    seen = {}
+    for name in param_names:
+        parts = name.split(".")
+        cut = parts.index("layers") + 2 if "layers" in parts[:-1] else len(parts) - 1
+        seen.setdefault(".".join(parts[:cut]) or name, None)
+    return list(seen)
+
+
+def _listed(names: list[str], most: int = 8) -> str:
+    return ", ".join(names[:most]) + (f", … ({len(names)} in all)" if len(names) > most else "")
 
 
 def _load_hub(cfg, dtype):
