@@ -46,7 +46,7 @@ SCRIPTS = {
 }
 NOT_HERE = {  # scripts in scripts/ that this file does not run, and why
     "bench_gpu.py": "tests/test_bench_gpu.py",
-    "bench_memory.py": "not a bench of issue 24's list (added later)",
+    "bench_memory.py": "tests/test_memory.py (in a subprocess: it sets the process's malloc for measuring)",
     "check_half_lossless.py": "a check, not a bench (added later)",
     "freeze_constraints.py": "writes constraints.txt from the environment",
 }
