@@ -88,6 +88,10 @@ class SampleRecord:
     # the decoder-layer loop that decoded it (LayerStack.layer_path): fused | eager (None: a record from before the
     # choice existed, which was eager). It changes speed, never tokens; machine_of keeps the two apart
     layer_path: str | None = None
+    # greedy half-precision runs only (else None): per output token, the top-2 gap of the logits it was chosen from,
+    # in ulps of the model's dtype at the top logit (del_bench/numerics.py). A Vanilla run's gaps say whether another
+    # run's first departure from it is a near-tie (≤ NEAR_TIE_ULPS: allowed in half precision) or a real one
+    top2_gap_ulps: list[float] | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)

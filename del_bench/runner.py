@@ -218,6 +218,7 @@ def decode_turns(cfg, engine, tokenizer, task, method, sample, repeat, loaded) -
     history: list[tuple[str, str]] = []
     turns: list[dict] = []
     rounds: list[dict] = []
+    gaps: list[float] | None = []  # the turns' top-2 gaps, concatenated like their output_ids (None: not recorded)
     with memory.PeakMemory(loaded.device) as peak:  # the whole conversation
         for t, user in enumerate(sample.turns):
             prompt = task.render(sample, history)
@@ -230,6 +231,7 @@ def decode_turns(cfg, engine, tokenizer, task, method, sample, repeat, loaded) -
                           "wall_s": gen.wall_s, "rounds": len(gen.rounds), "loaded_layers": gen.loaded_layers,
                           "head_calls": gen.head_calls, "drafted": gen.drafted, "accepted": gen.accepted})
             rounds += [{"sample_id": sample.id, "repeat": repeat, "turn": t, **r.as_dict()} for r in gen.rounds]
+            gaps = None if gaps is None or gen.top2_gap_ulps is None else gaps + gen.top2_gap_ulps
             history.append((user, text.strip()))  # as Spec-Bench puts the answer back into the conversation
 
     def total(key):
@@ -245,7 +247,8 @@ def decode_turns(cfg, engine, tokenizer, task, method, sample, repeat, loaded) -
         tokens_per_s=tokens / wall_s if wall_s > 0 else None, etpl=tokens / layers if layers else None,
         drafted=total("drafted"), accepted=total("accepted"),
         scores=None if task.batch_scoring else task.score(sample, text), peak_memory_bytes=peak.bytes,
-        memory_measure=peak.measure, category=sample.category, prompt_format=task.prompt_format, turns=turns)
+        memory_measure=peak.measure, category=sample.category, prompt_format=task.prompt_format, turns=turns,
+        top2_gap_ulps=gaps)
     return record, rounds
 
 
@@ -257,7 +260,7 @@ def sample_record(sample, repeat, prompt_ids, gen, text, task, num_layers) -> Sa
         loaded_layers=gen.loaded_layers, head_calls=gen.head_calls, rounds=len(gen.rounds), wall_s=gen.wall_s,
         tokens_per_s=tokens / gen.wall_s if gen.wall_s > 0 else None,
         etpl=tokens / gen.loaded_layers if gen.loaded_layers else None,
-        drafted=gen.drafted, accepted=gen.accepted, category=sample.category,
+        drafted=gen.drafted, accepted=gen.accepted, category=sample.category, top2_gap_ulps=gen.top2_gap_ulps,
         scores=None if task.batch_scoring else task.score(sample, text))  # batch: set by score_pending
 
 

@@ -22,8 +22,9 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="no CUDA device here: the lossless tests ran on CPU only"))]
 
 
-def tiny_model(**overrides):
-    model, tokenizer = build_tiny_random(OmegaConf.create({**TINY, **overrides}), torch.float64)
+def tiny_model(dtype=torch.float64, **overrides):
+    """float64 where exactness matters; bfloat16/float16 for the half-precision rule (tests/test_half_precision.py)."""
+    model, tokenizer = build_tiny_random(OmegaConf.create({**TINY, **overrides}), dtype)
     return model.eval(), tokenizer
 
 

@@ -54,6 +54,7 @@ from del_bench.engine.sampling import (
 )
 from del_bench.methods.base import MAX_DEFERRED, Method, RoundEvidence, Shadow, SkipSet
 from del_bench.models.layer_stack import KVCache, LayerStack, TreeMask, cat_on
+from del_bench.numerics import gap_ulps, is_half, widened
 
 
 @dataclass
@@ -97,11 +98,14 @@ class Verified:
     rows: dict[int, int] = field(default_factory=dict)  # verified row → the verifier's greedy token there
     siblings: Siblings | None = None  # a token tree's leaves beside the chain (SWIFT with `tree: true`)
     leaf: int | None = None  # set by _accept: the accepted sibling's row, if a sibling ended the path
+    gaps: dict[int, float] | None = None  # half precision only: verified row → its top-2 gap in ulps
 
     def row(self, i: int) -> torch.Tensor:
         """The verifier's logits [V] at position i (the target_row of accept_greedy / accept_sampling)."""
         logits = self.head(self.h[:, i : i + 1])[0, 0]  # [V]
         self.rows[i] = int(logits.argmax())
+        if self.gaps is not None:
+            self.gaps[i] = gap_ulps(logits)
         return logits
 
 
@@ -121,6 +125,8 @@ class Engine:
         self.eos_ids = set(eos_ids)
         self.stop = stop
         self.device = stack.embed_weight.device  # token ids start here; logits, the RNG: stack.head_device
+        # greedy in half precision: each output token's top-2 gap is recorded (Generation.top2_gap_ulps, numerics.py)
+        self.track_gaps = is_half(stack.dtype) and not sampling.do_sample
         self._cache: KVCache | None = None
 
     @property
@@ -155,7 +161,7 @@ class Engine:
         method.start(L)
         self._deferred: list[tuple[RoundEvidence, torch.Tensor, torch.Tensor]] = []  # unscored shadow windows
         self._shadow_rows = 0  # shadow rows scored since the last Round was recorded (Round.shadow_rows)
-        gen = Generation(output_ids=[])
+        gen = Generation(output_ids=[], top2_gap_ulps=[] if self.track_gaps else None)
         self.stack.synchronize()
         t0 = time.perf_counter()
         if max_new_tokens > 0:
@@ -183,8 +189,10 @@ class Engine:
         layers = [] if method.wants_shadow else None  # each layer's last w positions [1, w, D]: the shadow window
         w = min(method.prefill_window, len(prompt_ids))
         h = st.forward_layers(st.embed(self._ids(prompt_ids)), 0, L, 0, cache, collect=layers, keep=w)  # [1, P, D]
-        token, _ = choose(st.logits(h[:, -1:])[0, -1], self.sampling, rng)
+        logits = st.logits(h[:, -1:])[0, -1]  # [V]
+        token, _ = choose(logits, self.sampling, rng)
         self._emit(gen, [token])
+        self.record_gap(gen, 0, logits)
         t_policy = time.perf_counter()
         head_rows = 1
         if layers is not None:
@@ -287,8 +295,9 @@ class Engine:
         keep = True
         if method.wants_confidence:
             # the draft distribution's top probability: it does not depend on which token was
-            # sampled, so stopping on it keeps speculative sampling exact
-            confidence = float(q.max() if q is not None else logits.softmax(-1).max())
+            # sampled, so stopping on it keeps speculative sampling exact. In float32 for half-precision models
+            # (numerics.widened): τ comes from shadow confidences computed so, and both must compare like with like
+            confidence = float(q.max() if q is not None else widened(logits).softmax(-1).max())
             draft.confidences.append(confidence)
             tp = time.perf_counter()
             keep = method.keep_drafting(len(draft.drafts), confidence)
@@ -346,7 +355,7 @@ class Engine:
         siblings, mask, where = tree if tree else ([], None, None)
         tokens = [pending, *draft.drafts, *siblings]
         h = st.forward_layers(st.embed(self._ids(tokens)), 0, st.num_layers, pos, cache, tree=mask)  # [1, T, D]
-        return Verified(st.norm(h), None, st.head, siblings=where)
+        return Verified(st.norm(h), None, st.head, siblings=where, gaps={} if self.track_gaps else None)
 
     def _probe(self, method: Method, n: int, gen: Generation, cache) -> dict:
         """The optimiser's step, when the method asks for one (Method.probe): the candidate draft model runs
@@ -379,7 +388,7 @@ class Engine:
         late: list[torch.Tensor] | None = None if draft.early is None else []  # [layer] → [1, d+1, D]
         states = torch.cat(draft.exit_states, dim=1)  # [1, d+1, D]
         h = self.stack.norm(self.stack.forward_layers(states, E, self.stack.num_layers, pos, cache, collect=late))
-        return Verified(h, late, self.stack.head)
+        return Verified(h, late, self.stack.head, gaps={} if self.track_gaps else None)
 
     def _accept(self, draft: Draft, verified: Verified, n: int, cache, gen: Generation, rng) -> tuple[int, int]:
         """Accept a prefix of the drafts (greedy: the verifier's argmax; sampling: speculative sampling)
@@ -392,6 +401,7 @@ class Engine:
         else:
             k, next_token = accept_greedy(draft.drafts, verified.row)
         emitted = self._emit(gen, draft.drafts[:k] + [next_token])
+        self._record_gaps(gen, verified, range(emitted))  # token j of the round came from row j
         cache.crop(n + k)  # keep the pending token and the accepted drafts; the new pending is next_token
         return k, emitted
 
@@ -411,6 +421,8 @@ class Engine:
             path.append(sib.tokens[k][j])
             cache.move(n - 1 + verified.leaf, n + k)  # its row's slot → right after the accepted chain
         emitted = self._emit(gen, path + [next_token])
+        rows = [*range(k + 1), *([verified.leaf] if j is not None else [])]  # the chain's rows, then the leaf's
+        self._record_gaps(gen, verified, rows[:emitted])
         cache.crop(n + len(path))
         return len(path), emitted
 
@@ -471,6 +483,18 @@ class Engine:
     def _take_shadow_rows(self) -> int:
         rows, self._shadow_rows = self._shadow_rows, 0
         return rows
+
+    def record_gap(self, gen: Generation, index: int, logits: torch.Tensor) -> None:
+        """Half precision: output token `index` was chosen from logits [V]; keep their top-2 gap (numerics.py)."""
+        if gen.top2_gap_ulps is not None:
+            gen.set_gap(index, gap_ulps(logits))
+
+    def _record_gaps(self, gen: Generation, verified: Verified, rows) -> None:
+        """Half precision: the round's emitted tokens (the last len(rows) of the output) came from these rows."""
+        if gen.top2_gap_ulps is not None:
+            first = len(gen.output_ids) - len(rows)
+            for j, row in enumerate(rows):
+                gen.set_gap(first + j, verified.gaps[row])
 
     def _emit(self, gen: Generation, tokens: list[int]) -> int:
         """Append tokens, stopping after an EOS or the stop condition. Returns how many were appended."""

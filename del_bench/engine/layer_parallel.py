@@ -35,6 +35,7 @@ import torch
 from del_bench.engine.rounds import Round
 from del_bench.engine.sampling import accepts, choose, residual
 from del_bench.models.layer_stack import cat_on
+from del_bench.numerics import widened
 
 
 class _Deferred:
@@ -98,7 +99,7 @@ def _step(engine, prompt_len, cache, gen, method, rng, deferred: _Deferred, flus
             logits = st.exit_logits(h[:, -1:], layer)[0, -1]  # [V]
             head_rows += 1
             adapter_rows += st.has_adapter(layer)
-            probs = sampling.probs(logits) if sampling.do_sample else logits.softmax(-1)
+            probs = sampling.probs(logits) if sampling.do_sample else widened(logits).softmax(-1)
             if float(probs.max()) > method.gamma:  # emit the next token here; defer t's deeper layers
                 token, q = choose(logits, sampling, rng)
                 for p in range(start, end + 1):
@@ -123,6 +124,7 @@ def _step(engine, prompt_len, cache, gen, method, rng, deferred: _Deferred, flus
         if index < len(gen.output_ids):  # an early prediction: keep it or replace it
             token = gen.output_ids[index]
             kept, replacement = _verify(token, row, deferred.q.get(p), sampling, rng)
+            engine.record_gap(gen, index, row)  # kept or replaced, token `index` is final now, chosen from row
             verified.append([index, deferred.layer.get(p), kept])
             if not kept:
                 dropped = len(gen.output_ids) - index - 1  # the tokens after the rejected one
@@ -134,6 +136,7 @@ def _step(engine, prompt_len, cache, gen, method, rng, deferred: _Deferred, flus
         else:  # p = n − 1, t's own position: the next token at full depth
             token, _ = choose(row, sampling, rng)
             _emit(engine, gen, token)
+            engine.record_gap(gen, index, row)
             token_index = index
     deferred.clear()  # every deferred position is verified now (or dropped)
     t_end = time.perf_counter()

@@ -43,6 +43,14 @@ class Generation:
     rounds: list[Round] = field(default_factory=list)
     wall_s: float = 0.0
     stopped: bool = False  # ended by EOS or a stop condition (not by max_new_tokens)
+    # half-precision models only (else None): per output token, the top-2 gap of the logits it was chosen from, in
+    # ulps (del_bench/numerics.py) — what judges a later departure from this output as a near-tie or a real one
+    top2_gap_ulps: list[float] | None = None
+
+    def set_gap(self, index: int, gap: float) -> None:
+        """The gap of output token `index` (tokens after it, dropped by a rejection, lose theirs)."""
+        if self.top2_gap_ulps is not None:
+            self.top2_gap_ulps[index:] = [gap]
 
     @property
     def loaded_layers(self) -> int:

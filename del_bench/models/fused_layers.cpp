@@ -23,9 +23,11 @@ Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) {
 }
 
 // layer_stack._linear without a bias: x [T, in] times weight [out, in]ᵀ (+ residual [T, out]) → [T, out]. On CPU
-// as weight @ Xᵀ with X at least two rows (MKL's few-column GEMM streams these matrices fastest: see _linear).
+// as weight @ Xᵀ with X at least two rows (MKL's few-column GEMM streams these matrices fastest: see _linear) and the
+// residual joined in one addmm; in half precision HF's x @ Wᵀ and a separate add, which round as HF does.
 Tensor product(const Tensor& x, const Tensor& weight, const c10::optional<Tensor>& residual) {
-  if (!x.is_cpu()) {
+  const bool half = x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf;
+  if (!x.is_cpu() || half) {
     Tensor y = at::mm(x, weight.t());
     return residual ? *residual + y : y;
   }
@@ -35,10 +37,27 @@ Tensor product(const Tensor& x, const Tensor& weight, const c10::optional<Tensor
   return y.narrow(1, 0, T).t().contiguous();
 }
 
+// layer_stack._attend: SDPA of q [1, H, T, hd] over k, v [1, KV, pos+T, hd]. No mask over several queries: from an
+// empty cache is_causal, over a cache row by row (each row the single-query call of a decode step).
+Tensor attend(const Tensor& q, const Tensor& k, const Tensor& v, const c10::optional<Tensor>& mask, int64_t pos,
+              double scale, bool gqa) {
+  const int64_t T = q.size(2);
+  if (!mask && T > 1 && pos > 0) {
+    std::vector<Tensor> rows;
+    for (int64_t i = 0; i < T; ++i)
+      rows.push_back(at::scaled_dot_product_attention(q.narrow(2, i, 1), k.narrow(2, 0, pos + i + 1),
+                                                      v.narrow(2, 0, pos + i + 1), c10::nullopt, 0.0, false, scale,
+                                                      gqa));
+    return at::cat(rows, 2);
+  }
+  return at::scaled_dot_product_attention(q, k, v, mask, 0.0, !mask && T > 1, scale, gqa);
+}
+
 // h: [T, D] the states of positions pos .. pos+T-1. weights: 6 per layer, in order (matrices [out, in], HF's layout)
 //   in_norm [D], qkv [(H+2·KV)·hd, D], o [D, H·hd], post_norm [D], gate_up [2·I, D], down [D, I].
 // k, v: every layer's cache [1, KV, max_len, hd], written at pos .. pos+T-1 in place.
-// cos, sin: [T, 1, hd] (sin signed: rotate_half(x)·sin == roll(x, hd/2)·(sign·sin)); mask: [T, pos+T] bool or none.
+// cos, sin: [T, 1, hd] (sin signed: rotate_half(x)·sin == roll(x, hd/2)·(sign·sin)); mask: [T, pos+T] bool, or none
+// (one query, a causal chain from an empty cache, or a chain attended row by row: see attend).
 // Returns the last layer's output [T, D], or with `collect` every layer's output (end - start of them).
 std::vector<Tensor> forward_layers(Tensor h, const std::vector<Tensor>& weights, const std::vector<Tensor>& k,
                                    const std::vector<Tensor>& v, int64_t start, int64_t end, int64_t pos,
@@ -56,8 +75,7 @@ std::vector<Tensor> forward_layers(Tensor h, const std::vector<Tensor>& weights,
     k[i].narrow(2, pos, T).copy_(qk.narrow(1, H, KV).transpose(0, 1).unsqueeze(0));        // [1, KV, T, hd]
     v[i].narrow(2, pos, T).copy_(qkv.narrow(1, H + KV, KV).transpose(0, 1).unsqueeze(0));
     Tensor q = qk.narrow(1, 0, H).transpose(0, 1).unsqueeze(0);                             // [1, H, T, hd]
-    Tensor attn = at::scaled_dot_product_attention(q, k[i].narrow(2, 0, pos + T), v[i].narrow(2, 0, pos + T), mask,
-                                                   0.0, false, scale, KV != H);             // [1, H, T, hd]
+    Tensor attn = attend(q, k[i].narrow(2, 0, pos + T), v[i].narrow(2, 0, pos + T), mask, pos, scale, KV != H);
     h = product(attn[0].transpose(0, 1).reshape({T, H * hd}), w[2], h);
     // MLP: h + down(silu(gate) · up), gate|up from one matmul
     x = rms_norm(h, w[3], eps);

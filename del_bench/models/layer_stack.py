@@ -23,6 +23,7 @@ from torch import nn
 
 from del_bench.models import fused
 from del_bench.models.loading import check_resident
+from del_bench.numerics import HALF_DTYPES
 
 
 def synchronize(device: torch.device) -> None:
@@ -67,6 +68,21 @@ def _widened(logits: torch.Tensor) -> torch.Tensor:
     return logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
 
 
+def _attend(q, k, v, mask: torch.Tensor | None, pos: int, scale: float, gqa: bool) -> torch.Tensor:
+    """SDPA of q [1, H, T, hd] (positions pos .. pos+T-1) over k, v [1, KV, pos+T, hd] → [1, H, T, hd]. With no mask
+    (_rope_and_mask) over several queries: from an empty cache, `is_causal` (T queries, T keys: top-left and
+    bottom-right alignment agree; HF's prefill makes the same call); with a cache, row by row, each row the single-query
+    call a decode step makes over its own keys [0, pos+i] — the SDPA kernel's bits depend on the key length, so a
+    masked batch row is not a decode step's. fused_layers.cpp: the same rule."""
+    T = q.shape[2]
+    if mask is None and T > 1 and pos > 0:
+        return torch.cat([F.scaled_dot_product_attention(q[:, :, i : i + 1], k[:, :, : pos + i + 1],
+                                                         v[:, :, : pos + i + 1], scale=scale, enable_gqa=gqa)
+                          for i in range(T)], dim=2)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1, scale=scale,
+                                          enable_gqa=gqa)
+
+
 def _fuse_rows(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One [Σout, in] matrix (HF's own layout, concatenated) for linears that read the same input (q|k|v, gate|up).
     The HF modules are re-pointed at row slices of it, so no weight is stored twice and the HF model still runs (on
@@ -94,13 +110,17 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, re
     before): a whole token's layers at one position take 0.96× / 1.03× the time, at 2 positions 0.63× / 0.73× and at
     5 positions 0.72× / 0.86× — a verification batch of 2 now costs ~1.1 single positions, not ~1.5. The LM head
     likewise from 2 rows (SmolLM2: 2 rows 5.2 vs 8.5 ms, 5 rows 7.0 vs 20 ms; one row: see LayerStack.head). Elsewhere
-    (CUDA) it is x @ Wᵀ."""
+    (CUDA) it is x @ Wᵀ, and so it is in half precision on CPU: HF's own product, which rounds as HF's nn.Linear does
+    (float16's CPU GEMM gives other bits as W @ Xᵀ; bfloat16's the same), with the residual added as its own op, as
+    in LlamaDecoderLayer (addmm would round once where HF rounds the product and then the sum)."""
     T = x.shape[1]
-    if x.device.type != "cpu":
+    if x.device.type != "cpu" or x.dtype in HALF_DTYPES:
         y = x[0] @ weight.t()  # [T, out]
     else:
         rows = x[0] if T > 1 else x[0].expand(2, -1).contiguous()  # [T', in], T' ≥ 2
-        if residual is not None and bias is None:  # one kernel: residual + W @ Xᵀ (residual broadcast over the rows)
+        if residual is not None and bias is None:
+            # one kernel: residual + W @ Xᵀ (residual broadcast over the rows); float32/float64 keep it (the
+            # exactness tests hold their tokens)
             y = torch.addmm(residual[0].t(), weight, rows.t())  # [out, T']
             return y[:, :T].t().contiguous()[None]  # [1, T, out]
         y = (weight @ rows.t())[:, :T].t().contiguous()  # [T, out]
@@ -203,6 +223,11 @@ class LayerStack:
         self.eps: float = config.rms_norm_eps
         self.scale = self.head_dim**-0.5
         self.dtype = inner.embed_tokens.weight.dtype
+        # half precision on CPU: a chain of several new positions over a cache (verification) attends row by row, so
+        # each row is the bits of a decode step (_attend; in bfloat16 the products' rows are too, in float16 the CPU
+        # GEMM's bits change with the row count). Not on CUDA, where the GEMMs' kernels change with the row count as
+        # well, and a launch per row would cost more than it buys
+        self.exact_rows = self.dtype in HALF_DTYPES and inner.embed_tokens.weight.device.type == "cpu"
         head = model.get_output_embeddings()
         # One device rule (device_map across GPUs): each layer runs where its weights live, its KV cache beside it;
         # token ids start on the embedding's device; everything after the layers — the final norm, exit adapters,
@@ -214,7 +239,9 @@ class LayerStack:
         # make bench-parts), 2+ rows far slower (8.5 vs 5.2 ms at 2 rows): on CPU keep the copy for single rows
         self.head_weight = head.weight.detach()
         self.head_bias = None if head.bias is None else head.bias.detach()
-        self.head_t = self.head_weight.t().contiguous() if self.head_weight.device.type == "cpu" else None
+        # (half precision: HF's own product, see _linear)
+        cpu_layout = self.head_weight.device.type == "cpu" and self.dtype not in HALF_DTYPES
+        self.head_t = self.head_weight.t().contiguous() if cpu_layout else None
         self.embed_weight = inner.embed_tokens.weight.detach()
         self.vocab_size = self.head_weight.shape[0]
         self.layers = [self._wrap(layer) for layer in inner.layers[: self.num_layers]]
@@ -514,12 +541,15 @@ class LayerStack:
     def _rope_and_mask(self, pos: int, T: int, device, tree: TreeMask | None = None):
         """cos, sin [1, T, 1, hd] (broadcast over heads; sin signed, see _ensure_rope) and the attention mask
         [T, pos+T] of T new positions from pos. A chain: positions pos.., bottom-right-aligned causal mask (query i
-        sees keys 0..pos+i; a single query sees every cached key, so no mask at all: None). A tree: positions
-        pos + depth, each node sees the prefix, its ancestors and itself."""
+        sees keys 0..pos+i). No mask (None) where SDPA needs none, as HF's sdpa_attention_forward passes none, so that
+        SDPA may choose its flash / memory-efficient kernels (and rounds as HF's call does): a single query sees every
+        cached key; a prefill from an empty cache (pos 0) is `is_causal`; with `exact_rows`, a chain over a cache runs
+        row by row (see _attend). A tree: positions pos + depth, each node sees the prefix, its ancestors and itself."""
         if tree is None:
             cos, sin = self._cos[pos : pos + T], self._sin[pos : pos + T]
             mask = None
-            if T > 1:
+            # is_causal would be top-left aligned here: wrong with a cache (DESIGN §2), so a mask or rows
+            if T > 1 and pos > 0 and not self.exact_rows:
                 keys = torch.arange(pos + T, device=device)
                 mask = keys[None, :] <= (pos + torch.arange(T, device=device))[:, None]
         else:
@@ -555,7 +585,7 @@ class LayerStack:
         else:  # the cached prefix [0, pos) and this pass's own keys, [1, KV, end, hd]
             k = torch.cat([cache.k[i][:, :, :pos], qk[:, :, H:].transpose(1, 2)], dim=2)
             v = torch.cat([cache.v[i][:, :, :pos], qkv[:, :, H + KV :].transpose(1, 2)], dim=2)
-        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=KV != H)
+        attn = _attend(q, k, v, mask, pos, self.scale, KV != H)  # [1, H, T, hd]
         return _linear(attn.transpose(1, 2).reshape(1, T, H * hd), w.w_o, w.b_o, residual=h)
 
     def _mlp(self, i, h) -> torch.Tensor:

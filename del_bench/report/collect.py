@@ -21,6 +21,7 @@ from typing import Iterable
 
 import pandas as pd
 
+from del_bench.numerics import compare
 from del_bench.records import RunKey, read_jsonl, run_key_of
 
 # the committed reference records behind results/tables and results/figures (working runs: results/runs)
@@ -114,21 +115,47 @@ def add_lossless(df: pd.DataFrame) -> pd.DataFrame:
     """outputs_equal / outputs_compared: of a greedy run's outputs that its Vanilla partner also decoded, how many
     are token-identical to the partner's (Spec-Bench's equality check, from records alone). NaN where there is
     nothing to compare: Vanilla itself, sampling runs, no partner. With several partner runs (repeats), the first
-    by run_dir is the reference: greedy Vanilla repeats on one machine decode the same tokens."""
-    reference: dict[tuple, dict] = {}
+    by run_dir is the reference: greedy Vanilla repeats on one machine decode the same tokens.
+    near_tie_at / departs_at: where the outputs that differ first depart (token index), split by the partner's recorded
+    top-2 gap there (half precision, del_bench/numerics.py): a near-tie is allowed, a real departure is not. Empty
+    where the partner recorded no gaps (full precision: there any departure is a real one)."""
+    reference: dict[tuple, tuple[str, dict]] = {}
     for _, v in df[df["method"] == "vanilla"].sort_values("run_dir").iterrows():
-        reference.setdefault(tuple(v[k] for k in PAIR_KEYS), v["outputs"])
-    equal, compared = [], []
+        reference.setdefault(tuple(v[k] for k in PAIR_KEYS), (v["run_dir"], v["outputs"]))
+    equal, compared, near_tie_at, departs_at = [], [], [], []
     for _, r in df.iterrows():
-        base = reference.get(tuple(r[k] for k in PAIR_KEYS))
+        base_dir, base = reference.get(tuple(r[k] for k in PAIR_KEYS), (None, None))
+        near, real = [], []
+        near_tie_at.append(near)
+        departs_at.append(real)
         if r["method"] == "vanilla" or r["decoding"] != "greedy" or base is None:
             equal.append(math.nan)
             compared.append(math.nan)
             continue
         common = [k for k in r["outputs"] if k in base]
-        equal.append(sum(r["outputs"][k] == base[k] for k in common))
+        differ = {k for k in common if r["outputs"][k] != base[k]}
+        equal.append(len(common) - len(differ))
         compared.append(len(common))
-    return df.assign(outputs_equal=equal, outputs_compared=compared)
+        if differ:
+            near[:], real[:] = departures(r["run_dir"], base_dir, differ)
+    return df.assign(outputs_equal=equal, outputs_compared=compared, near_tie_at=near_tie_at, departs_at=departs_at)
+
+
+def departures(run_dir: str, reference_dir: str, keys: set) -> tuple[list[int], list[int]]:
+    """(near-tie, real) first-departure positions of run_dir's outputs `keys` ((sample_id, repeat)) from
+    reference_dir's, judged by the reference's recorded top-2 gaps; outputs whose reference has none are left out.
+    Read from samples.jsonl only for runs whose outputs differ (load_run keeps digests, not tokens)."""
+    def by_key(path):
+        return {(str(s["sample_id"]), s.get("repeat", 0)): s for s in read_jsonl(Path(path) / "samples.jsonl")}
+
+    ours, ref = by_key(run_dir), by_key(reference_dir)
+    near, real = [], []
+    for key in sorted(keys):
+        gaps = ref[key].get("top2_gap_ulps")
+        if gaps is not None:
+            d = compare(ours[key]["output_ids"], ref[key]["output_ids"], gaps)
+            (near if d.kind == "near_tie" else real).append(d.position)
+    return sorted(near), sorted(real)
 
 
 def tell_weights_apart(df: pd.DataFrame) -> pd.DataFrame:
@@ -185,6 +212,9 @@ def aggregate(df: pd.DataFrame) -> pd.DataFrame:
     out["sample_set"] = grouped["sample_set"].first()  # the prompt set decides it: one per configuration
     out["outputs_equal"] = grouped["outputs_equal"].sum(min_count=1)  # over repeats; NaN: nothing compared
     out["outputs_compared"] = grouped["outputs_compared"].sum(min_count=1)
+    if "near_tie_at" in df:  # first-departure positions, pooled over repeats (lists: summed = concatenated)
+        for column in ("near_tie_at", "departs_at"):
+            out[column] = grouped[column].agg(lambda lists: sorted(p for at in lists for p in at))
     return out.reset_index()
 
 

@@ -227,10 +227,19 @@ def _cell(rec: pd.Series | None, metric: str) -> Cell:
 
 def lossless_note(recs) -> str:
     """' (outputs = Vanilla k/n)' when some greedy outputs of these aggregated runs differ from their Vanilla
-    partner's (summed over the runs); '' when all that could be compared are equal."""
+    partner's (summed over the runs); '' when all that could be compared are equal. Where the partner recorded its
+    top-2 gaps (half precision), the note says how many of the others first depart at a near-tie (allowed) and how
+    many really depart, and at which tokens: ' (outputs = Vanilla 22/24; near-tie departures 2 at tokens 16, 63)'."""
     equal = sum(r["outputs_equal"] for r in recs if not _isnan(r.get("outputs_equal")))
     compared = sum(r["outputs_compared"] for r in recs if not _isnan(r.get("outputs_compared")))
-    return f" (outputs = Vanilla {int(equal)}/{int(compared)})" if equal < compared else ""
+    if equal >= compared:
+        return ""
+    parts = [f"outputs = Vanilla {int(equal)}/{int(compared)}"]
+    for label, column in (("near-tie departures", "near_tie_at"), ("real departures", "departs_at")):
+        at = sorted(p for r in recs for p in (r.get(column) or []))
+        if at:
+            parts.append(f"{label} {len(at)} at tokens {', '.join(map(str, at))}")
+    return f" ({'; '.join(parts)})"
 
 
 def _isnan(value) -> bool:

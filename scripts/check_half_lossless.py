@@ -1,0 +1,131 @@
+"""Lossless in half precision, measured (DESIGN.md §2; del_bench/numerics.py): every method's greedy output against
+transformers' `generate` in the same dtype, and against our own Vanilla — equal, a first departure at a near-tie
+(the reference's top-2 gap ≤ NEAR_TIE_ULPS ulps there), or a real departure.
+
+    python scripts/check_half_lossless.py [--model testbed] [--dtype bfloat16] [--prompts 6] [--max-new-tokens 64]
+        [--layers auto] [--out results/runs/bench/half_lossless.json]
+
+`--model testbed`: the held-out code prompts of its training run (never trained on); `--model tiny`: the tests' tiny
+random Llama (tests/conftest.py TINY) on short byte prompts. Prints one line per (method, prompt) and the fractions;
+exits 1 if any output departs from either reference at other than a near-tie.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+
+from del_bench.config import CONFIG_DIR
+from del_bench.engine.decode import Engine
+from del_bench.engine.sampling import Sampling
+from del_bench.methods.dv import DraftVerify
+from del_bench.methods.dynamic_exit import DEL
+from del_bench.methods.fs import FiniteState
+from del_bench.methods.ls import LayerSkip
+from del_bench.methods.swift import Swift
+from del_bench.methods.vanilla import Vanilla
+from del_bench.models import loading
+from del_bench.models.layer_stack import LayerStack
+from del_bench.numerics import compare, gap_ulps
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4, num_kv_heads=2, init_std=0.1,
+            late_residual_scale=0.3, seed=0)  # tests/conftest.py's
+TINY_PROMPTS = ["def add(a, b):\n", "The quick brown fox", "x", "import os\nimport sys\n", "Once upon a time",
+                "for i in range(10):"]
+
+
+def methods(exit_layer: int) -> list[tuple[object, bool]]:
+    """(method, counted in the issue's Vanilla/LS/DEL/SWIFT figure): the paper's methods at the model's default exit
+    layer, DEL's CPU controller (restricted, deferred shadow scoring), SWIFT with its on-the-fly optimiser."""
+    return [(Vanilla(), True), (LayerSkip(exit_layer, 4), True), (FiniteState(exit_layer, 2), False),
+            (DraftVerify(exit_layer), False), (DEL(), True), (DEL(shadow_vocab=256, defer_shadow=True), False),
+            (Swift(context_window=8, seed=0), True)]
+
+
+def load_pair(args):
+    """(reference model, model for our LayerStack, prompts as id lists, eos ids, the model's default exit layer)."""
+    dtype = loading.DTYPES[args.dtype]
+    if args.model == "tiny":
+        build = lambda: loading.build_tiny_random(OmegaConf.create(TINY), dtype)  # noqa: E731
+        (ref, tok), (ours, _) = build(), build()
+        return ref.eval(), ours.eval(), [tok(p)["input_ids"] for p in TINY_PROMPTS[: args.prompts]], set(), 1
+    from del_bench.train.data import heldout_prompts
+
+    cfg = OmegaConf.load(CONFIG_DIR / "model" / f"{args.model}.yaml")
+    cfg.dtype = args.dtype
+    ref, ours = loading.load(cfg), loading.load(cfg)
+    train_cfg = OmegaConf.load(loading.local_dir(cfg) / "train_config.yaml")
+    rows = heldout_prompts(OmegaConf.to_container(train_cfg), args.prompts)
+    prompts = [ref.tokenizer(r["prompt"])["input_ids"] for r in rows]
+    eos = {ref.tokenizer.eos_token_id} - {None}
+    return ref.model, ours.model, prompts, eos, cfg.default_exit_layer
+
+
+def hf_reference(model, prompt: list[int], max_new_tokens: int, eos: set[int]) -> tuple[list[int], list[float]]:
+    """generate's greedy tokens and its top-2 gap (ulps of the model's dtype) at each of them."""
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens,
+                             eos_token_id=sorted(eos) or None, pad_token_id=0, output_logits=True,
+                             return_dict_in_generate=True)
+    tokens = out.sequences[0, len(prompt):].tolist()
+    return tokens, [gap_ulps(step[0], dtype=model.dtype) for step in out.logits]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="testbed", help="testbed | tiny | a local model config")
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32", "float64"))
+    ap.add_argument("--prompts", type=int, default=6)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--layers", default="auto", choices=("auto", "fused", "eager"))
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", default="results/runs/bench/half_lossless.json")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    ref_model, model, prompts, eos, exit_layer = load_pair(args)
+    refs = [hf_reference(ref_model, p, args.max_new_tokens, eos) for p in prompts]
+    stack = LayerStack(model, layers=args.layers)
+    engine = Engine(stack, Sampling(), eos)
+    rows = []
+    vanilla: list = []
+    for method, paper in methods(exit_layer):
+        for i, (prompt, (ref, ref_gaps)) in enumerate(zip(prompts, refs)):
+            gen = engine.generate(prompt, method, args.max_new_tokens, seed=0)
+            if method.name == "vanilla":
+                vanilla.append(gen)
+            own = vanilla[i]
+            rows.append({"method": method.name, "tag": f"{method.name}{method.describe()}", "paper": paper, "prompt": i,
+                         "vs_generate": compare(gen.output_ids, ref, ref_gaps).__dict__,
+                         "vs_vanilla": compare(gen.output_ids, own.output_ids, own.top2_gap_ulps).__dict__})
+            r = rows[-1]
+            print(f"{r['tag'][:60]:60s} prompt {i}: generate {r['vs_generate']}  vanilla {r['vs_vanilla']}")
+    summary = summarise(rows)
+    print(json.dumps(summary, indent=1))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"args": vars(args), "layer_path": stack.layer_path, "summary": summary,
+                               "rows": rows}, indent=1))
+    raise SystemExit(0 if summary["real_departures"] == 0 else 1)
+
+
+def summarise(rows: list[dict]) -> dict:
+    paper = [r for r in rows if r["paper"]]
+    return {
+        "outputs": len(rows),
+        "equal_generate": sum(r["vs_generate"]["kind"] == "equal" for r in rows),
+        "equal_vanilla": sum(r["vs_vanilla"]["kind"] == "equal" for r in rows),
+        # the issue's count: Vanilla, LS, DEL, SWIFT × prompts, equal to generate
+        "paper_methods_equal_generate": f"{sum(r['vs_generate']['kind'] == 'equal' for r in paper)}/{len(paper)}",
+        "near_ties": sum(r[k]["kind"] == "near_tie" for r in rows for k in ("vs_generate", "vs_vanilla")),
+        "real_departures": sum(r[k]["kind"] in ("departs", "unknown") for r in rows
+                               for k in ("vs_generate", "vs_vanilla")),
+    }
+
+
+if __name__ == "__main__":
+    main()
