@@ -58,11 +58,15 @@ def load_pair(args):
     cfg = OmegaConf.load(CONFIG_DIR / "model" / f"{args.model}.yaml")
     cfg.dtype = args.dtype
     ref, ours = loading.load(cfg), loading.load(cfg)
+    exit_layer = cfg.get("default_exit_layer") or 1
+    if cfg.source == "tiny_random":  # configs/model/tiny-random.yaml: no training run to hold prompts out of
+        prompts = [ref.tokenizer(p)["input_ids"] for p in TINY_PROMPTS[: args.prompts]]
+        return ref.model, ours.model, prompts, set(), exit_layer
     train_cfg = OmegaConf.load(loading.local_dir(cfg) / "train_config.yaml")
     rows = heldout_prompts(OmegaConf.to_container(train_cfg), args.prompts)
     prompts = [ref.tokenizer(r["prompt"])["input_ids"] for r in rows]
     eos = {ref.tokenizer.eos_token_id} - {None}
-    return ref.model, ours.model, prompts, eos, cfg.default_exit_layer
+    return ref.model, ours.model, prompts, eos, exit_layer
 
 
 def hf_reference(model, prompt: list[int], max_new_tokens: int, eos: set[int]) -> tuple[list[int], list[float]]:
@@ -78,7 +82,7 @@ def hf_reference(model, prompt: list[int], max_new_tokens: int, eos: set[int]) -
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="testbed", help="testbed | tiny | a local model config")
+    ap.add_argument("--model", default="testbed", help="testbed | tiny (the tests' TINY) | a model config")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32", "float64"))
     ap.add_argument("--prompts", type=int, default=6)
     ap.add_argument("--max-new-tokens", type=int, default=64)

@@ -41,13 +41,14 @@ SCRIPTS = {
                           "--out", "{tmp}/out.json"], "out.json"),
     "bench_swift.py": (["--models", f"{TINY}:0.5", "--tasks", "humaneval", "--limit", "1", "--max-new-tokens", "8",
                         "--grid", "1:2", "--root", "{tmp}/runs", "--out", "{tmp}/out.json"], "out.json"),
+    "check_half_lossless.py": (["--model", TINY, "--dtype", "bfloat16", "--prompts", "1", "--max-new-tokens", "8",
+                                "--layers", "eager", "--out", "{tmp}/out.json"], "out.json"),
     "specbench_speed.py": (["{tmp}/method.jsonl", "{tmp}/baseline.jsonl"], None),
     "tag_experiments.py": (["smoke", "--records-root", "{tmp}/records"], None),
 }
 NOT_HERE = {  # scripts in scripts/ that this file does not run, and why
     "bench_gpu.py": "tests/test_bench_gpu.py",
     "bench_memory.py": "tests/test_memory.py (in a subprocess: it sets the process's malloc for measuring)",
-    "check_half_lossless.py": "a check, not a bench (added later)",
     "freeze_constraints.py": "writes constraints.txt from the environment",
 }
 
