@@ -196,12 +196,38 @@ def test_the_report_says_where_outputs_depart_and_whether_at_a_near_tie(tmp_path
         (tmp_path / name / "samples.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
         return str(tmp_path / name)
 
-    vanilla = write("vanilla", [[1, 2, 3], [4, 5, 6], [7, 8, 9]], gaps=[9.0, 0.5, 30.0])
-    ls = write("ls", [[1, 2, 3], [4, 0, 6], [7, 8, 0]])
-    assert departures(ls, vanilla, {("1", 0), ("2", 0)}) == ([1], [2])  # gap 0.5 at token 1; 30 ulps at token 2
+    vanilla = write("vanilla", [[1, 2, 3], [4, 5, 6], [7, 8, 9], [1, 2, 3]], gaps=[9.0, 0.5, 30.0])
+    ls = write("ls", [[1, 2, 3], [4, 0, 6], [7, 8, 0], [1, 2, 3, 4]])
+    # gap 0.5 at token 1: a near-tie; 30 ulps at token 2, and a departure past the reference's gaps: real ones
+    assert departures(ls, vanilla, {("1", 0), ("2", 0), ("3", 0)}) == ([1], [2, 3])
     full = write("vanilla32", [[4, 5, 6], [7, 8, 9]])  # full precision: no gaps, every departure is a real one
     assert departures(ls, full, {("1", 0)}) == ([], [])
     recs = [{"outputs_equal": 1, "outputs_compared": 3, "near_tie_at": [1], "departs_at": [2]}]
     assert lossless_note(recs) == " (outputs = Vanilla 1/3; near-tie departures 1 at tokens 1; real departures 1 at " \
                                   "tokens 2)"
     assert lossless_note([{"outputs_equal": 2, "outputs_compared": 3}]) == " (outputs = Vanilla 2/3)"
+
+
+def test_sdpa_gets_the_calls_hf_makes(monkeypatch):
+    """Prefill from an empty cache: is_causal, no mask (flash / memory-efficient kernels allowed); one row: no mask;
+    a chain over a cache: an explicit bottom-right mask (is_causal is top-left aligned there) — or, in half precision
+    on CPU, one unmasked single-row call per row over its own keys."""
+    import torch.nn.functional as F
+
+    calls = []
+    sdpa = F.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, is_causal=False, **kwargs):
+        calls.append((q.shape[2], k.shape[2], attn_mask is not None, is_causal))
+        return sdpa(q, k, v, attn_mask=attn_mask, is_causal=is_causal, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    for dtype, verification in ((torch.float64, [(3, 8, True, False)]),
+                                (torch.bfloat16, [(1, 6, False, False), (1, 7, False, False), (1, 8, False, False)])):
+        stack = LayerStack(tiny_model(dtype)[0])
+        cache = stack.new_cache(16)
+        for ids, pos in (([5, 6, 7, 8, 9], 0), ([10], 5), ([11, 12, 13], 5)):
+            calls.clear()
+            stack.forward_layers(stack.embed(torch.tensor([ids])), 0, 1, pos, cache)
+            expected = {0: [(5, 5, False, True)], 5: [(1, 6, False, False)] if len(ids) == 1 else verification}[pos]
+            assert calls == expected, (dtype, pos)
