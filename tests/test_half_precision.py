@@ -231,3 +231,16 @@ def test_sdpa_gets_the_calls_hf_makes(monkeypatch):
             stack.forward_layers(stack.embed(torch.tensor([ids])), 0, 1, pos, cache)
             expected = {0: [(5, 5, False, True)], 5: [(1, 6, False, False)] if len(ids) == 1 else verification}[pos]
             assert calls == expected, (dtype, pos)
+
+
+def test_a_bf16_run_records_each_tokens_gap_and_a_float64_run_none(run_cfg, tmp_path):
+    from del_bench import runner
+    from del_bench.records import RunDir
+
+    for dtype, gapped in (("bfloat16", True), ("float64", False)):
+        cfg = run_cfg("method=ls", "limit=2", "layers=eager", f"model.dtype={dtype}")
+        cfg.out_dir = str(tmp_path / dtype)
+        runner.run(cfg)
+        for record in RunDir(cfg.out_dir).finished():
+            gaps = record["top2_gap_ulps"]
+            assert (len(gaps) == len(record["output_ids"])) if gapped else gaps is None
