@@ -21,7 +21,7 @@ from del_bench.methods.ls import LayerSkip
 from del_bench.methods.swift import Swift
 from del_bench.methods.vanilla import Vanilla
 from del_bench.models import loading
-from del_bench.models.layer_stack import LayerStack
+from del_bench.models.layer_stack import LayerStack, TreeMask
 from del_bench.numerics import NEAR_TIE_ULPS, Departure, compare, first_difference, gap_ulps, ulp
 from tests.conftest import tiny_model
 from tests.test_engine import METHODS, PROMPTS
@@ -121,6 +121,30 @@ def test_verification_rows_are_the_bits_of_decode_steps(half):
         assert all(torch.equal(a, b) for a, b in zip(k_b + v_b, k_s + v_s))
 
 
+@pytest.mark.parametrize("layers", ["eager", "fused"])
+def test_tree_nodes_are_the_bits_of_their_paths(layers):
+    """bf16 on CPU: a token tree's node attends over its path's keys, gathered, so its state is the bits of its path
+    decoded step by step."""
+    stack = LayerStack(tiny_model(torch.bfloat16)[0], layers=layers)
+    g = torch.Generator().manual_seed(0)
+    P = 300  # a prefix where SDPA's masked batch rows are not its single rows' bits on this CPU
+    prompt = torch.randint(3, 250, (1, P), generator=g)
+    parents = [-1, 0, 1, 2, 0, 0, 1, 2, 3]  # the chain 0-1-2-3, siblings at every depth
+    tokens = torch.randint(3, 250, (1, len(parents)), generator=g)
+    cache = stack.new_cache(P + 16)
+    stack.forward_layers(stack.embed(prompt), 0, stack.num_layers, 0, cache)
+    tree = stack.forward_layers(stack.embed(tokens), 0, stack.num_layers, P, cache, tree=TreeMask.of(parents))
+    for node in range(len(parents)):
+        path = [node]
+        while parents[path[-1]] >= 0:
+            path.append(parents[path[-1]])
+        steps = stack.new_cache(P + 16)
+        stack.forward_layers(stack.embed(prompt), 0, stack.num_layers, 0, steps)
+        for depth, n in enumerate(reversed(path)):
+            h = stack.forward_layers(stack.embed(tokens[:, n : n + 1]), 0, stack.num_layers, P + depth, steps)
+        assert torch.equal(h[0, 0], tree[0, node]), node
+
+
 # ---- every method, end to end ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("loop", ["eager", "fused"])
 def test_every_method_equals_generate_in_half_precision(half, loop):
@@ -160,15 +184,17 @@ def test_the_testbed_in_bf16_decodes_what_generate_decodes():
 @pytest.mark.parametrize("method", [Vanilla(), LayerSkip(1, 4), SWIFT[1], AdaDecode(gamma=0.0)], ids=lambda m: m.name)
 def test_each_output_token_keeps_the_gap_it_was_chosen_at(half, method):
     """Generation.top2_gap_ulps: one gap per output token, the verifier's own — so they are generate's where the rows
-    are a decode step's bits (Vanilla; bfloat16 chains) — also after rejections, tree leaves and AdaDecode's replaced
-    tokens; none in full precision or when sampling. (A token tree attends with a mask, so its rows may round
-    otherwise: its departures here are near-ties.)"""
+    are a decode step's bits (Vanilla; bfloat16, token trees included) — also after rejections, tree leaves and
+    AdaDecode's replaced tokens; none in full precision or when sampling."""
     dtype, eager, _, prompts, refs = half
     for prompt, (ref, gaps) in zip(prompts, refs):
         gen = Engine(eager, Sampling(), set()).generate(prompt, method, 40, seed=0)
         assert compare(gen.output_ids, ref, gaps).lossless and len(gen.top2_gap_ulps) == len(gen.output_ids)
-        if (dtype == torch.bfloat16 and method.name != "swift") or method.name == "vanilla":
-            assert gen.output_ids == ref and gen.top2_gap_ulps == gaps
+        if dtype == torch.bfloat16 or method.name == "vanilla":
+            assert gen.output_ids == ref
+            # SWIFT's tree: its rows alone are a path's steps (test_tree_nodes_are_the_bits_of_their_paths), yet on one
+            # prompt its gaps drift from token 19 by an ulp, tokens equal: not explained yet (left open)
+            assert gen.top2_gap_ulps == gaps or method.name == "swift"
     assert Engine(eager, Sampling(do_sample=True), set()).generate(prompts[0], method, 8, 0).top2_gap_ulps is None
     stack64 = LayerStack(tiny_model()[0])
     assert Engine(stack64, Sampling(), set()).generate(prompts[0], method, 8, seed=0).top2_gap_ulps is None

@@ -38,10 +38,20 @@ Tensor product(const Tensor& x, const Tensor& weight, const c10::optional<Tensor
 }
 
 // layer_stack._attend: SDPA of q [1, H, T, hd] over k, v [1, KV, pos+T, hd]. No mask over several queries: from an
-// empty cache is_causal, over a cache row by row (each row the single-query call of a decode step).
+// empty cache is_causal, over a cache row by row (each row the single-query call of a decode step); a tree with
+// `exact` row by row too, each node over the keys its mask row selects.
 Tensor attend(const Tensor& q, const Tensor& k, const Tensor& v, const c10::optional<Tensor>& mask, int64_t pos,
-              double scale, bool gqa) {
+              double scale, bool gqa, bool exact) {
   const int64_t T = q.size(2);
+  if (exact && mask && T > 1) {
+    std::vector<Tensor> rows;
+    for (int64_t i = 0; i < T; ++i) {
+      Tensor keys = (*mask)[i].nonzero().squeeze(1);  // node i's key slots: the prefix, then its ancestors
+      rows.push_back(at::scaled_dot_product_attention(q.narrow(2, i, 1), k.index_select(2, keys),
+                                                      v.index_select(2, keys), c10::nullopt, 0.0, false, scale, gqa));
+    }
+    return at::cat(rows, 2);
+  }
   if (!mask && T > 1 && pos > 0) {
     std::vector<Tensor> rows;
     for (int64_t i = 0; i < T; ++i)
@@ -62,7 +72,8 @@ Tensor attend(const Tensor& q, const Tensor& k, const Tensor& v, const c10::opti
 std::vector<Tensor> forward_layers(Tensor h, const std::vector<Tensor>& weights, const std::vector<Tensor>& k,
                                    const std::vector<Tensor>& v, int64_t start, int64_t end, int64_t pos,
                                    const Tensor& cos, const Tensor& sin, const c10::optional<Tensor>& mask,
-                                   int64_t H, int64_t KV, int64_t hd, double eps, double scale, bool collect) {
+                                   int64_t H, int64_t KV, int64_t hd, double eps, double scale, bool collect,
+                                   bool exact) {
   const int64_t T = h.size(0);
   std::vector<Tensor> outputs;
   for (int64_t i = start; i < end; ++i) {
@@ -75,7 +86,8 @@ std::vector<Tensor> forward_layers(Tensor h, const std::vector<Tensor>& weights,
     k[i].narrow(2, pos, T).copy_(qk.narrow(1, H, KV).transpose(0, 1).unsqueeze(0));        // [1, KV, T, hd]
     v[i].narrow(2, pos, T).copy_(qkv.narrow(1, H + KV, KV).transpose(0, 1).unsqueeze(0));
     Tensor q = qk.narrow(1, 0, H).transpose(0, 1).unsqueeze(0);                             // [1, H, T, hd]
-    Tensor attn = attend(q, k[i].narrow(2, 0, pos + T), v[i].narrow(2, 0, pos + T), mask, pos, scale, KV != H);
+    Tensor attn = attend(q, k[i].narrow(2, 0, pos + T), v[i].narrow(2, 0, pos + T), mask, pos, scale, KV != H,
+                         exact);
     h = product(attn[0].transpose(0, 1).reshape({T, H * hd}), w[2], h);
     // MLP: h + down(silu(gate) · up), gate|up from one matmul
     x = rms_norm(h, w[3], eps);

@@ -68,13 +68,18 @@ def _widened(logits: torch.Tensor) -> torch.Tensor:
     return logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
 
 
-def _attend(q, k, v, mask: torch.Tensor | None, pos: int, scale: float, gqa: bool) -> torch.Tensor:
+def _attend(q, k, v, mask: torch.Tensor | None, pos: int, scale: float, gqa: bool, exact: bool = False) -> torch.Tensor:
     """SDPA of q [1, H, T, hd] (positions pos .. pos+T-1) over k, v [1, KV, pos+T, hd] → [1, H, T, hd]. With no mask
     (_rope_and_mask) over several queries: from an empty cache, `is_causal` (T queries, T keys: top-left and
     bottom-right alignment agree; HF's prefill makes the same call); with a cache, row by row, each row the single-query
     call a decode step makes over its own keys [0, pos+i] — the SDPA kernel's bits depend on the key length, so a
-    masked batch row is not a decode step's. fused_layers.cpp: the same rule."""
+    masked batch row is not a decode step's. A token tree with `exact` (LayerStack.exact_rows) likewise, each node
+    over the keys its mask row selects (the prefix, then its ancestors: its path's keys, in order). fused_layers.cpp:
+    the same rule."""
     T = q.shape[2]
+    if exact and mask is not None and T > 1:  # a tree: node i's own keys, gathered [1, KV, n_i, hd]
+        return torch.cat([F.scaled_dot_product_attention(q[:, :, i : i + 1], k[:, :, mask[i]], v[:, :, mask[i]],
+                                                         scale=scale, enable_gqa=gqa) for i in range(T)], dim=2)
     if mask is None and T > 1 and pos > 0:
         return torch.cat([F.scaled_dot_product_attention(q[:, :, i : i + 1], k[:, :, : pos + i + 1],
                                                          v[:, :, : pos + i + 1], scale=scale, enable_gqa=gqa)
@@ -445,7 +450,7 @@ class LayerStack:
             self.counter.layers += end - start
         outs = self.fused.forward_layers(h[0], self._fused_weights, cache.k, cache.v, start, end, pos, cos[0],
                                          sin[0], mask, self.n_heads, self.n_kv_heads, self.head_dim, self.eps,
-                                         self.scale, collect is not None)  # each [T, D]
+                                         self.scale, collect is not None, self.exact_rows)  # each [T, D]
         cache.lengths[start:end] = [pos + T] * (end - start)
         if collect is None:
             return outs[0][None]
@@ -585,7 +590,7 @@ class LayerStack:
         else:  # the cached prefix [0, pos) and this pass's own keys, [1, KV, end, hd]
             k = torch.cat([cache.k[i][:, :, :pos], qk[:, :, H:].transpose(1, 2)], dim=2)
             v = torch.cat([cache.v[i][:, :, :pos], qkv[:, :, H + KV :].transpose(1, 2)], dim=2)
-        attn = _attend(q, k, v, mask, pos, self.scale, KV != H)  # [1, H, T, hd]
+        attn = _attend(q, k, v, mask, pos, self.scale, KV != H, self.exact_rows)  # [1, H, T, hd]
         return _linear(attn.transpose(1, 2).reshape(1, T, H * hd), w.w_o, w.b_o, residual=h)
 
     def _mlp(self, i, h) -> torch.Tensor:
