@@ -149,7 +149,9 @@ def decode_all(cfg, todo, task, method, sampling, run_dir: RunDir, load) -> None
     engine = Engine(stack, sampling, eos_ids(loaded.model, tokenizer), stop=stop_strings(task.stop_strings, tokenizer))
     t0 = time.perf_counter()
     if method.wants_costs:  # the calibrated cost model: measured once per run (a resume reuses it)
-        costs = run_dir.costs() or engine.stack.measure_costs()
+        costs = run_dir.costs()
+        if costs is None or (method.latency_contexts and "sublayer_s" not in costs):
+            costs = engine.stack.measure_costs(contexts=method.latency_contexts)
         run_dir.write_costs(costs)
         method.set_costs(**costs)
     setup["costs_s"] = time.perf_counter() - t0

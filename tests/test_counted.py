@@ -35,12 +35,16 @@ VARIANTS = {
               ("tree-search", [*SEARCH, "method.scope=prompt", "method.tree=true", "method.tree_widths=[2,4]",
                                "method.tree_confidences=[0.3]"])],
     "adadecode": [("", []), ("eager-exits", ["method.gamma=0.02", "method.max_outstanding=2"])],
+    # selections from the first rounds on, every few rounds (their defaults: M = 8 > L; rounds 1-6 full-model drafts)
+    "clasp": [("", ["method.skip_layers=2", "method.interval=3", "method.confidence=0.0"])],
+    "knapspec": [("", ["method.warmup_rounds=2", "method.window_rounds=1", "method.interval=3",
+                       "method.confidence=0.0", "method.prune=0.0"])],
 }
 CASES = [(name, tag, overrides) for name in CONFIGS for tag, overrides in VARIANTS.get(name, [("", [])])]
 # the exit heads' paths (adapters change which rows run through a d×d map) and the fused loop's (every kind of
 # forward_layers call: prefill, drafts, verification, single layers, a token tree; SWIFT's sublayers stay eager)
 ADAPTER_CASES = [c for c in CASES if c[0] in ("ls", "dv", "del", "del_cpu") or c[1] == "eager-exits"]
-FUSED_CASES = [c for c in CASES if c[0] in ("vanilla", "ls", "del") or c[1] in ("eager-exits", "tree-search")]
+FUSED_CASES = [c for c in CASES if c[0] in ("vanilla", "ls", "del", "clasp") or c[1] in ("eager-exits", "tree-search")]
 SAMPLING = {"greedy": Sampling(), "sampling": Sampling(do_sample=True, temperature=1.2, top_p=0.95)}
 TOKENS = 30
 
@@ -53,8 +57,9 @@ def case_id(case) -> str:
 def method_of(name: str, overrides: list[str]):
     method = instantiate(compose_run("model=tiny-random", f"method={name}", *overrides).method)
     method.validate(L)
-    if method.wants_costs:  # del_cpu: fixed costs (a head row = 0.2 layers), so no decision depends on a clock
-        method.set_costs(layer_s=1.0, head_s=0.2, batch_s=[[1, 4.0], [2, 4.4], [4, 5.2], [8, 6.8]])
+    if method.wants_costs:  # del_cpu, knapspec: fixed costs (a head row = 0.2 layers), no decision on a clock
+        method.set_costs(layer_s=1.0, head_s=0.2, batch_s=[[1, 4.0], [2, 4.4], [4, 5.2], [8, 6.8]],
+                         sublayer_s=[[8, 1.1, 1.0], [64, 1.6, 1.0]])
     return method
 
 
@@ -156,6 +161,7 @@ def test_rounds_claim_what_the_stack_ran(eager, prompts, monkeypatch, case, deco
     assert any(r.shadow_rows for r in rounds) == name.startswith("del")
     assert any("opt_kind" in r.trace for r in rounds) == ("search" in tag)
     assert any(r.trace.get("tree_siblings") for r in rounds) == ("tree" in tag)
+    assert any("sel_loaded_layers" in r.trace for r in rounds) == (name in ("clasp", "knapspec"))  # selections ran
 
 
 @pytest.mark.parametrize("case", ADAPTER_CASES, ids=case_id)

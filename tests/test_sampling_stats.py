@@ -26,9 +26,11 @@ from scipy.stats import chi2, norm
 from del_bench.engine.decode import Engine
 from del_bench.engine.sampling import Sampling
 from del_bench.methods.adadecode import AdaDecode
+from del_bench.methods.clasp import CLaSp
 from del_bench.methods.dv import DraftVerify
 from del_bench.methods.dynamic_exit import DEL
 from del_bench.methods.fs import FiniteState
+from del_bench.methods.knapspec import KnapSpec
 from del_bench.methods.ls import LayerSkip
 from del_bench.methods.swift import Swift
 from del_bench.models.layer_stack import LayerStack
@@ -144,6 +146,14 @@ def swift_tree() -> Swift:
                  tree_confidences=[0.5])
 
 
+def knapspec() -> KnapSpec:
+    """Full-model drafts in rounds 1-2 (all accepted), then a selection every 2 rounds; a fixed latency model."""
+    method = KnapSpec(warmup_rounds=2, window_rounds=1, interval=2, confidence=0.0, gamma=4, prune=0.0,
+                      latency_contexts=(8, 64))
+    method.set_costs(1.0, 1.0, sublayer_s=[[8, 1.1, 1.0], [64, 1.6, 1.0]])
+    return method
+
+
 # every method and variant, built fresh per test (methods keep state); "+adapters": through exit adapters
 METHODS = {
     "ls": lambda: LayerSkip(1, 4),
@@ -157,6 +167,9 @@ METHODS = {
     "swift-chain": lambda: Swift(skip_set={"attn": [1], "mlp": [2]}, confidence=0.3, d_max=5),
     "swift-search": lambda: Swift(context_window=4, bayes_interval=0, scope="prompt", confidence=0.0, d_max=4),
     "swift-tree": swift_tree,
+    "clasp": lambda: CLaSp(skip_layers=2, interval=2, confidence=0.0, gamma=4),  # round 1: the full model drafts
+    "knapspec": knapspec,
+    "del_knapspec": lambda: DEL(min_draft=1, d_max=6, keep_stopped_draft=True, first_exit_layer=1),
     "adadecode": lambda: AdaDecode(gamma=0.3, head_layers=[1, 2], max_outstanding=3),
     "adadecode-early": lambda: AdaDecode(gamma=0.0, head_layers=[1], max_outstanding=3),
     "ls+adapters": lambda: LayerSkip(1, 4),

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from del_bench.engine import layer_parallel
+from del_bench.engine.layer_states import LayerStates
 from del_bench.engine.rounds import Generation, Round  # noqa: F401 (Round: part of this module's API)
 from del_bench.engine.sampling import (
     Draws,
@@ -99,6 +100,7 @@ class Verified:
     siblings: Siblings | None = None  # a token tree's leaves beside the chain (SWIFT with `tree: true`)
     leaf: int | None = None  # set by _accept: the accepted sibling's row, if a sibling ended the path
     gaps: dict[int, float] | None = None  # half precision only: verified row → its top-2 gap in ulps
+    states: list[torch.Tensor] | None = None  # Method.wants_states: the inputs, then every (sub)layer's [1, T, D]
 
     def row(self, i: int) -> torch.Tensor:
         """The verifier's logits [V] at position i (the target_row of accept_greedy / accept_sampling)."""
@@ -224,7 +226,7 @@ class Engine:
         if skipping:
             draft = self._draft_skipping(gen.output_ids[-1], n - 1, plan.skip, budget, cache, method, rng)
             t_verify = time.perf_counter()
-            verified = self._verify_full(gen.output_ids[-1], draft, n - 1, cache)
+            verified = self._verify_full(gen.output_ids[-1], draft, n - 1, cache, keep=method.wants_states())
         else:
             draft = self._draft(gen.output_ids[-1], n - 1, E, budget, cache, method, rng)
             # with no draft budget the single pass through all L layers is the verification itself
@@ -232,13 +234,15 @@ class Engine:
             verified = self._verify(draft, E, n - 1, cache)
         k, emitted = self._accept(draft, verified, n, cache, gen, rng)
         t_observe = time.perf_counter()
+        selected = self._select(method, verified, k, n - 1, cache)
         d = len(draft.drafts)
         evidence = RoundEvidence(exit_layer=plan.exit_layer if d else None, drafted=d, accepted=k,
                                  budget_capped=budget < plan.max_draft)
         self._observe(method, evidence, draft, verified, E)
         t_end = time.perf_counter()
-        loaded = (d * plan.skip.layers(L) if skipping else d * E) + L + probed.get("opt_loaded_layers", 0)
-        trace = {**plan.trace, **probed}
+        extra = probed.get("opt_loaded_layers", 0) + selected.get("sel_loaded_layers", 0)  # the policy's own passes
+        loaded = (d * plan.skip.layers(L) if skipping else d * E) + L + extra
+        trace = {**plan.trace, **probed, **selected}
         if draft.confidences:
             trace["draft_confidences"] = draft.confidences
         if verified.siblings is not None:  # a token tree: its size; did a sibling (not the chain) end the path
@@ -247,7 +251,8 @@ class Engine:
         gen.rounds.append(Round(
             round=len(gen.rounds), exit_layer=E if d and not skipping else None, budget=budget, drafted=d,
             accepted=k, emitted=emitted, loaded_layers=_whole(loaded),
-            head_calls=draft.candidates + len(verified.rows) + probed.get("opt_head_calls", 0),
+            head_calls=draft.candidates + len(verified.rows) + probed.get("opt_head_calls", 0)
+            + selected.get("sel_head_calls", 0),
             # keep_drafting is the method's time, not drafting's; the optimiser's pass is in policy_s (t_draft − t)
             draft_s=t_verify - t_draft - draft.keep_s, verify_s=t_observe - t_verify,
             policy_s=(t_draft - t) + draft.keep_s + (t_end - t_observe),
@@ -346,16 +351,37 @@ class Engine:
         count = min(count, int((rest > 0).sum()))
         return rng.without_replacement(rest, count) if count else []
 
-    def _verify_full(self, pending: int, draft: Draft, pos: int, cache) -> Verified:
+    def _verify_full(self, pending: int, draft: Draft, pos: int, cache, keep: str | None = None) -> Verified:
         """The pending token and the drafts (positions pos ..) — with a token tree, its siblings too (slots after
         the chain's) — through all L layers in one batch, from their embeddings: every layer's KV at those slots
-        is (re)written with the full model's."""
+        is (re)written with the full model's. keep (Method.wants_states): also keep the inputs and every layer's
+        ("layers") or sublayer's ("sublayers": the eager sublayer loop, same ops) output for a selection."""
         st = self.stack
         tree = draft.tree()
         siblings, mask, where = tree if tree else ([], None, None)
         tokens = [pending, *draft.drafts, *siblings]
-        h = st.forward_layers(st.embed(self._ids(tokens)), 0, st.num_layers, pos, cache, tree=mask)  # [1, T, D]
-        return Verified(st.norm(h), None, st.head, siblings=where, gaps={} if self.track_gaps else None)
+        h = st.embed(self._ids(tokens))  # [1, T, D]
+        states = None if keep is None else [h]
+        if keep == "sublayers" and mask is None:
+            h = st.forward_skipping(h, pos, cache, frozenset(), frozenset(), collect=states)
+        else:
+            h = st.forward_layers(h, 0, st.num_layers, pos, cache, tree=mask, collect=states)  # [1, T, D]
+        return Verified(st.norm(h), None, st.head, siblings=where, gaps={} if self.track_gaps else None,
+                        states=states)
+
+    def _select(self, method: Method, verified: Verified, k: int, pos: int, cache) -> dict:
+        """The method's layer-skip selection on the full model's states of the accepted rows 0..k (positions pos..),
+        when it kept them (Method.wants_states). Its layers and head rows join the round's (sel_* in the trace)."""
+        if verified.states is None:
+            return {}
+        t = time.perf_counter()
+        rows = cat_on(verified.states, self.stack.head_device)[:, : k + 1]  # [S, k+1, D]: pending + accepted
+        states = LayerStates(self.stack, cache, pos, rows)
+        trace = method.select(states)
+        if not (trace or states.loaded_layers or states.head_rows):  # states kept for a later selection: nothing ran
+            return {}
+        return {**trace, "sel_loaded_layers": _whole(states.loaded_layers), "sel_head_calls": states.head_rows,
+                "sel_s": time.perf_counter() - t}
 
     def _probe(self, method: Method, n: int, gen: Generation, cache) -> dict:
         """The optimiser's step, when the method asks for one (Method.probe): the candidate draft model runs

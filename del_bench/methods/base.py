@@ -83,6 +83,7 @@ class Method:
     wants_shadow = False  # True: evidence carries shadow tokens; observe_prefill gets the prompt's last ones
     prefill_window = 32  # prompt positions whose shadow tokens seed the statistics
     wants_costs = False  # True: set_costs(layer_s, head_s) is called once with measured costs
+    latency_contexts: tuple[int, ...] = ()  # wants_costs: also time layer 0's sublayers at these contexts (sublayer_s)
     shadow_vocab: int | None = None  # score shadow tokens over the first K vocabulary ids only (cheap)
     schedule = "rounds"  # "rounds": draft/verify rounds; "layer_parallel": AdaDecode's step (engine/layer_parallel.py)
 
@@ -123,6 +124,18 @@ class Method:
         """The matchness of the probe the engine just ran; returns trace fields for the round's record."""
         return {}
 
+    def wants_states(self) -> str | None:
+        """Before a skipping round's verification (Plan.skip): keep the full model's states of its accepted rows for
+        `select` — "layers" (the input embedding and every layer's output) or "sublayers" (the input and the state
+        after every attention and MLP sublayer) — or None. Layer-skip selection (CLaSp, KnapSpec) only."""
+        return None
+
+    def select(self, states) -> dict:
+        """After acceptance of a round whose states were kept (wants_states): `states` (engine/layer_states.py) holds
+        them and runs candidate draft models on them for the method, accounted as the round's layers, head rows and
+        policy time. Returns the round's trace fields."""
+        return {}
+
     def can_defer(self, windows: list[int]) -> bool:
         """wants_shadow only: may the engine hold back the shadow scoring of the rounds not yet observed
         (their valid-window sizes), because no outcome of theirs could change the next plan? Deferred rounds
@@ -132,9 +145,11 @@ class Method:
     def observe_prefill(self, shadow: Shadow) -> None:
         """After prefill (wants_shadow only): shadow tokens of the last prompt positions."""
 
-    def set_costs(self, layer_s: float, head_s: float, batch_s: list | None = None) -> None:
-        """Measured seconds per decoder layer (one token), per LM-head row, and of T positions through every
-        layer ([[T, s], …]) (wants_costs only)."""
+    def set_costs(self, layer_s: float, head_s: float, batch_s: list | None = None,
+                  sublayer_s: list | None = None) -> None:
+        """Measured seconds per decoder layer (one token), per LM-head row, of T positions through every
+        layer ([[T, s], …]) and, with latency_contexts, of one token through layer 0's attention and MLP at n cached
+        positions ([[n, attention s, MLP s], …]) (wants_costs only)."""
 
     def describe(self) -> dict:
         """Hyperparameters as stored in records."""

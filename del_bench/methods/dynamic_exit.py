@@ -32,6 +32,11 @@ plans on statistics up to R − 1 rounds old; the statistics themselves end up t
 measures how often the plan (E, γ) differs from the exact one's on the same rounds.
 Ablations: DEL-E = no dynamic draft-exiting, γ from TPL; DEL-γ = fixed E (`exit_layer`), τ on;
 DEL-E-lim = E restricted to 3 < ℓ < L (`min_exit_layer: 4`).
+DEL as the KnapSpec authors' code runs it (`del_knapspec`, a peer's reading, not the paper; DESIGN.md §4):
+`min_draft: 1` (TPL chooses among d ≥ 1: a round always drafts, d = 0 is never plain decoding), `d_max: 10` (drafts
+capped at 10),
+`keep_stopped_draft: true` (the candidate that fell below τ is kept, not dropped) and `first_exit_layer: 1` (the
+first round of a prompt drafts at E = 1, stopping on τ_1 from the prefill statistics, before TPL chooses).
 """
 
 from __future__ import annotations
@@ -81,11 +86,12 @@ def _round_costs(num_layers: int, n: int, d_max: int, head_cost: float, stop_hea
 
 
 def best_exit(alpha, num_layers: int, d_max: int, allowed, head_cost: float = 0.0,
-              stop_head: bool = False, batch_cost: tuple[float, ...] = ()) -> tuple[int, int]:
-    """(E, γ) maximising TPL over allowed layers ([L-1] bool). Ties go to the smaller d, then the smaller ℓ
-    (argmax returns the first maximum of the d-major flattening)."""
+              stop_head: bool = False, batch_cost: tuple[float, ...] = (), min_draft: int = 0) -> tuple[int, int]:
+    """(E, γ) maximising TPL over allowed layers ([L-1] bool) and d ≥ min_draft. Ties go to the smaller d, then the
+    smaller ℓ (argmax returns the first maximum of the d-major flattening)."""
     table = tpl_table(alpha, num_layers, d_max, head_cost, stop_head, batch_cost)
     table[:, ~np.asarray(allowed, dtype=bool)] = -1.0
+    table[:min_draft] = -1.0
     flat = int(table.argmax())
     d, layer = divmod(flat, len(alpha))
     return layer + 1, d
@@ -120,7 +126,8 @@ class DEL(Method):
     def __init__(self, omega: float = 0.95, d_max: int = 18, dynamic_draft_exit: bool = True,
                  draft_budget: str = "d_max", exit_layer: int | None = None, min_exit_layer: int = 1,
                  prefill_window: int = 32, cost_model: str = "layers", shadow_vocab: int | None = None,
-                 defer_shadow: bool = False, shadow_every: int = 1, **_):
+                 defer_shadow: bool = False, shadow_every: int = 1, min_draft: int = 0,
+                 keep_stopped_draft: bool = False, first_exit_layer: int | None = None, **_):
         self.omega, self.d_max = omega, d_max
         self.dynamic_draft_exit, self.draft_budget = dynamic_draft_exit, draft_budget
         self.fixed_exit_layer, self.min_exit_layer = exit_layer, min_exit_layer
@@ -133,7 +140,8 @@ class DEL(Method):
         self.head_cost = 0.0  # LM-head row in layer units; set by set_costs under cost_model=measured
         self.batch_cost: tuple[float, ...] = ()  # c(T), T = 1..d_max+1 (tpl_table); set by set_costs, measured
         self.wants_confidence = dynamic_draft_exit
-        self.drop_stopped_draft = True
+        self.min_draft, self.keep_stopped_draft, self.first_exit_layer = min_draft, keep_stopped_draft, first_exit_layer
+        self.drop_stopped_draft = not keep_stopped_draft
 
     def validate(self, num_layers: int) -> None:
         if not 0 <= self.omega <= 1:
@@ -153,8 +161,16 @@ class DEL(Method):
             raise ValueError(f"method.shadow_every={self.shadow_every!r} must be an integer in [1, {MAX_DEFERRED}]")
         if not isinstance(self.prefill_window, int) or self.prefill_window < 1:
             raise ValueError(f"method.prefill_window={self.prefill_window!r} must be a positive integer")
+        if self.min_draft not in (0, 1):
+            raise ValueError(f"method.min_draft={self.min_draft!r} must be 0 (the paper: d = 0 decodes plainly) or 1 "
+                             "(the KnapSpec authors' DEL: every round drafts)")
+        if self.min_draft and (self.defer_shadow or self.shadow_every != 1):
+            raise ValueError("method.min_draft=1 drafts every round, so shadow scoring cannot be deferred: set "
+                             "defer_shadow=false and shadow_every=1")
+        if self.first_exit_layer is not None:
+            check_exit_layer(self.first_exit_layer, num_layers, "method.first_exit_layer")
 
-    def set_costs(self, layer_s: float, head_s: float, batch_s: list | None = None) -> None:
+    def set_costs(self, layer_s: float, head_s: float, batch_s: list | None = None, **_) -> None:
         """Measured once per model/device at start-up (cost_model=measured). batch_s: [[T, seconds of T
         positions through every layer], …] (LayerStack.measure_costs), interpolated for T = 1..d_max+1; absent
         in costs measured before it existed (then a batch costs what one position does, as before)."""
@@ -182,6 +198,7 @@ class DEL(Method):
         self.allowed = np.arange(1, num_layers) >= self.min_exit_layer
         if self.fixed_exit_layer is not None:
             self.allowed = np.arange(1, num_layers) == self.fixed_exit_layer
+        self._first_round = self.first_exit_layer is not None  # the KnapSpec reading: round 1 drafts at a fixed E
         self._changed()
 
     def update(self, shadow: Shadow) -> None:
@@ -228,7 +245,9 @@ class DEL(Method):
         if self._choice is None:
             exit_layer, gamma = best_exit(self.alpha, self.num_layers, self.d_max, self.allowed,
                                           self.head_cost, stop_head=self.dynamic_draft_exit,
-                                          batch_cost=self.batch_cost)
+                                          batch_cost=self.batch_cost, min_draft=self.min_draft)
+            if self._first_round:  # E is given, not chosen; τ and α are that layer's
+                exit_layer, gamma = self.first_exit_layer, self.d_max
             e = exit_layer - 1
             match, positions = float(self.s_match[e]), self.s_positions
             matched = self.s_true_conf[e] / match if match > 0 else 1.0  # 0/0 as in confidence_means
@@ -258,6 +277,9 @@ class DEL(Method):
         self.update(shadow)
 
     def observe(self, evidence: RoundEvidence) -> None:
+        if self._first_round:
+            self._first_round = False
+            self._changed()
         if evidence.shadow is not None:
             self.update(evidence.shadow)
 
@@ -306,4 +328,7 @@ class DEL(Method):
                 "head_cost_layers": self.head_cost, "shadow_vocab": self.shadow_vocab,
                 "batch_cost": [round(c, 3) for c in self.batch_cost] or None,
                 "defer_shadow": self.defer_shadow,
-                **({"shadow_every": self.shadow_every} if self.shadow_every != 1 else {})}  # old keys stay as they were
+                **({"shadow_every": self.shadow_every} if self.shadow_every != 1 else {}),  # old keys stay as they were
+                **({"min_draft": self.min_draft} if self.min_draft else {}),
+                **({"keep_stopped_draft": True} if self.keep_stopped_draft else {}),
+                **({"first_exit_layer": self.first_exit_layer} if self.first_exit_layer is not None else {})}

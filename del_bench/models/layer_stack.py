@@ -169,15 +169,16 @@ class KVCache:
     During drafting the early layers run ahead of the late ones, so lengths differ per layer;
     rejection only lowers lengths (stale slots are overwritten by the next write)."""
 
-    def __init__(self, stack: "LayerStack", max_len: int):
+    def __init__(self, stack: "LayerStack", max_len: int, num_layers: int | None = None):
+        """num_layers: allocate only the first layers (a latency probe of one layer at a long context)."""
         self.max_len = max_len
         self.k, self.v = [], []
-        for layer in stack.layers:
+        for layer in stack.layers[:num_layers]:
             # k, v: [1, KV, max_len, hd]
             shape = (1, stack.n_kv_heads, max_len, stack.head_dim)
             self.k.append(torch.empty(shape, dtype=stack.dtype, device=layer.device))
             self.v.append(torch.empty(shape, dtype=stack.dtype, device=layer.device))
-        self.lengths = [0] * len(stack.layers)
+        self.lengths = [0] * len(self.k)
 
     def crop(self, length: int) -> None:
         """Forget every position ≥ length in every layer."""
@@ -209,6 +210,13 @@ class TreeMask:
                 ancestors[i] |= ancestors[parent]
                 depth[i] = depth[parent] + 1
         return TreeMask(torch.tensor(depth), ancestors)
+
+    @staticmethod
+    def branches(count: int, length: int) -> "TreeMask":
+        """`count` independent chains of `length` tokens each, branch after branch in the batch: every chain starts
+        at the same position, sees the cached prefix and its own earlier tokens, never another chain (a selection's
+        candidate draft models, each over the same window)."""
+        return TreeMask.of([-1 if t == 0 else b * length + t - 1 for b in range(count) for t in range(length)])
 
 
 class LayerStack:
@@ -306,11 +314,19 @@ class LayerStack:
         )
 
     # ---- costs ------------------------------------------------------------------------------
-    @torch.inference_mode()
-    def measure_costs(self, context: int = 128, reps: int = 5, batch_sizes=(1, 2, 4, 8, 16, 32)) -> dict:
+    def measure_costs(self, context: int = 128, reps: int = 5, batch_sizes=(1, 2, 4, 8, 16, 32),
+                      contexts=()) -> dict:
         """Seconds for one token through one decoder layer (mean over all layers) and for one LM-head
         row, at `context` cached positions: the calibrated cost model's units. Median of `reps`.
-        batch_s: [[T, seconds for T positions through every layer], …] (what a verification batch costs)."""
+        batch_s: [[T, seconds for T positions through every layer], …] (what a verification batch costs).
+        contexts (KnapSpec's latency model): also sublayer_s, measure_sublayers(contexts)."""
+        costs = self._measure_layer_costs(context, reps, batch_sizes)
+        if contexts:
+            costs["sublayer_s"] = self.measure_sublayers(contexts)
+        return costs
+
+    @torch.inference_mode()
+    def _measure_layer_costs(self, context: int, reps: int, batch_sizes) -> dict:
         cache = self.new_cache(context + max(batch_sizes))
         self.forward_layers(self.embed(torch.zeros(1, context, dtype=torch.long)), 0, self.num_layers, 0, cache)
         x = self.embed(torch.zeros(1, 1, dtype=torch.long))
@@ -517,7 +533,7 @@ class LayerStack:
         return tokens, (top - norm).exp()
 
     def forward_skipping(self, h: torch.Tensor, pos: int, cache: KVCache, skip_attn: frozenset[int],
-                         skip_mlp: frozenset[int], write: bool = True) -> torch.Tensor:
+                         skip_mlp: frozenset[int], write: bool = True, collect: list | None = None) -> torch.Tensor:
         """All layers on h: [1, T, D] (positions pos .. pos+T-1) with the sublayers named in skip_attn / skip_mlp
         (0-based layer indices) skipped: SWIFT's draft model. A skipped sublayer is a pure passthrough (no norm,
         no projection, no KV write); a layer's other sublayer still runs.
@@ -527,7 +543,9 @@ class LayerStack:
         drafts in the layers whose attention it runs (the only layers it reads). Layers whose attention is skipped
         keep their lengths. Verification later rewrites every layer at every drafted position.
         write=False (the optimiser's teacher-forced pass over committed tokens): nothing is written; each
-        attention sees its layer's cached entries [0, pos) and the new keys of this pass (causally)."""
+        attention sees its layer's cached entries [0, pos) and the new keys of this pass (causally).
+        collect: the state after every sublayer, skipped or not, is appended ([1, T, D] each, 2·L of them: layer i's
+        attention then its MLP) — with nothing skipped, the full model's sublayer states (KnapSpec's selection)."""
         T = h.shape[1]
         cos, sin, mask = self._rope_and_mask(pos, T, h.device)
         for i in range(self.num_layers):
@@ -539,9 +557,62 @@ class LayerStack:
                 h = self._attention(i, h, pos, cos, sin, mask, cache, write)
                 if write:
                     cache.lengths[i] = pos + T
+            if collect is not None:
+                collect.append(h)
             if i not in skip_mlp:
                 h = self._mlp(i, h)
+            if collect is not None:
+                collect.append(h)
         return h
+
+    def forward_branches(self, h: torch.Tensor, sublayers: range, pos: int, cache: KVCache,
+                         tree: TreeMask) -> torch.Tensor:
+        """Sublayers `sublayers` (sublayer s: layer s // 2's attention for even s, its MLP for odd s) on h: [1, T, D], a
+        batch of independent branches (tree: TreeMask.branches) from position pos, writing nothing: each branch's
+        attention sees the layer's cached prefix [0, pos) and its own earlier tokens. A layer-skip selection's
+        candidate draft models (CLaSp, KnapSpec) run here, all candidates of one step in one batch."""
+        cos, sin, mask = self._rope_and_mask(pos, h.shape[1], h.device, tree)
+        for s in sublayers:
+            i = s // 2
+            if s % 2 == 0:
+                if cache.lengths[i] < pos:
+                    raise RuntimeError(f"layer {i} holds {cache.lengths[i]} positions; cannot attend at {pos}")
+                h = self._attention(i, h, pos, cos, sin, mask, cache, write=False)
+            else:
+                h = self._mlp(i, h)
+        return h
+
+    @torch.inference_mode()
+    def measure_sublayers(self, contexts, warmup: int = 5, reps: int = 10) -> list[list[float]]:
+        """[[n, attention seconds, MLP seconds], …]: one token through layer 0's attention at n cached positions and
+        through its MLP (mean of `reps` after `warmup`), for each n in contexts — KnapSpec's latency model. Only
+        layer 0's cache is allocated (a long context costs one layer's KV, not L)."""
+        longest = max(contexts)
+        self._ensure_rope(longest + 1)
+        cache = KVCache(self, longest + 1, num_layers=1)
+        cache.k[0].normal_()
+        cache.v[0].normal_()
+        x = self.embed(torch.zeros(1, 1, dtype=torch.long, device=self.embed_weight.device))  # [1, 1, D]
+
+        def mean_s(fn) -> float:
+            for _ in range(warmup):
+                fn()
+            synchronize(x.device)
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                fn()
+            synchronize(x.device)
+            return (time.perf_counter() - t0) / reps
+
+        out = []
+        for n in sorted(contexts):
+            cache.lengths[0] = n
+            cos, sin, mask = self._rope_and_mask(n, 1, x.device)
+            attn = mean_s(lambda n=n, cos=cos, sin=sin, mask=mask: self._attention(0, x, n, cos, sin, mask, cache,
+                                                                                   write=False))
+            mlp = mean_s(lambda: self._mlp(0, x))
+            out.append([float(n), attn, mlp])
+        return out
 
     def _rope_and_mask(self, pos: int, T: int, device, tree: TreeMask | None = None):
         """cos, sin [1, T, 1, hd] (broadcast over heads; sin signed, see _ensure_rope) and the attention mask

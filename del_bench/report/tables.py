@@ -40,9 +40,11 @@ TABLE3_TASKS = ["aqua_rat", "cnndm_lm", "cnndm_sum", "gsm8k", "humaneval", "xsum
 TABLE2_TASKS = {"humaneval": "pass@1", "humaneval_pass10": "pass@10"}  # our task → the paper's setting
 TABLE4_TASKS = ["humaneval", "cnndm_lm"]
 TABLE5_TASKS = ["humaneval", "cnndm_lm", "cnndm_sum", "xsum", "gsm8k", "aqua_rat"]
-METHOD_ORDER = ["vanilla", "ls", "fs", "dv", "swift", "del_gamma", "del_e", "del_e_lim", "del"]
+METHOD_ORDER = ["vanilla", "ls", "fs", "dv", "swift", "clasp", "knapspec", "del_gamma", "del_e", "del_e_lim", "del"]
 METHOD_LABELS = {"vanilla": "Vanilla", "ls": "LS", "fs": "FS", "dv": "DV", "swift": "SWIFT", "del": "DEL",
-                 "del_e": "DEL-E", "del_gamma": "DEL-γ", "del_e_lim": "DEL-E-lim"}
+                 "del_e": "DEL-E", "del_gamma": "DEL-γ", "del_e_lim": "DEL-E-lim", "clasp": "CLaSp",
+                 "knapspec": "KnapSpec"}
+SKIPPING = ("SWIFT", "CLaSp", "KnapSpec")  # layer-skipping rows (no early-exit training): their gain is over Vanilla
 DEFAULT_OMEGA = 0.95
 DIGITS = {"etpl": 3, "tokens_per_s": 2, "speedup": 2, "gain": 2, "q_rouge2": 3, "peak_memory_gib": 3,
           "memory_overhead_pct": 2}
@@ -374,15 +376,16 @@ def _paper_models(table: int) -> list[str]:
 
 def table4(df: pd.DataFrame) -> Table:
     """Gain = DEL speedup − LS speedup (DEL runs on LayerSkip) and SWIFT speedup − 1 (SWIFT runs on plain
-    decoding). Our LS base per block = the LS config with the best mean speedup over the tasks it covers
-    (most tasks first); our SWIFT row says "no SWIFT runs" until a `swift` method has records."""
+    decoding; so do CLaSp and KnapSpec, the layer-skipping methods after DEL, shown beside it). Our LS base per block
+    = the LS config with the best mean speedup over the tasks it covers (most tasks first); our SWIFT row says
+    "no SWIFT runs" until a `swift` method has records."""
     cols = []
     for t in TABLE4_TASKS:
         cols += [Col(f"{t}:speedup", f"{TASK_LABELS[t]} Speedup", t, "speedup"),
                  Col(f"{t}:gain", f"{TASK_LABELS[t]} Gain", t, "gain")]
     speed_cols = [c for c in cols if c.metric == "speedup"]
-    base = wide_table(df[df["method"].isin(["vanilla", "ls", "swift", "del"])], 4, speed_cols, "",
-                      paper_rows=False)
+    methods = ["vanilla", "ls", "swift", "clasp", "knapspec", "del"]
+    base = wide_table(df[df["method"].isin(methods)], 4, speed_cols, "", paper_rows=False)
     out = Table("table4", "Table 4: DEL's gain over LS vs SWIFT's gain over Vanilla", [(c.key, c.header) for c in cols],
                 notes=base.notes, marked=False)
     ours: list[Row] = []
@@ -391,29 +394,29 @@ def table4(df: pd.DataFrame) -> Table:
         rows = [r for r in base.rows if r.block == block]
         for r in rows:
             r.ranked = False
-        if not any(r.label.startswith(("LS", "DEL", "SWIFT")) for r in rows):
+        if not any(r.label.startswith(("LS", "DEL", *SKIPPING)) for r in rows):
             continue  # a Vanilla run alone says nothing about gains
         pick = [r for r in rows if r.label.startswith("LS")]
         ls = max(pick, key=_ls_score, default=None)
-        swift = [r for r in rows if r.label.startswith("SWIFT")]
-        if not swift:
+        skipping = [r for r in rows if r.label.startswith(SKIPPING)]
+        if not any(r.label.startswith("SWIFT") for r in skipping):
             cells = {c.key: Cell(text="no SWIFT runs" if c.metric == "speedup" else "–") for c in cols}
-            swift = [Row(block, rows[0].model, "SWIFT", rows[0].source, cells)]
+            skipping.insert(0, Row(block, rows[0].model, "SWIFT", rows[0].source, cells))
         for r in rows:
             for t in TABLE4_TASKS:
-                against = ls if r.label.startswith("DEL") else None
-                r.cells[f"{t}:gain"] = _gain(r.cells[f"{t}:speedup"], r.label, against.cells[f"{t}:speedup"]
-                                             if against else None)
-        for r in swift:
-            for t in TABLE4_TASKS:
-                r.cells.setdefault(f"{t}:gain", _gain(r.cells[f"{t}:speedup"], r.label, Cell(mean=1.0)))
-        ordered = [r for r in rows if r.label == "Vanilla"] + swift + ([ls] if ls else [])
+                if r.label.startswith(SKIPPING):
+                    r.cells[f"{t}:gain"] = _gain(r.cells[f"{t}:speedup"], r.label, Cell(mean=1.0))
+                else:
+                    against = ls if r.label.startswith("DEL") else None
+                    r.cells[f"{t}:gain"] = _gain(r.cells[f"{t}:speedup"], r.label, against.cells[f"{t}:speedup"]
+                                                 if against else None)
+        ordered = [r for r in rows if r.label == "Vanilla"] + skipping + ([ls] if ls else [])
         ordered += [r for r in rows if r.label.startswith("DEL")]
         ours += ordered
     out.rows = _by_model(ours, _paper_models(4), lambda m: paper_block(4, m, cols))
-    out.notes += ["Gain: DEL speedup − LS speedup (DEL runs on top of LayerSkip), SWIFT speedup − 1 (SWIFT runs on "
-                  "plain decoding); a difference of mean speedups. Our LS row is the LS config with the highest mean "
-                  "speedup over these tasks among our runs (the paper's LS configs are its own).",
+    out.notes += ["Gain: DEL speedup − LS speedup (DEL runs on top of LayerSkip), SWIFT (CLaSp, KnapSpec) speedup "
+                  "− 1 (they run on plain decoding); a difference of mean speedups. Our LS row is the LS config with "
+                  "the highest mean speedup over these tasks among our runs (the paper's LS configs are its own).",
                   "The paper's Table 4 rows are always shown; its CNN/DM column is language modelling (cnndm_lm)."]
     return out
 

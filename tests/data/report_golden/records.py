@@ -11,6 +11,8 @@ What the spec covers, by design:
   FS(E7-γ6), DV(E7) on Table 1's four; LS on WMT14 without a Vanilla partner ("no vanilla"); DEL on
   CNN/DM-Sum at ω = 0.5, 0.9, 1 (Table 6) and a second seed at ω = 0.95 (mean ± std); peak memory on all
   runs but DV (Table 5 "n/a").
+- llama2-7b, Table 4's tasks (HumanEval, CNN/DM-LM): the layer-skipping methods SWIFT, CLaSp and KnapSpec (no exit
+  layer: a draft runs the full depth less S/2 layers), so Table 4 shows their gains over Vanilla.
 - codellama-7b: Table 2 — humaneval (greedy) and humaneval_pass10 (sampled, 2 samples per problem).
 - smollm2-135m (no memory fields, as a runner without them): the workflow of Figure 1 — `calibrate` grid
   points (sample_set=calibration, own prompts, 256 tokens): Vanilla + LS E ∈ {12, 20} × γ ∈ {2, 4} on three
@@ -44,8 +46,11 @@ SMOL_ALPHA = {  # SmolLM2's grid: α per exit layer, chosen so that each task ha
     "humaneval": {12: 0.3, 20: 0.9}, "cnndm_lm": {12: 0.75, 20: 0.85}, "xsum": {12: 0.92, 20: 0.96}}
 TASK_MEMORY = {"aqua_rat": 0.57, "cnndm_lm": 0.25, "cnndm_sum": 0.72, "xsum": 0.27, "gsm8k": 0.81,
                "humaneval": 0.19, "humaneval_pass10": 0.19, "wmt14_de_en": 0.22}  # GB of KV + activations
-METHOD_MEMORY = {"vanilla": 0.0, "ls": 0.006, "fs": 0.007, "dv": 0.008, "del": 0.012}  # × weight bytes
+METHOD_MEMORY = {"vanilla": 0.0, "ls": 0.006, "fs": 0.007, "dv": 0.008, "del": 0.012, "swift": 0.002, "clasp": 0.003,
+                 "knapspec": 0.004}  # × weight bytes
 TABLE1 = ["aqua_rat", "cnndm_lm", "cnndm_sum", "xsum"]
+SKIPPED = {"swift": 27, "clasp": 16, "knapspec": 22}  # sublayers a layer-skipping draft skips (of 2L)
+SKIP_ALPHA = {"swift": 0.8, "clasp": 0.75, "knapspec": 0.85}  # their drafts' agreement with the full model
 SIX = TABLE1 + ["gsm8k", "humaneval"]
 
 
@@ -66,6 +71,9 @@ def spec() -> list[dict]:
         add("llama2-7b", task, "fs", exit_layer=7, gamma=6)
         add("llama2-7b", task, "dv", exit_layer=7)
     add("llama2-7b", "wmt14_de_en", "ls", exit_layer=7, gamma=6)
+    for task in ("humaneval", "cnndm_lm"):
+        for method, skipped in SKIPPED.items():
+            add("llama2-7b", task, method, skipped=skipped)
     add("llama2-7b", "cnndm_sum", "del", seed=43, omega=0.95)
     for omega in (0.5, 0.9, 1.0):
         add("llama2-7b", "cnndm_sum", "del", omega=omega, experiments=("table6",))
@@ -97,6 +105,8 @@ def _tag(method: str, hp: dict) -> str:
         return f"{method}-E{hp['exit_layer']}-g{hp['gamma']}"
     if method == "dv":
         return f"dv-E{hp['exit_layer']}"
+    if method in SKIPPED:
+        return f"{method}-s{hp['skipped']}"
     if method.startswith("del"):
         fixed = f"-E{hp['exit_layer']}" if hp.get("exit_layer") else ""
         fixed += f"-d{hp['d_max']}-fixed" if hp.get("d_max") else ""
@@ -133,6 +143,9 @@ def _simulate(run: dict, sample_id: str, repeat: int, n_tokens: int) -> list[dic
         elif method == "dv":
             E, budget = hp["exit_layer"], 18
             drafted = min(1 + int(rng.random() * 6), left - 1)
+        elif method in SKIPPED:  # full depth with sublayers skipped: no exit layer, S/2 layers fewer per draft
+            E, budget = None, 4
+            drafted = min(1 + int(rng.random() * 4), left - 1)
         else:  # DEL family: E from TPL (here: a seeded walk), drafting stopped by τ
             lo = 4 if method == "del_e_lim" else 1
             E = hp.get("exit_layer") or max(lo, min(L - 1, (6 if L == 32 else 18) + int(rng.random() * 5) - 2))
@@ -144,9 +157,11 @@ def _simulate(run: dict, sample_id: str, repeat: int, n_tokens: int) -> list[dic
                      "alpha_exit": round(_alpha(run["model"], run["task"], E), 6), "chosen_exit_layer": E}
             if hp.get("band"):
                 trace.update(conf_matched=round(tau + spread, 6), conf_mismatched=round(tau - spread, 6))
-        if E is None or drafted <= 0:
+        skipping = method in SKIPPED
+        if (E is None and not skipping) or drafted <= 0:
             E, drafted = None, 0
-        alpha = _alpha(run["model"], run["task"], E) if E else 0.0
+        alpha = SKIP_ALPHA[method] if skipping else _alpha(run["model"], run["task"], E) if E else 0.0
+        draft_layers = L - hp["skipped"] / 2 if skipping else (E or 0)
         accepted = 0
         while accepted < drafted and rng.random() < alpha:
             accepted += 1
@@ -155,15 +170,20 @@ def _simulate(run: dict, sample_id: str, repeat: int, n_tokens: int) -> list[dic
         out = accepted + 1
         rounds.append({
             "round": len(rounds), "exit_layer": E, "budget": min(budget, left - 1), "drafted": drafted,
-            "accepted": accepted, "emitted": out, "loaded_layers": drafted * (E or 0) + L,
+            "accepted": accepted, "emitted": out, "loaded_layers": _whole(drafted * draft_layers + L),
             "head_calls": drafted + accepted + 1,
-            "draft_s": drafted * ((E or 0) * layer + head),
+            "draft_s": drafted * (draft_layers * layer + head),
             "verify_s": (L - (E or 0)) * layer + (E or 0) * layer + 0.05 * layer * drafted + head * (accepted + 1),
             "policy_s": (0.0004 + 0.00008 * (drafted + 1)) if is_del else 2e-6,
             **trace,
         })
         emitted += out
     return rounds
+
+
+def _whole(layers: float):
+    """Loaded layers as the engine writes them: an int where whole (a skipped sublayer counts ½)."""
+    return int(layers) if float(layers).is_integer() else layers
 
 
 def _config(run: dict, out_dir: str) -> dict:
