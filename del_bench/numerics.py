@@ -33,7 +33,9 @@ def is_half(dtype: torch.dtype) -> bool:
 
 def widened(logits: torch.Tensor) -> torch.Tensor:
     """Logits to take a softmax of for a confidence: half precision widened to float32 (as DEL's shadow confidences,
-    which τ comes from, and transformers' sampling do), float32 and float64 kept as they are."""
+    which τ comes from, and transformers' sampling do), float32 and float64 kept as they are — a float64 model's
+    confidences stay float64, so they are the same bits on every CPU (a float32 softmax's exp and sum depend on the
+    SIMD width the CPU picks: 1e-8 relative between AVX2 and AVX-512, which DEL's pinned τ would see)."""
     return logits.float() if is_half(logits.dtype) else logits
 
 

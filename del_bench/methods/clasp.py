@@ -28,13 +28,12 @@ import torch.nn.functional as F
 
 from del_bench.methods.base import Method, Plan, SkipSet, check_gamma
 from del_bench.methods.swift import compact
+from del_bench.numerics import widened
 
 
 def cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Cosine similarity over the last dimension, in float32 or wider (half precision widened)."""
-    if a.dtype in (torch.float16, torch.bfloat16):
-        a, b = a.float(), b.float()
-    return F.cosine_similarity(a, b, dim=-1)
+    return F.cosine_similarity(widened(a), widened(b), dim=-1)
 
 
 class CLaSp(Method):

@@ -23,7 +23,7 @@ from torch import nn
 
 from del_bench.models import fused
 from del_bench.models.loading import check_resident
-from del_bench.numerics import HALF_DTYPES
+from del_bench.numerics import HALF_DTYPES, widened
 
 
 def synchronize(device: torch.device) -> None:
@@ -59,13 +59,6 @@ def _normalized(x32: torch.Tensor, eps: float) -> torch.Tensor:
     if x32.device.type == "cpu":
         return F.rms_norm(x32, (x32.shape[-1],), None, eps)
     return x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-
-
-def _widened(logits: torch.Tensor) -> torch.Tensor:
-    """Logits to softmax over: half precision widened to float32 (as transformers' sampling does), float32 and
-    float64 kept — a float64 model's confidences stay float64, so they are the same bits on every CPU (a float32
-    softmax's exp and sum depend on the SIMD width the CPU picks: 1e-8 relative between AVX2 and AVX-512)."""
-    return logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
 
 
 def _attend(q, k, v, mask: torch.Tensor | None, pos: int, scale: float, gqa: bool, exact: bool = False) -> torch.Tensor:
@@ -492,7 +485,7 @@ class LayerStack:
             return self._shadow_restricted(hn, targets, vocab)
         tokens, confidence = [], []
         for rows in hn.split(chunk):
-            probs = _widened(self._head(rows[None])[0]).softmax(-1)  # [n, V]
+            probs = widened(self._head(rows[None])[0]).softmax(-1)  # [n, V]
             top, ids = probs.max(-1)
             tokens.append(ids)
             confidence.append(top)
@@ -510,7 +503,7 @@ class LayerStack:
         sub = hn @ self._head_top  # [N, K]
         if self.head_bias is not None:
             sub = sub + self.head_bias[:vocab]
-        sub = _widened(sub)
+        sub = widened(sub)
         sub_max, tokens = sub.max(-1)  # [N]
         # torch.logsumexp's own steps (amax, exp of the shifted logits, sum, log, + max), the max reused
         norm = (sub - sub_max[:, None]).exp_().sum(-1).log_().add_(sub_max)  # [N]
@@ -525,7 +518,7 @@ class LayerStack:
         target_logit = (hn * target_rows).sum(-1)  # [N]
         if self.head_bias is not None:
             target_logit = target_logit + self.head_bias[targets]
-        target_logit = _widened(target_logit)
+        target_logit = widened(target_logit)
         take_target = outside & (target_logit > sub_max)
         tokens = torch.where(take_target, targets, tokens)
         norm = torch.where(outside, torch.logaddexp(norm, target_logit), norm)
