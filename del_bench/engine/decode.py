@@ -30,6 +30,10 @@ draft (Draft.siblings, leaves off the chain); _verify_full runs pending + chain 
 (RoPE position by depth, each node sees the prefix, its ancestors and itself; KV in consecutive slots) and
 _accept_tree takes the longest accepted path, moving an accepted leaf's KV to its place on the path. The tree
 costs rows, not weight loads: the round still loads d·(L − skipped/2) + L layers.
+Layer-skip selection (CLaSp, KnapSpec: Method.wants_states) keeps the verification pass's own states — every layer's
+or every sublayer's output — and after acceptance _select hands their accepted rows to Method.select as a
+LayerStates (engine/layer_states.py), through which the method runs its candidate draft models; what it runs joins
+the round's loaded layers and head calls (sel_* in the trace), its time the round's policy time.
 """
 
 from __future__ import annotations
