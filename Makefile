@@ -75,8 +75,8 @@ bench-gpu: ## Llama-2-7B-shaped random bf16 model on a GPU: our Vanilla/LS/DEL v
 bench-parts: setup ## per-part costs of a token on SmolLM2 (HF forward vs our eager and fused layer loops, LM-head products)
 	$(PY) scripts/bench_engine_parts.py
 
-bench-engine: setup ## eager vs fused layer loop: tok/s, measured ÷ predicted speedup, DEL's controller share, Vanilla vs the memory-bandwidth floor and vs its GEMVs alone; SmolLM2 + testbed (~20 min; QUICK=1: a few) → $(RECORDS)/bench/engine.json
-	$(PY) scripts/bench_engine.py $(if $(QUICK),--quick) --root $(RECORDS)/bench/engine_runs --out $(RECORDS)/bench/engine.json
+bench-engine: setup ## eager vs fused layer loop: tok/s, measured ÷ predicted speedup, DEL's controller share, Vanilla vs the memory-bandwidth floor and vs its GEMVs alone; SmolLM2 + testbed (~20 min; QUICK=1: a few; METHODS=clasp,knapspec,del_knapspec: more rows) → $(RECORDS)/bench/engine.json
+	$(PY) scripts/bench_engine.py $(if $(QUICK),--quick) $(if $(METHODS),--methods $(METHODS)) --root $(RECORDS)/bench/engine_runs --out $(RECORDS)/bench/engine.json
 
 bench-compile: setup ## torch.compile (inductor) vs the eager and fused layer loops, one decode token, per-layer and whole-stack graphs (compile time apart)
 	$(PY) scripts/bench_compile.py

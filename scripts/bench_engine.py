@@ -12,7 +12,8 @@ Columns:
 - tok/s: generated tokens ÷ wall seconds per prompt (prefill included), mean over prompts (paper B.4);
 - speedup, pred., meas/pred: tok/s ÷ Vanilla's; eTPL × L (Vanilla's eTPL is 1/L); their ratio — how much of the
   accounting's promise the wall clock keeps (bench_del.table_row / add_speedups);
-- ctrl: the method's own time (plan, keep_drafting, observe, shadow tokens: Round.policy_s) ÷ decode time;
+- ctrl: the method's own time (plan, keep_drafting, observe, shadow tokens, a layer-skip selection: Round.policy_s)
+  ÷ decode time;
 - ms/tok: decode time per emitted token, prefill excluded (rounds ≥ 1 of rounds.jsonl);
 - floor: Vanilla only — (bytes of weights one token reads ÷ the probe's GB/s) ÷ ms/tok: 1.0 = at the floor;
 - gemv: Vanilla only — a token's matrix products alone (gemv_ms, same run) ÷ ms/tok: 1.0 = every other op is free.
@@ -27,6 +28,7 @@ in each run.
 
     python scripts/bench_engine.py [--models smollm2-135m,testbed] [--layers eager,fused] [--limit 6]
                                    [--max-new-tokens 128] [--probe-mb 512] [--threads 2] [--quick]
+                                   [--methods clasp,knapspec,del_knapspec]
                                    [--out results/runs/bench/engine.json]
 
 --quick: 2 prompts, 48 new tokens, a 256 MB probe (a few minutes; a smoke test, not a measurement).
@@ -54,14 +56,15 @@ from del_bench.runner import load_model, provenance  # noqa: E402
 LS_POINT = {"testbed": (4, 4)}  # the testbed's best static (E, γ) (make bench-testbed); else the model's default
 
 
-def rows_for(model: str) -> list[tuple[str, list[str]]]:
-    """(label, method overrides) of one model's rows; Vanilla first (the others' speedups are against it)."""
+def rows_for(model: str, extra: list[str] = ()) -> list[tuple[str, list[str]]]:
+    """(label, method overrides) of one model's rows; Vanilla first (the others' speedups are against it); `extra`:
+    more method configs as rows, each with its defaults (e.g. clasp, knapspec, del_knapspec)."""
     ls = ["method=ls"]
     if model in LS_POINT:
         e, g = LS_POINT[model]
         ls += [f"method.exit_layer={e}", f"method.gamma={g}"]
     return [("Vanilla", ["method=vanilla"]), ("LS", ls), ("DEL (paper)", ["method=del"]),
-            ("DEL del_cpu", ["method=del_cpu"])]
+            ("DEL del_cpu", ["method=del_cpu"]), *((name, [f"method={name}"]) for name in extra)]
 
 
 @torch.inference_mode()
@@ -121,7 +124,7 @@ def bench_model(model: str, args) -> dict:
         setup_s[layers] = time.perf_counter() - t0
         if loads[layers][1].layer_path != layers:
             raise SystemExit(f"{model}: layers={layers} gave the {loads[layers][1].layer_path} loop")
-        for label, overrides in rows_for(model):
+        for label, overrides in rows_for(model, [m for m in args.methods.split(",") if m]):
             cfg = compose(f"model={model}", f"task={args.task}", f"max_new_tokens={args.max_new_tokens}",
                           f"threads={args.threads}", f"layers={layers}", *OFFLINE[args.task], *overrides)
             cfg.out_dir = f"{args.root}/{model}/{layers}/{cfg.method.tag}"  # a re-run skips finished prompts
@@ -177,6 +180,7 @@ def main() -> None:
     ap.add_argument("--probe-mb", type=int, default=512, help="size of the bandwidth probe's matrix")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--layers", default="eager,fused", help="layer loops to compare (each row runs under each)")
+    ap.add_argument("--methods", default="", help="more method configs as rows (e.g. clasp,knapspec,del_knapspec)")
     ap.add_argument("--quick", action="store_true", help="2 prompts, 48 new tokens, 256 MB probe: a smoke test")
     ap.add_argument("--root", default="results/runs/bench/engine_runs")
     ap.add_argument("--out", default="results/runs/bench/engine.json")
