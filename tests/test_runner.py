@@ -85,7 +85,7 @@ def test_invalid_hyperparameters_fail_before_the_model_loads(run_cfg, monkeypatc
 def test_cli_reports_unknown_method_with_suggestion():
     done = subprocess.run([sys.executable, "-m", "del_bench", "run", "method=lss"], capture_output=True, text=True)
     assert done.returncode == 2
-    assert "unknown method 'lss'. Did you mean 'ls'?" in done.stderr
+    assert "unknown method 'lss'. Did you mean 'ls'" in done.stderr
 
 
 def test_cli_ls_lists_every_config():
