@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from del_bench.methods.base import Method, Plan, SkipSet, check_gamma
-from del_bench.methods.swift import compact
+from del_bench.methods.swift import skipping_plan
 from del_bench.numerics import widened
 
 
@@ -68,11 +68,7 @@ class CLaSp(Method):
         self._traced: SkipSet | None = None
 
     def plan(self) -> Plan:
-        trace = {}
-        if self.skip != self._traced:  # the set's first round of the prompt, and every change
-            trace["skip_set"] = compact(self.skip)
-            self._traced = self.skip
-        return Plan(exit_layer=None, max_draft=self.gamma, trace=trace, skip=self.skip)
+        return skipping_plan(self, self.skip, self.gamma)
 
     def keep_drafting(self, drafted: int, confidence: float) -> bool:
         return confidence >= self.confidence

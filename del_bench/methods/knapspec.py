@@ -39,7 +39,7 @@ import torch
 
 from del_bench.methods.base import Method, Plan, SkipSet, check_gamma
 from del_bench.methods.clasp import cosine
-from del_bench.methods.swift import compact
+from del_bench.methods.swift import skipping_plan
 
 CONTEXTS = (1024, 2048, 4096, 8192, 16384, 24576)
 
@@ -104,11 +104,7 @@ class KnapSpec(Method):
         self._traced: SkipSet | None = None
 
     def plan(self) -> Plan:
-        trace = {}
-        if self.skip != self._traced:
-            trace["skip_set"] = compact(self.skip)
-            self._traced = self.skip
-        return Plan(exit_layer=None, max_draft=self.gamma, trace=trace, skip=self.skip)
+        return skipping_plan(self, self.skip, self.gamma)
 
     def keep_drafting(self, drafted: int, confidence: float) -> bool:
         return confidence >= self.confidence

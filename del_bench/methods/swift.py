@@ -109,6 +109,16 @@ def compact(skip: SkipSet) -> str:
     return f"attn:{','.join(map(str, skip.attn))};mlp:{','.join(map(str, skip.mlp))}"
 
 
+def skipping_plan(method: Method, skip: SkipSet, max_draft: int) -> Plan:
+    """A skipping round's plan (SWIFT, CLaSp, KnapSpec): its trace names the set (compact) on a prompt's first round and
+    whenever it changes; method._traced remembers the set named last (None at the start of a prompt)."""
+    trace = {}
+    if skip != method._traced:
+        trace["skip_set"] = compact(skip)
+        method._traced = skip
+    return Plan(exit_layer=None, max_draft=max_draft, skip=skip, trace=trace)
+
+
 def parse_skip_set(value) -> SkipSet | None:
     """None, a mapping {attn, mlp}, a compact string, a JSON file, or a SWIFT run directory → SkipSet."""
     if value is None:
@@ -286,11 +296,7 @@ class Swift(Method):
         self._pending: dict | None = None
 
     def plan(self) -> Plan:
-        trace = {}
-        if self.current != self._traced:
-            trace["skip_set"] = compact(self.current)
-            self._traced = self.current
-        return Plan(exit_layer=None, max_draft=self.d_max, skip=self.current, trace=trace)
+        return skipping_plan(self, self.current, self.d_max)
 
     def keep_drafting(self, drafted: int, confidence: float) -> bool:
         return confidence >= self.confidence
