@@ -57,14 +57,21 @@ def stack_and_ref_on(request):
     return LayerStack(model), model, prompts, refs
 
 
-@pytest.mark.parametrize("method", METHODS, ids=lambda m: f"{m.name}{m.describe()}")
-def test_greedy_equals_hf_generate(stack_and_ref_on, method):
-    stack, _, prompts, refs = stack_and_ref_on
+def assert_greedy_equals_reference(stack_and_ref, method) -> None:
+    """Every prompt at budgets 1, 7 and 40 (γ > tokens left is hit near each budget's end): the method's greedy
+    output is the reference's (HF generate) prefix, token for token, and no round drafts past the tokens left."""
+    stack, _, prompts, refs = stack_and_ref
     engine = Engine(stack, Sampling(), eos_ids=set())
     for prompt, ref in zip(prompts, refs):
-        for budget in (1, 7, 40):  # γ > tokens left is hit near each budget's end
+        for budget in (1, 7, 40):
             gen = engine.generate(prompt, method, budget, seed=0)
             assert gen.output_ids == ref[:budget]
+            assert all(r.drafted <= budget - 1 for r in gen.rounds)  # no round drafts past the tokens left
+
+
+@pytest.mark.parametrize("method", METHODS, ids=lambda m: f"{m.name}{m.describe()}")
+def test_greedy_equals_hf_generate(stack_and_ref_on, method):
+    assert_greedy_equals_reference(stack_and_ref_on, method)
 
 
 def test_speculation_really_happens(stack_and_ref):

@@ -21,7 +21,7 @@ from del_bench.methods.clasp import CLaSp, skipped_layers
 from del_bench.methods.dynamic_exit import DEL
 from del_bench.methods.knapspec import KnapSpec, knapsack_sets, tokens_per_time
 from del_bench.methods.swift import parse_skip_set
-from tests.test_engine import L, stack_and_ref  # noqa: F401 (fixtures)
+from tests.test_engine import L, assert_greedy_equals_reference, stack_and_ref  # noqa: F401 (fixtures)
 
 CONTEXTS = (8, 32, 64)  # the latency model's context lengths on tiny models
 
@@ -47,13 +47,8 @@ METHODS = [
 
 @pytest.mark.parametrize("method", METHODS, ids=lambda m: f"{m.name}{m.describe()}")
 def test_greedy_equals_hf_generate(stack_and_ref, method):  # noqa: F811
-    stack, _, prompts, refs = stack_and_ref
     method.validate(L)
-    engine = Engine(stack, Sampling(), eos_ids=set())
-    for prompt, ref in zip(prompts, refs):
-        for budget in (1, 7, 40):
-            gen = engine.generate(prompt, method, budget, seed=0)
-            assert gen.output_ids == ref[:budget]
+    assert_greedy_equals_reference(stack_and_ref, method)
 
 
 def test_clasp_selects_m_layers_and_counts_the_selection(stack_and_ref):  # noqa: F811

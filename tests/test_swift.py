@@ -18,7 +18,7 @@ from del_bench.methods.base import Probe, SkipSet
 from del_bench.methods.swift import Swift, compact, odd_layers, parse_skip_set, skip_count, skip_set_of
 from del_bench.models.layer_stack import LayerStack
 from tests.conftest import tiny_model
-from tests.test_engine import L, stack_and_ref  # noqa: F401 (fixtures)
+from tests.test_engine import L, assert_greedy_equals_reference, stack_and_ref  # noqa: F401 (fixtures)
 
 METHODS = [
     Swift(skip_set={"attn": [1], "mlp": [2]}),
@@ -42,14 +42,8 @@ def method_id(m: Swift) -> str:
 
 @pytest.mark.parametrize("method", METHODS, ids=method_id)
 def test_greedy_equals_hf_generate(stack_and_ref, method):  # noqa: F811
-    stack, _, prompts, refs = stack_and_ref
     method.validate(L)
-    engine = Engine(stack, Sampling(), eos_ids=set())
-    for prompt, ref in zip(prompts, refs):
-        for budget in (1, 7, 40):
-            gen = engine.generate(prompt, method, budget, seed=0)
-            assert gen.output_ids == ref[:budget]
-            assert len(gen.output_ids) == budget and all(r.drafted <= budget - 1 for r in gen.rounds)
+    assert_greedy_equals_reference(stack_and_ref, method)
 
 
 def test_swift_speculates_and_its_optimiser_runs(stack_and_ref):  # noqa: F811
