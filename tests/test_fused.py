@@ -130,6 +130,17 @@ def test_records_say_which_loop_decoded_and_loops_never_pair(run_cfg, tmp_path):
     assert not run_key_of(fused_run).pairs_with(run_key_of(eager_run))
 
 
+def test_each_version_of_the_source_builds_in_its_own_directory(tmp_path, monkeypatch):
+    """Two checkouts of different C++ sources on one machine (a branch, a mutant copy) must not rebuild over each
+    other's module; the same source always finds its own build."""
+    here = fused.build_dir()
+    assert here == fused.build_dir() and here.parent.name == f"torch-{torch.__version__}"
+    other = tmp_path / "fused_layers.cpp"
+    other.write_bytes(fused.SOURCE.read_bytes() + b"// another version\n")
+    monkeypatch.setattr(fused, "SOURCE", other)
+    assert fused.build_dir() != here and fused.build_dir().parent == here.parent
+
+
 def test_a_lock_left_by_a_killed_build_is_removed_and_a_live_one_kept(tmp_path):
     lock = tmp_path / "lock"
     lock.touch()

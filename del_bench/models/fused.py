@@ -15,6 +15,7 @@ bits. `layers` (configs/run.yaml) chooses:
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import shutil
@@ -41,8 +42,11 @@ STALE_LOCK_S = 600  # a build takes ~25 s: a lock this old was left by a killed 
 
 
 def build_dir() -> Path:
-    """Where the build lives: beside the model cache (DEL_BENCH_CACHE), one per torch version."""
-    return cache_root() / "torch_extensions" / f"torch-{torch.__version__}"
+    """Where the build lives: beside the model cache (DEL_BENCH_CACHE), one per torch version and per version of the
+    C++ source, so checkouts of different sources on one machine (a branch, a test's mutant copy) never rebuild over
+    each other's module — they did, and a process could load another checkout's build (wrong arity, wrong bits)."""
+    source = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
+    return cache_root() / "torch_extensions" / f"torch-{torch.__version__}" / source
 
 
 def clear_stale_lock(directory: Path) -> None:
