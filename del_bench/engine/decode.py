@@ -379,7 +379,8 @@ class Engine:
         if verified.states is None:
             return {}
         t = time.perf_counter()
-        rows = cat_on(verified.states, self.stack.head_device)[:, : k + 1]  # [S, k+1, D]: pending + accepted
+        # [S, k+1, D]: the pending token and the accepted drafts, each (sub)layer's rows gathered on the head's device
+        rows = cat_on([s[:, : k + 1] for s in verified.states], self.stack.head_device)
         states = LayerStates(self.stack, cache, pos, rows)
         trace = method.select(states)
         if not (trace or states.loaded_layers or states.head_rows):  # states kept for a later selection: nothing ran

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from del_bench.numerics import widened
+
 
 @dataclass(frozen=True)
 class Sampling:
@@ -24,7 +26,7 @@ class Sampling:
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """logits: [..., V] → warped probabilities [..., V] (float32 or wider)."""
-        scores = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+        scores = widened(logits)
         scores = scores / self.temperature
         if self.top_p < 1.0:
             sorted_scores, order = torch.sort(scores, dim=-1, descending=False)

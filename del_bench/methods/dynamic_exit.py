@@ -243,11 +243,12 @@ class DEL(Method):
         """The TPL argmax (E, γ) and the chosen layer's statistics, computed once per change of the statistics
         (plain floats for layer E alone: the per-round path stays off array ops, which cost µs each)."""
         if self._choice is None:
-            exit_layer, gamma = best_exit(self.alpha, self.num_layers, self.d_max, self.allowed,
-                                          self.head_cost, stop_head=self.dynamic_draft_exit,
-                                          batch_cost=self.batch_cost, min_draft=self.min_draft)
             if self._first_round:  # E is given, not chosen; τ and α are that layer's
                 exit_layer, gamma = self.first_exit_layer, self.d_max
+            else:
+                exit_layer, gamma = best_exit(self.alpha, self.num_layers, self.d_max, self.allowed,
+                                              self.head_cost, stop_head=self.dynamic_draft_exit,
+                                              batch_cost=self.batch_cost, min_draft=self.min_draft)
             e = exit_layer - 1
             match, positions = float(self.s_match[e]), self.s_positions
             matched = self.s_true_conf[e] / match if match > 0 else 1.0  # 0/0 as in confidence_means

@@ -183,9 +183,10 @@ def knapsack_sets(x: torch.Tensor, w_attn: int, w_mlp: int, capacity: int, prune
         weight = w_attn if s % 2 == 0 else w_mlp
         ref = x[s + 1]  # [r, D]
         live = sorted(g)
-        executed = run_sublayer(s, torch.stack([g[j][1] for j in live]))  # [B, r, D]
+        before = torch.stack([g[j][1] for j in live])  # [B, r, D] the live states before sublayer s
+        executed = run_sublayer(s, before)  # [B, r, D]
         exec_score = cosine(executed, ref[None]).sum(-1).tolist()  # [B]
-        stay_score = cosine(torch.stack([g[j][1] for j in live]), ref[None]).sum(-1).tolist()
+        stay_score = cosine(before, ref[None]).sum(-1).tolist()
         column = {j: (g[j][0], executed[b], exec_score[b]) for b, j in enumerate(live)}  # exec first
         for b, j in enumerate(live):
             to = j + weight

@@ -318,6 +318,19 @@ class LayerStack:
             costs["sublayer_s"] = self.measure_sublayers(contexts)
         return costs
 
+    def _seconds(self, fn, reps: int, warmup: int = 1) -> list[float]:
+        """Seconds of each of `reps` calls of fn after `warmup` untimed ones, every device synchronised around each."""
+        for _ in range(warmup):
+            fn()
+        times = []
+        for _ in range(reps):
+            self.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            self.synchronize()
+            times.append(time.perf_counter() - t0)
+        return times
+
     @torch.inference_mode()
     def _measure_layer_costs(self, context: int, reps: int, batch_sizes) -> dict:
         cache = self.new_cache(context + max(batch_sizes))
@@ -325,15 +338,7 @@ class LayerStack:
         x = self.embed(torch.zeros(1, 1, dtype=torch.long))
 
         def timed(fn) -> float:
-            fn()  # warm-up
-            times = []
-            for _ in range(reps):
-                self.synchronize()
-                t0 = time.perf_counter()
-                fn()
-                self.synchronize()
-                times.append(time.perf_counter() - t0)
-            return statistics.median(times)
+            return statistics.median(self._seconds(fn, reps))
 
         layers_s = timed(lambda: self.forward_layers(x, 0, self.num_layers, context, cache))
         batch_s = []
@@ -588,14 +593,7 @@ class LayerStack:
         x = self.embed(torch.zeros(1, 1, dtype=torch.long, device=self.embed_weight.device))  # [1, 1, D]
 
         def mean_s(fn) -> float:
-            for _ in range(warmup):
-                fn()
-            synchronize(x.device)
-            t0 = time.perf_counter()
-            for _ in range(reps):
-                fn()
-            synchronize(x.device)
-            return (time.perf_counter() - t0) / reps
+            return statistics.fmean(self._seconds(fn, reps, warmup))
 
         out = []
         for n in sorted(contexts):
