@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from del_bench.models import fused
+from del_bench.models.families import LayerMath, decoder_of, resolve
 from del_bench.models.loading import check_resident
 from del_bench.numerics import HALF_DTYPES, widened
 
@@ -53,6 +54,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * _normalized(x, eps)  # no no-op casts
 
 
+def gemma_rms_norm(x: torch.Tensor, weight1: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma2RMSNorm / Gemma3RMSNorm, op for op: (_norm(x.float()) * (1 + w.float())).type_as(x) — float32 even for
+    a float64 model, the weight applied before the cast. weight1: 1 + w, precomputed in float32 (_norm_tensor)."""
+    return (_normalized(x.float(), eps) * weight1).to(x.dtype)
+
+
 def _normalized(x32: torch.Tensor, eps: float) -> torch.Tensor:
     """x · rsqrt(mean(x²) + eps) in float32. On CPU torch's fused F.rms_norm gives HF's bits in one op instead of
     five (~10 µs less per norm, two norms a layer; tests/test_engine.py holds the equality on the machine at hand)."""
@@ -79,6 +86,12 @@ def _attend(q, k, v, mask: torch.Tensor | None, pos: int, scale: float, gqa: boo
                           for i in range(T)], dim=2)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1, scale=scale,
                                           enable_gqa=gqa)
+
+
+def softcapped(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """Gemma's soft cap, op for op: tanh(x / cap) * cap (attention weights: modeling_gemma2.py:196-198; final logits:
+    :519-521)."""
+    return torch.tanh(x / cap) * cap
 
 
 def _fuse_rows(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -141,6 +154,15 @@ class _Layer:
     w_down: torch.Tensor  # [D, I]
     b_down: torch.Tensor | None
     device: torch.device
+    # other families (families.py; None / 0 for Llama): q/k norms over head_dim (Qwen3, Gemma 3), the sandwich norms
+    # on the attention's and the MLP's outputs (Gemma 2/3), the attention window W (the last W positions) and which
+    # rotary table the layer reads (Gemma 3: local / global)
+    w_q_norm: torch.Tensor | None = None
+    w_k_norm: torch.Tensor | None = None
+    w_attn_out_norm: torch.Tensor | None = None
+    w_mlp_out_norm: torch.Tensor | None = None
+    window: int | None = None
+    rope: int = 0
 
 
 @dataclass
@@ -213,21 +235,30 @@ class TreeMask:
 
 
 class LayerStack:
+    def __new__(cls, model: nn.Module, layers: str = "eager"):
+        """A model of a family whose layer math is not Llama's (families.py) gets a FamilyLayerStack, whose layer
+        methods apply its family's math: the choice is made once here, so the Llama loop has no per-op branch. A
+        model_type no family describes is refused here (ConfigError naming the described ones)."""
+        if cls is LayerStack and not resolve(decoder_of(model)[0]).plain:
+            cls = FamilyLayerStack
+        return super().__new__(cls)
+
     def __init__(self, model: nn.Module, layers: str = "eager"):
         """layers: the decoder-layer loop — eager (Python, the reference), fused (fused_layers.cpp) or auto (fused
         where it builds and matches eager bit for bit here; del_bench/models/fused.py). `layer_path` says which
         runs, `layer_setup_s` what building, loading and checking the fused loop took (apart from any decode)."""
         check_resident(model)  # offloaded or meta weights: one clear error here, not a device mismatch mid-decode
-        config = model.config
-        inner = model.model
+        config, inner = decoder_of(model)  # Gemma 3's multimodal model: its text decoder
         self.model = model
         self.config = config
+        self.math: LayerMath = resolve(config)  # the family's variations and numbers, read once
+        self._rms = gemma_rms_norm if self.math.family.norm == "gemma" else rms_norm
         self.num_layers: int = config.num_hidden_layers
         self.n_heads: int = config.num_attention_heads
         self.n_kv_heads: int = config.num_key_value_heads
         self.head_dim: int = getattr(config, "head_dim", None) or config.hidden_size // self.n_heads
         self.eps: float = config.rms_norm_eps
-        self.scale = self.head_dim**-0.5
+        self.scale = self.math.scale  # head_dim ** -0.5, or Gemma's query_pre_attn_scalar ** -0.5
         self.dtype = inner.embed_tokens.weight.dtype
         # half precision on CPU: a chain of several new positions over a cache (verification) attends row by row, so
         # each row is the bits of a decode step (_attend; in bfloat16 the products' rows are too, in float16 the CPU
@@ -239,7 +270,7 @@ class LayerStack:
         # token ids start on the embedding's device; everything after the layers — the final norm, exit adapters,
         # the head, shadow states and their scoring, the sampling RNG — on the head's device. One device: all one.
         self.head_device = head.weight.device
-        self.norm_weight = inner.norm.weight.detach().to(self.head_device)  # [D]: a copy only if it lived elsewhere
+        self.norm_weight = self._norm_tensor(inner.norm).to(self.head_device)  # [D]: a copy only if it lived elsewhere
         # [V, D], HF's own storage (a tied embedding's too): _linear's products read it as they read the layers'. One
         # row (drafting, Vanilla) streams faster as x @ W_t from a [D, V] copy on this CPU (3.9 vs 5.1 ms on SmolLM2;
         # make bench-parts), 2+ rows far slower (8.5 vs 5.2 ms at 2 rows): on CPU keep the copy for single rows
@@ -249,8 +280,11 @@ class LayerStack:
         cpu_layout = self.head_weight.device.type == "cpu" and self.dtype not in HALF_DTYPES
         self.head_t = self.head_weight.t().contiguous() if cpu_layout else None
         self.embed_weight = inner.embed_tokens.weight.detach()
+        # Gemma: HF's own float32 buffer √D in the weights' dtype (float32(√D) in float64: HF's bits, not √D's)
+        scale = getattr(inner.embed_tokens, "embed_scale", None) if self.math.family.embed_scale else None
+        self._embed_scale = None if scale is None else scale.to(self.embed_weight)
         self.vocab_size = self.head_weight.shape[0]
-        self.layers = [self._wrap(layer) for layer in inner.layers[: self.num_layers]]
+        self.layers = [self._wrap(layer, i) for i, layer in enumerate(inner.layers[: self.num_layers])]
         self._rotary = inner.rotary_emb
         self._cos = self._sin = torch.empty(0)
         self.adapters = None  # ExitAdapters (del_bench/models/exit_adapters.py): the early-exit heads, or own head
@@ -285,26 +319,47 @@ class LayerStack:
         for device in self.devices:
             synchronize(device)
 
-    @staticmethod
-    def _wrap(layer: nn.Module) -> _Layer:
+    def _wrap(self, layer: nn.Module, index: int) -> _Layer:
+        """Layer `index`'s tensors, read from its family's modules (families.py)."""
+        family = self.math.family
         attn, mlp = layer.self_attn, layer.mlp
-        w_qkv, b_qkv = _fuse_rows([attn.q_proj, attn.k_proj, attn.v_proj])
-        w_gate_up, b_gate_up = _fuse_rows([mlp.gate_proj, mlp.up_proj])
+        if family.fused_projections:  # Phi-3 stores q|k|v and gate|up fused already, in this layout
+            qkv, gate_up = [attn.qkv_proj], [mlp.gate_up_proj]
+        else:
+            qkv, gate_up = [attn.q_proj, attn.k_proj, attn.v_proj], [mlp.gate_proj, mlp.up_proj]
+        w_qkv, b_qkv = _fuse_rows(qkv)
+        w_gate_up, b_gate_up = _fuse_rows(gate_up)
         w_o, b_o = _fuse_rows([attn.o_proj])
         w_down, b_down = _fuse_rows([mlp.down_proj])
+        # the MLP's input norm: Llama's post_attention_layernorm; with sandwich norms that name is the attention's
+        # output norm, and the MLP's input norm is pre_feedforward_layernorm
+        sandwich = family.sandwich_norms
+        mlp_norm = layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm
         return _Layer(
-            w_in_norm=layer.input_layernorm.weight.detach(),
+            w_in_norm=self._norm_tensor(layer.input_layernorm),
             w_qkv=w_qkv,
             b_qkv=b_qkv,
             w_o=w_o,
             b_o=b_o,
-            w_post_norm=layer.post_attention_layernorm.weight.detach(),
+            w_post_norm=self._norm_tensor(mlp_norm),
             w_gate_up=w_gate_up,
             b_gate_up=b_gate_up,
             w_down=w_down,
             b_down=b_down,
             device=w_qkv.device,
+            w_q_norm=self._norm_tensor(attn.q_norm) if family.qk_norm else None,
+            w_k_norm=self._norm_tensor(attn.k_norm) if family.qk_norm else None,
+            w_attn_out_norm=self._norm_tensor(layer.post_attention_layernorm) if sandwich else None,
+            w_mlp_out_norm=self._norm_tensor(layer.post_feedforward_layernorm) if sandwich else None,
+            window=self.math.windows[index],
+            rope=self.math.rope_of_layer[index],
         )
+
+    def _norm_tensor(self, norm: nn.Module) -> torch.Tensor:
+        """The tensor self._rms applies: the weight itself (Llama), or Gemma's 1 + w in float32 (HF computes
+        `1.0 + self.weight.float()` at every call: the same bits, once)."""
+        weight = norm.weight.detach()
+        return 1.0 + weight.float() if self.math.family.norm == "gemma" else weight
 
     # ---- costs ------------------------------------------------------------------------------
     def measure_costs(self, context: int = 128, reps: int = 5, batch_sizes=(1, 2, 4, 8, 16, 32),
@@ -508,6 +563,8 @@ class LayerStack:
         sub = hn @ self._head_top  # [N, K]
         if self.head_bias is not None:
             sub = sub + self.head_bias[:vocab]
+        if self.math.final_softcap is not None:  # Gemma: the logits _head gives (per round, not per op)
+            sub = softcapped(sub, self.math.final_softcap)
         sub = widened(sub)
         sub_max, tokens = sub.max(-1)  # [N]
         # torch.logsumexp's own steps (amax, exp of the shifted logits, sum, log, + max), the max reused
@@ -523,6 +580,8 @@ class LayerStack:
         target_logit = (hn * target_rows).sum(-1)  # [N]
         if self.head_bias is not None:
             target_logit = target_logit + self.head_bias[targets]
+        if self.math.final_softcap is not None:
+            target_logit = softcapped(target_logit, self.math.final_softcap)
         target_logit = widened(target_logit)
         take_target = outside & (target_logit > sub_max)
         tokens = torch.where(take_target, targets, tokens)
@@ -665,3 +724,154 @@ class LayerStack:
         x = rms_norm(h, w.w_post_norm, self.eps)
         gate, up = _linear(x, w.w_gate_up, w.b_gate_up).chunk(2, dim=-1)
         return _linear(F.silu(gate) * up, w.w_down, w.b_down, residual=h)
+
+
+def _attend_softcapped(q, k, v, mask: torch.Tensor | None, pos: int, scale: float, cap: float) -> torch.Tensor:
+    """HF's eager attention with Gemma 2's logit soft cap (SDPA cannot cap; Gemma2PreTrainedModel._supports_sdpa is
+    False, so `generate` runs this), op for op as modeling_gemma2.py's eager_attention_forward: q [1, H, T, hd]
+    (positions pos..) over k, v [1, KV, S, hd] → [1, H, T, hd]. HF adds min(dtype) where the mask is False; -inf gives
+    the same softmax (exp of either is 0 after the float32 cast)."""
+    T, S = q.shape[2], k.shape[2]
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)  # repeat_kv: [1, H, S, hd]
+    weights = softcapped(torch.matmul(q, k.transpose(2, 3)) * scale, cap)  # [1, H, T, S]
+    if mask is None and T > 1:  # a chain from pos: causal, bottom-right aligned
+        mask = _causal(pos, T, S, q.device)
+    if mask is not None:
+        weights = weights.masked_fill(~mask, float("-inf"))
+    probs = F.softmax(weights, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)
+
+
+def _causal(pos: int, T: int, S: int, device) -> torch.Tensor:
+    """[T, S] bool: query i (position pos + i) sees keys 0 .. pos + i."""
+    return torch.arange(S, device=device)[None, :] <= (pos + torch.arange(T, device=device))[:, None]
+
+
+def _windowed(mask: torch.Tensor | None, pos: int, T: int, S: int, window: int, device) -> torch.Tensor:
+    """The mask of T queries from slot pos over S keys (mask: [T, S] or None for a causal chain) restricted to a
+    sliding window: a query at position p sees keys at positions p − window < k ≤ p (masking_utils.py
+    sliding_window_overlay). Positions come from the mask itself, so a token tree is windowed too: node i's position is
+    pos + its depth (= its ancestors in slots pos.., itself included, − 1); slots before pos hold their own position."""
+    if mask is None:
+        mask = _causal(pos, T, S, device)
+    query_pos = pos + mask[:, pos:].sum(-1) - 1  # [T]
+    key_pos = torch.cat([torch.arange(pos, device=device), query_pos])  # [S]: slot pos + j holds query j's position
+    return mask & (key_pos[None, :] > query_pos[:, None] - window)
+
+
+class FamilyLayerStack(LayerStack):
+    """A LayerStack of a family whose layer math is not Llama's (families.py; LayerStack.__new__ chooses it): each
+    method below is Llama's plus what the family's LayerMath switches on, per layer where it varies (the q/k norms,
+    sandwich norms, window, rotary table live on _Layer). The eager loop only: fused.unsupported refuses these."""
+
+    def __init__(self, model: nn.Module, layers: str = "eager"):
+        from transformers.activations import ACT2FN  # the MLP activation HF's own modules use
+
+        self._act = ACT2FN[resolve(decoder_of(model)[0]).activation]
+        self._window_memo: tuple = ()
+        super().__init__(model, layers)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids: [1, T] → h: [1, T, D], times Gemma's embedding scale (HF: embedding(ids) * embed_scale)."""
+        h = F.embedding(ids.to(self.embed_weight.device), self.embed_weight)
+        return h if self._embed_scale is None else h * self._embed_scale
+
+    def norm(self, h: torch.Tensor) -> torch.Tensor:
+        return self._rms(h.to(self.norm_weight.device), self.norm_weight, self.eps)
+
+    def _head(self, h_normed: torch.Tensor) -> torch.Tensor:
+        logits = super()._head(h_normed)
+        cap = self.math.final_softcap
+        return logits if cap is None else softcapped(logits, cap)
+
+    def _ensure_rope(self, max_len: int) -> None:
+        """Each of LayerMath.rope_kinds from the model's own rotary module (Gemma 3: `rotary_emb(x, positions,
+        layer_type)`): _rope_kinds_cos/_sin [R, S, hd]; _cos/_sin stay the first's [S, hd]."""
+        if self._cos.shape[0] >= max_len:
+            return
+        probe = self.embed_weight[:1]
+        positions = torch.arange(max_len, device=probe.device)[None]
+        tables = [self._rotary(probe, positions, *(() if kind is None else (kind,))) for kind in self.math.rope_kinds]
+        half = self.head_dim // 2
+        sign = torch.cat([-torch.ones(half), torch.ones(half)]).to(tables[0][1])  # see LayerStack._ensure_rope
+        self._rope_kinds_cos = torch.stack([cos[0] for cos, _ in tables])  # [R, S, hd]
+        self._rope_kinds_sin = torch.stack([sin[0] * sign for _, sin in tables])
+        self._cos, self._sin = self._rope_kinds_cos[0], self._rope_kinds_sin[0]
+
+    def _rope_and_mask(self, pos: int, T: int, device, tree: TreeMask | None = None):
+        """LayerStack's, with cos, sin [R, T, 1, hd]: one table per rotary kind (a layer reads cos[_Layer.rope])."""
+        _, _, mask = super()._rope_and_mask(pos, T, device, tree)
+        positions = torch.arange(pos, pos + T) if tree is None else pos + tree.depth
+        positions = positions.to(self._rope_kinds_cos.device)
+        return self._rope_kinds_cos[:, positions, None, :], self._rope_kinds_sin[:, positions, None, :], mask
+
+    def _attention(self, i, h, pos, cos, sin, mask, cache: KVCache, write: bool = True) -> torch.Tensor:
+        """h + attention(norm(h)) for layer i, the family's way (the sandwich norm on its output where it has one)."""
+        w = self.layers[i]
+        if self.counter is not None:
+            self.counter.layers += 0.5
+        if h.device != w.device:  # multi-device (device_map) models only
+            h, cos, sin = h.to(w.device), cos.to(w.device), sin.to(w.device)
+            mask = None if mask is None else mask.to(w.device)
+        T, H, KV, hd = h.shape[1], self.n_heads, self.n_kv_heads, self.head_dim
+        qkv = _linear(self._rms(h, w.w_in_norm, self.eps), w.w_qkv, w.b_qkv).view(1, T, H + 2 * KV, hd)
+        q, k_new, v_new = qkv[:, :, :H], qkv[:, :, H : H + KV], qkv[:, :, H + KV :]
+        if w.w_q_norm is not None:  # Qwen3, Gemma 3: per head over head_dim, before RoPE
+            q, k_new = self._rms(q, w.w_q_norm, self.eps), self._rms(k_new, w.w_k_norm, self.eps)
+        cos, sin = cos[w.rope], sin[w.rope]  # [T, 1, hd]: this layer's rotary table
+        q = (q * cos + torch.roll(q, hd // 2, dims=-1) * sin).transpose(1, 2)  # [1, H, T, hd]
+        k_new = (k_new * cos + torch.roll(k_new, hd // 2, dims=-1) * sin).transpose(1, 2)  # [1, KV, T, hd]
+        v_new = v_new.transpose(1, 2)
+        end = pos + T
+        if write:
+            cache.k[i][:, :, pos:end] = k_new
+            cache.v[i][:, :, pos:end] = v_new
+            k, v = cache.k[i][:, :, :end], cache.v[i][:, :, :end]  # [1, KV, end, hd]
+        else:  # the cached prefix [0, pos) and this pass's own keys
+            k = torch.cat([cache.k[i][:, :, :pos], k_new], dim=2)
+            v = torch.cat([cache.v[i][:, :, :pos], v_new], dim=2)
+        attn = self._attend_layer(w, q, k, v, mask, pos)  # [1, H, T, hd]
+        out = attn.transpose(1, 2).reshape(1, T, H * hd)
+        if w.w_attn_out_norm is None:
+            return _linear(out, w.w_o, w.b_o, residual=h)
+        return h + self._rms(_linear(out, w.w_o, w.b_o), w.w_attn_out_norm, self.eps)
+
+    def _attend_layer(self, w: _Layer, q, k, v, mask, pos: int) -> torch.Tensor:
+        """q [1, H, T, hd] over k, v [1, KV, S, hd] with the layer's window (where it reaches back past key 0) and the
+        family's attention (SDPA, or the soft-capped eager attention)."""
+        T, S = q.shape[2], k.shape[2]
+        if w.window is not None and pos + T > w.window:
+            if T == 1:  # one query: its window is the last `window` keys
+                k, v = k[:, :, S - w.window :], v[:, :, S - w.window :]
+                mask = None if mask is None else mask[:, S - w.window :]
+            else:
+                mask = self._window_mask(mask, pos, T, S, w.window, q.device)
+        cap = self.math.attention_softcap
+        if cap is not None:
+            return _attend_softcapped(q, k, v, mask, pos, self.scale, cap)
+        return _attend(q, k, v, mask, pos, self.scale, self.n_kv_heads != self.n_heads, self.exact_rows)
+
+    def _window_mask(self, mask, pos: int, T: int, S: int, window: int, device) -> torch.Tensor:
+        """_windowed, computed once per forward call and window (the layers of a call share mask, pos and T)."""
+        key = (mask, pos, T, S, window, device)
+        memo = self._window_memo
+        if memo and memo[0] is mask and memo[1:-1] == key[1:]:
+            return memo[-1]
+        windowed = _windowed(mask, pos, T, S, window, device)
+        self._window_memo = (*key, windowed)
+        return windowed
+
+    def _mlp(self, i, h) -> torch.Tensor:
+        """h + MLP(norm(h)) for layer i: the family's activation and, with sandwich norms, its output norm."""
+        w = self.layers[i]
+        if self.counter is not None:
+            self.counter.layers += 0.5
+        if h.device != w.device:
+            h = h.to(w.device)
+        x = self._rms(h, w.w_post_norm, self.eps)
+        gate, up = _linear(x, w.w_gate_up, w.b_gate_up).chunk(2, dim=-1)
+        act = self._act(gate) * up
+        if w.w_mlp_out_norm is None:
+            return _linear(act, w.w_down, w.b_down, residual=h)
+        return h + self._rms(_linear(act, w.w_down, w.b_down), w.w_mlp_out_norm, self.eps)
