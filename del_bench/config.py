@@ -18,7 +18,7 @@ from del_bench.models.loading import weights_digest
 from del_bench.records import decoding_tag
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
-GROUPS = ("model", "task", "method", "logger", "experiment", "data", "row")
+GROUPS = ("model", "task", "method", "logger", "experiment", "scale", "data", "row")
 # Short names a user may type for a config, each standing for one canonical config: the command line is rewritten
 # before Hydra composes (resolve_aliases), so the config, its task_data, records, out_dir and pairing only ever see
 # the canonical name. `task=cnndm` (the model cards' command) is the paper's CNN/DM by default: 1-shot summarisation
@@ -35,6 +35,13 @@ def _calibrated(key: str, default, _root_):
     return calibration_store.lookup(calibration.file, calibration.task)[key]
 
 
+def _at_scale(paper, local, _root_):
+    """${at_scale:PAPER,LOCAL}: an experiment's setting at each scale (configs/scale/: scale=paper, the default, or
+    scale=local), so one experiment file holds both its paper-size sweep and its size on this CPU."""
+    scale = _root_.get("scale")
+    return local if scale is not None and scale.get("name") == "local" else paper
+
+
 def _flag(on, name: str) -> str:
     """${flag:${.tree},tree}: "-tree" when the switch is on, "" when off — for tags that name an option."""
     return f"-{name}" if on else ""
@@ -46,6 +53,8 @@ if not OmegaConf.has_resolver("decoding"):
     OmegaConf.register_new_resolver("decoding", decoding_tag)
 if not OmegaConf.has_resolver("calibrated"):
     OmegaConf.register_new_resolver("calibrated", _calibrated)
+if not OmegaConf.has_resolver("at_scale"):
+    OmegaConf.register_new_resolver("at_scale", _at_scale)
 if not OmegaConf.has_resolver("model_variant"):  # out_dir: `<model>+exits-<digest8>` with model.exit_adapters
     OmegaConf.register_new_resolver("model_variant", exit_adapters.model_variant)
 if not OmegaConf.has_resolver("weights_digest"):  # cached: a config resolved twice hashes the weights once

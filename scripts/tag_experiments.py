@@ -3,11 +3,11 @@
 A run records the sweep that asked for it when it is made, and a later sweep that finds it finished adds its own
 name (del_bench.jobs.run_once). This script does the same for records made before run_key existed, or for runs
 made outside a sweep: it expands each experiment's sweep (hydra.sweeper.params), composes every job as
-`run -m experiment=NAME` would, and tags the job's out_dir when it holds a finished run of the same sample
-selection. Jobs that cannot be composed here (e.g. calibration.use=true without its calibration file) are
-counted and skipped.
+`run -m experiment=NAME scale=SCALE` would, and tags the job's out_dir with the name such a run records (table1,
+or table1_local at scale=local) when it holds a finished run of the same sample selection. Jobs that cannot be
+composed here (e.g. calibration.use=true without its calibration file) are counted and skipped.
 
-    python scripts/tag_experiments.py table1_local table3_local … [--records-root results/reference]
+    python scripts/tag_experiments.py table1 table3 … [--scale local] [--records-root results/reference]
 """
 
 from __future__ import annotations
@@ -26,33 +26,33 @@ from del_bench.records import add_experiment
 from del_bench.selection import selection
 
 
-def sweep_jobs(name: str) -> list[list[str]]:
-    """The override lists of every job of experiment `name`'s sweep (a cartesian product, as Hydra's basic
-    sweeper expands it)."""
-    params = OmegaConf.load(CONFIG_DIR / "experiment" / f"{name}.yaml").get("hydra", {}).get("sweeper", {})
-    params = params.get("params") or {}
+def sweep_jobs(experiment: list[str]) -> list[list[str]]:
+    """The override lists of every job of the sweep `experiment` (its overrides: experiment=NAME scale=SCALE) asks
+    for, a cartesian product as Hydra's basic sweeper expands it (the axes resolved: a scale changes them)."""
+    hydra_cfg = compose(config_name="run", overrides=experiment, return_hydra_config=True).hydra
+    params = OmegaConf.to_container(hydra_cfg.sweeper.params or {}, resolve=True)
     parsed = OverridesParser.create().parse_overrides([f"{k}={v}" for k, v in params.items()])
     axes = [[f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()] if o.is_sweep_override()
             else [f"{o.get_key_element()}={o.get_value_element_as_str()}"] for o in parsed]
     return [list(job) for job in itertools.product(*axes)]
 
 
-def tag(name: str, records_root: str) -> tuple[int, int, int]:
+def tag(name: str, scale: str, records_root: str) -> tuple[int, int, int]:
     """→ (jobs, tagged, not composable)."""
     tagged = failed = 0
-    jobs = sweep_jobs(name)
+    experiment = [f"experiment={name}", f"scale={scale}"]
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        jobs = sweep_jobs(experiment)
         for job in jobs:
             try:
-                cfg = compose(config_name="run", overrides=[f"experiment={name}", f"records_root={records_root}",
-                                                             *job])
-                out_dir, wanted = Path(cfg.out_dir), selection(cfg)
+                cfg = compose(config_name="run", overrides=[*experiment, f"records_root={records_root}", *job])
+                out_dir, wanted, recorded = Path(cfg.out_dir), selection(cfg), cfg.experiment_name
             except Exception:  # noqa: BLE001 — a job this checkout cannot compose is reported, not fatal
                 failed += 1
                 continue
             summary = out_dir / "summary.json"
             if summary.is_file() and json.loads(summary.read_text()).get("selection") == wanted:
-                add_experiment(out_dir, name)
+                add_experiment(out_dir, recorded)
                 tagged += 1
     return len(jobs), tagged, failed
 
@@ -60,11 +60,12 @@ def tag(name: str, records_root: str) -> tuple[int, int, int]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("experiments", nargs="+")
+    ap.add_argument("--scale", default="paper", help="paper | local (configs/scale/)")
     ap.add_argument("--records-root", default="results/runs")
     args = ap.parse_args()
     for name in args.experiments:
-        jobs, tagged, failed = tag(name, args.records_root)
-        print(f"{name}: {jobs} jobs, {tagged} finished runs tagged, {failed} not composable here")
+        jobs, tagged, failed = tag(name, args.scale, args.records_root)
+        print(f"{name} ({args.scale}): {jobs} jobs, {tagged} finished runs tagged, {failed} not composable here")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
-"""Experiments at scale: every experiment file composes into valid jobs (no weights), sweeps survive a failing
-job and skip finished ones, calibration writes a best (E, γ) that LS can use, W&B mirrors offline, and every
-run records its peak memory."""
+"""Experiments at scale: every experiment file composes into valid jobs at both scales (no weights), sweeps survive
+a failing job and skip finished ones, calibration writes a best (E, γ) that LS can use, W&B mirrors offline, and
+every run records its peak memory."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from del_bench.models import loading
 from del_bench.records import RunDir
 
 EXPERIMENTS = [name for name in choices("experiment") if name != "smoke"]
+SCALES = choices("scale")  # paper, local: every experiment at both (configs/scale/)
 PAPER_ARTEFACTS = ("table1", "table2", "table3", "table4", "table5", "table6", "fig1a", "fig1b", "fig3", "fig4")
 PROMPTS = [{"id": f"p{i}", "prompt": text} for i, text in
            enumerate(["Hello", "def f():", "The cat", "Once upon", "1, 2, 3,", "import os"])]
@@ -88,17 +89,19 @@ def fake_calibration(tmp_path):
     return path
 
 
-def test_every_paper_artefact_has_an_experiment_and_a_local_variant():
+def test_every_paper_artefact_has_one_experiment_for_both_scales():
+    assert SCALES == ["local", "paper"]
     for name in PAPER_ARTEFACTS:
-        assert name in EXPERIMENTS and f"{name}_local" in EXPERIMENTS
-    for name in EXPERIMENTS:  # absolute paths would tie an experiment to one machine
-        assert "/work/" not in (CONFIG_DIR / "experiment" / f"{name}.yaml").read_text()
+        assert name in EXPERIMENTS
+    for name in EXPERIMENTS:  # one file per experiment; absolute paths would tie it to one machine
+        assert not name.endswith("_local") and "/work/" not in (CONFIG_DIR / "experiment" / f"{name}.yaml").read_text()
 
 
+@pytest.mark.parametrize("scale", SCALES)
 @pytest.mark.parametrize("name", EXPERIMENTS)
-def test_experiment_composes_into_valid_jobs(name, no_weights, fake_calibration):
+def test_experiment_composes_into_valid_jobs(name, scale, no_weights, fake_calibration):
     config_name, multirun = command_of(name)
-    extra = [f"calibration.file={fake_calibration}"]  # fig1a reads a calibration file: give it one
+    extra = [f"scale={scale}", f"calibration.file={fake_calibration}"]  # fig1a reads a calibration file: give it one
     axes = sweep_axes(config_name, name, *extra) if multirun else {}
     for key, values in axes.items():  # sweep values of config groups must be existing choices
         if key in GROUPS:
@@ -132,9 +135,50 @@ def test_paper_experiments_use_appendix_b_settings():
     assert (cfg.calibration.samples, cfg.max_new_tokens, cfg.model.name) == (10, 256, "llama2-7b")
 
 
+# scale=local: each experiment's size on this CPU, as its `_local` twin had it: (limit, max_new_tokens), a calibration
+# experiment's (samples, eval_limit, max_new_tokens) and where its records go
+LOCAL_SIZES = {**{name: (2, 48) for name in ("table1", "table2", "table3", "table4", "table6", "fig1a", "fig3", "fig3b",
+                                            "fig4")}, "table5": (1, 48), "specbench": (None, 64)}
+LOCAL_CALIBRATIONS = {"fig1a_calibrate": ((2, 2, 32), "results/runs/local/calibration/smollm2-135m"),
+                      "fig1b": ((2, None, 128), "results/runs/local/fig1b/smollm2-135m")}
+
+
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_scale_local_is_the_experiment_offline_on_smollm2(name):
+    config_name, _ = command_of(name)
+    uncalibrated = ["calibration.use=false"] if name == "fig1a" else []  # no calibration file here: the defaults' E, γ
+    cfg = compose_cfg(config_name, f"experiment={name}", "scale=local", *uncalibrated, hydra_cfg=True)
+    assert (cfg.model.name, cfg.experiment_name) == ("smollm2-135m", f"{name}_local")
+    if name == "fig1a":  # reads what fig1a_calibrate wrote at this scale
+        assert cfg.calibration.file == LOCAL_CALIBRATIONS["fig1a_calibrate"][1] + ".yaml"
+    assert cfg.hydra.runtime.choices.data == "local" and cfg.hydra.sweeper.params.model == "smollm2-135m"
+    if name in LOCAL_CALIBRATIONS:
+        sizes, root = LOCAL_CALIBRATIONS[name]
+        assert (cfg.calibration.samples, cfg.calibration.eval_limit, cfg.max_new_tokens) == sizes
+        assert cfg.calibration.dir.startswith(root) and cfg.calibration.file == f"{root}.yaml"
+        assert cfg.out_dir.startswith(root + "/")
+    else:
+        assert (cfg.limit, cfg.max_new_tokens) == LOCAL_SIZES[name]
+        assert cfg.out_dir.startswith("results/runs/local/memory/smollm2-135m/" if name == "table5"
+                                      else "results/runs/local/smollm2-135m/")
+    paper = compose_cfg(config_name, f"experiment={name}", *uncalibrated)
+    assert paper.experiment_name == name and paper.model.name != "smollm2-135m" and "/local/" not in paper.out_dir
+
+
+def test_a_calibration_experiment_sets_what_calibrate_would_default():
+    """calibrate's own settings (configs/command/calibrate.yaml) come before the experiment's, so fig1b's hold."""
+    cfg = compose_cfg("calibrate", "experiment=fig1b")
+    assert (cfg.calibration.samples, cfg.max_new_tokens) == (2, 512)
+    assert cfg.calibration.file == "results/fig1b/llama2-7b.yaml"
+    assert (list(cfg.grid.exit_layers), list(cfg.grid.gammas)) == ([4, 5, 6, 7, 8, 9, 10, 12], [2, 3, 4, 6, 8, 10, 12])
+    assert cfg.out_dir.startswith("results/fig1b/llama2-7b/humaneval/")
+    cfg = compose_cfg("calibrate", "experiment=fig1b", "scale=local")
+    assert (list(cfg.grid.exit_layers), list(cfg.grid.gammas)) == ([20, 24, 27], [2, 4])  # SmolLM2's own grid
+
+
 def test_local_experiments_read_data_through_data_dir(monkeypatch, tmp_path):
     monkeypatch.setenv("DEL_BENCH_DATA", str(tmp_path / "data"))
-    cfg = compose_cfg("run", "experiment=table3_local", "task=gsm8k")
+    cfg = compose_cfg("run", "experiment=table3", "scale=local", "task=gsm8k")
     assert cfg.model.name == "smollm2-135m" and cfg.limit <= 3 and cfg.max_new_tokens <= 64
     assert cfg.task.data_files == f"{tmp_path}/data/gsm8k/test.jsonl"
     assert cfg.task.shots_files == f"{tmp_path}/data/gsm8k/train.jsonl"
