@@ -53,7 +53,13 @@ def gap_ulps(logits: torch.Tensor, token: int | None = None, dtype: torch.dtype 
     top2 = logits.topk(2)
     top = float(top2.values[0])
     other = float(top2.values[1]) if token is None else float(logits[token])
-    return round((top - other) / ulp(top, dtype or logits.dtype), 3)  # 1/1000 of an ulp: what records keep
+    return gap_from_top2(top, other, dtype or logits.dtype)
+
+
+def gap_from_top2(top: float, other: float, dtype: torch.dtype) -> float:
+    """gap_ulps from the top logit and the other one, already read on the host (the engine reads a round's top-2
+    pairs in one transfer)."""
+    return round((top - other) / ulp(top, dtype), 3)  # 1/1000 of an ulp: what records keep
 
 
 @dataclass(frozen=True)

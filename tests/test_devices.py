@@ -103,7 +103,7 @@ def test_shadow_window_and_its_scoring_happen_on_the_heads_device(split):
     split.forward_layers(split.embed(engine._ids([1, 5, 9])), 0, 4, 0, cache)
     draft = Draft(early=[], exit_layer=1, drafts=[8])
     for pos, token in enumerate([4, 8], start=3):
-        engine._draft_layers(token, pos, 1, cache, draft)
+        engine._draft_layers(engine._ids([token]), pos, 1, cache, draft)
     verified = engine._verify(draft, 1, 3, cache)
     assert [s.device for s in verified.late] == [CPU, META, META]
     verified.rows = {0: 8, 1: 6}  # acceptance's rows (meta holds no logits to take an argmax of)

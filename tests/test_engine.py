@@ -98,8 +98,8 @@ def test_accounting_follows_the_cost_model(stack_and_ref):
     assert vanilla.head_calls == 25
     gen = engine.generate(prompts[0], LayerSkip(2, 3), 25, seed=0)
     assert gen.loaded_layers == sum(r.drafted * 2 + L if r.drafted else L for r in gen.rounds)
-    # draft heads + verify rows up to and including the first rejection
-    assert gen.head_calls == sum(r.drafted + r.accepted + 1 for r in gen.rounds)
+    # draft heads + every verify row (greedy: the head runs over all d + 1 rows in one product, Engine._accept_greedy)
+    assert gen.head_calls == sum(2 * r.drafted + 1 for r in gen.rounds)
     assert sum(r.emitted for r in gen.rounds) == len(gen.output_ids) == 25
     assert all(r.accepted <= r.drafted <= r.budget <= 3 for r in gen.rounds)
 

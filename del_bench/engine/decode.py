@@ -51,7 +51,6 @@ from del_bench.engine.sampling import (
     Draws,
     Sampling,
     Siblings,
-    accept_greedy,
     accept_greedy_tree,
     accept_sampling,
     accept_sampling_tree,
@@ -59,7 +58,8 @@ from del_bench.engine.sampling import (
 )
 from del_bench.methods.base import MAX_DEFERRED, Method, RoundEvidence, Shadow, SkipSet
 from del_bench.models.layer_stack import KVCache, LayerStack, TreeMask, cat_on
-from del_bench.numerics import gap_ulps, is_half, widened
+from del_bench.numerics import gap_from_top2, is_half, widened
+from del_bench.transfer import reads, to_list
 
 
 @dataclass
@@ -69,7 +69,9 @@ class Draft:
     early: list[list[torch.Tensor]] | None = None  # shadow tokens only: [position][layer] → [1, 1, D]
     exit_layer: int | None = None  # E: the draft head is the exit head of this layer (its adapter, if loaded)
     exit_states: list[torch.Tensor] = field(default_factory=list)  # layer-E states, [1, 1, D] per position
-    drafts: list[int] = field(default_factory=list)  # d draft tokens
+    ids: list[torch.Tensor] = field(default_factory=list)  # the d draft tokens on the device, [1] each
+    drafts: list[int] = field(default_factory=list)  # the d draft tokens on the host: read as drafted where the
+    # host decides on them (sampling, confidence, SWIFT), else with the round's acceptance (_accept_greedy)
     draft_probs: list[torch.Tensor | None] = field(default_factory=list)  # q_i [V] when sampling, else None
     candidates: int = 0  # draft heads applied (a dropped low-confidence candidate counts too)
     confidences: list[float] = field(default_factory=list)  # each candidate's (the last may be the dropped one)
@@ -94,8 +96,9 @@ class Draft:
 
 @dataclass
 class Verified:
-    """The verification batch. The head runs row by row, only up to the first rejection (one row per round
-    on average when drafts rarely survive; a batched 5-row head costs ~4 single rows on a CPU)."""
+    """The verification batch. Greedy over a chain (_accept_greedy), the head runs over every row at once and the
+    tokens stay on the device (targets); elsewhere (sampling, token trees, SWIFT) row by row on demand (row), only up
+    to the first rejection."""
 
     h: torch.Tensor  # [1, d+1, D] the last layer's normed states of the d + 1 positions
     late: list[torch.Tensor] | None  # shadow tokens only: layers E+1..L, each [1, d+1, D]
@@ -105,13 +108,18 @@ class Verified:
     leaf: int | None = None  # set by _accept: the accepted sibling's row, if a sibling ended the path
     gaps: dict[int, float] | None = None  # half precision only: verified row → its top-2 gap in ulps
     states: list[torch.Tensor] | None = None  # Method.wants_states: the inputs, then every (sub)layer's [1, T, D]
+    targets: torch.Tensor | None = None  # _accept_greedy: the verifier's greedy token of every row, [T] on the device
 
     def row(self, i: int) -> torch.Tensor:
         """The verifier's logits [V] at position i (the target_row of accept_greedy / accept_sampling)."""
         logits = self.head(self.h[:, i : i + 1])[0, 0]  # [V]
-        self.rows[i] = int(logits.argmax())
-        if self.gaps is not None:
-            self.gaps[i] = gap_ulps(logits)
+        if self.gaps is None:
+            self.rows[i] = to_list(logits.argmax())
+        else:  # one read: the argmax and the top-2 logits (its gap)
+            top2 = logits.topk(2)
+            values = to_list(torch.cat([top2.indices[:1].double(), top2.values.double()]))
+            self.rows[i] = int(values[0])
+            self.gaps[i] = gap_from_top2(values[1], values[2], logits.dtype)
         return logits
 
 
@@ -167,6 +175,8 @@ class Engine:
         method.start(L)
         self._deferred: list[tuple[RoundEvidence, torch.Tensor, torch.Tensor]] = []  # unscored shadow windows
         self._shadow_rows = 0  # shadow rows scored since the last Round was recorded (Round.shadow_rows)
+        self._pending: torch.Tensor | None = None  # the pending token [1, 1] where it is already on the device
+        self._reads_at = reads()  # host reads before the current round (Round.host_syncs)
         gen = Generation(output_ids=[], top2_gap_ulps=[] if self.track_gaps else None)
         self.stack.synchronize()
         t0 = time.perf_counter()
@@ -182,12 +192,29 @@ class Engine:
                 self._observe_deferred(method)
                 gen.rounds[-1].policy_s += time.perf_counter() - t
                 gen.rounds[-1].shadow_rows += self._take_shadow_rows()
+                gen.rounds[-1].host_syncs += self._take_reads()
         self.stack.synchronize()
         gen.wall_s = time.perf_counter() - t0
         return gen
 
     def _done(self, gen: Generation, max_new_tokens: int) -> bool:
         return gen.stopped or len(gen.output_ids) >= max_new_tokens
+
+    def _take_reads(self) -> int:
+        """Host reads since the last call (the round just recorded: Round.host_syncs)."""
+        now = reads()
+        count, self._reads_at = now - self._reads_at, now
+        return count
+
+    def append_round(self, gen: Generation, record: Round) -> None:
+        """Record a round (every schedule's rounds come through here) with the host reads it made."""
+        record.host_syncs = self._take_reads()
+        gen.rounds.append(record)
+
+    def _pending_id(self, gen: Generation) -> torch.Tensor:
+        """The pending token [1, 1]: kept on the device by the last acceptance, else from the host's output."""
+        pending, self._pending = self._pending, None
+        return pending if pending is not None else self._ids([gen.output_ids[-1]])
 
     def _prefill(self, prompt_ids, cache, gen, method: Method, rng) -> None:
         t = time.perf_counter()
@@ -196,16 +223,23 @@ class Engine:
         w = min(method.prefill_window, len(prompt_ids))
         h = st.forward_layers(st.embed(self._ids(prompt_ids)), 0, L, 0, cache, collect=layers, keep=w)  # [1, P, D]
         logits = st.logits(h[:, -1:])[0, -1]  # [V]
-        token, _ = choose(logits, self.sampling, rng)
-        self._emit(gen, [token])
-        self.record_gap(gen, 0, logits)
+        if self.sampling.do_sample:
+            token, _ = choose(logits, self.sampling, rng)
+            self._emit(gen, [token])
+        else:  # one read: the token (and in half precision its top-2 logits, for its gap)
+            targets = logits.argmax(-1, keepdim=True)  # [1]
+            (token,), gaps = self._read_targets(targets, logits[None])
+            self._emit(gen, [token])
+            if gaps:
+                gen.set_gap(0, gaps[0])
+            self._pending = targets.view(1, 1)
         t_policy = time.perf_counter()
         head_rows = 1
         if layers is not None:
             method.observe_prefill(self._prefill_shadow(layers, h, w, method.shadow_vocab))
             head_rows += w  # the shadow window's targets
-        gen.rounds.append(Round(0, None, 0, 0, 0, 1, L, head_rows, verify_s=t_policy - t,
-                                policy_s=time.perf_counter() - t_policy, shadow_rows=self._take_shadow_rows()))
+        self.append_round(gen, Round(0, None, 0, 0, 0, 1, L, head_rows, verify_s=t_policy - t,
+                                     policy_s=time.perf_counter() - t_policy, shadow_rows=self._take_shadow_rows()))
 
     def _prefill_shadow(self, layers: list[torch.Tensor], h: torch.Tensor, w: int, vocab: int | None) -> Shadow:
         """Shadow tokens of the prompt's last w positions: layers 1..L−1's kept states (each [1, w, D], on its
@@ -228,11 +262,12 @@ class Engine:
         E = plan.exit_layer if budget > 0 and not skipping else L
         t_draft = time.perf_counter()
         if skipping:
+            self._pending = None  # SWIFT drafts from host tokens
             draft = self._draft_skipping(gen.output_ids[-1], n - 1, plan.skip, budget, cache, method, rng)
             t_verify = time.perf_counter()
             verified = self._verify_full(gen.output_ids[-1], draft, n - 1, cache, keep=method.wants_states())
         else:
-            draft = self._draft(gen.output_ids[-1], n - 1, E, budget, cache, method, rng)
+            draft = self._draft(self._pending_id(gen), n - 1, E, budget, cache, method, rng)
             # with no draft budget the single pass through all L layers is the verification itself
             t_verify = t_draft if budget == 0 else time.perf_counter()
             verified = self._verify(draft, E, n - 1, cache)
@@ -252,7 +287,7 @@ class Engine:
         if verified.siblings is not None:  # a token tree: its size; did a sibling (not the chain) end the path
             trace["tree_siblings"] = sum(map(len, verified.siblings.tokens))
             trace["tree_leaf_accepted"] = verified.leaf is not None
-        gen.rounds.append(Round(
+        self.append_round(gen, Round(
             round=len(gen.rounds), exit_layer=E if d and not skipping else None, budget=budget, drafted=d,
             accepted=k, emitted=emitted, loaded_layers=_whole(loaded),
             head_calls=draft.candidates + len(verified.rows) + probed.get("opt_head_calls", 0)
@@ -265,55 +300,75 @@ class Engine:
         ))
 
     # ---- draft: layers 1..E + the head, token by token ------------------------------------------------
-    def _draft(self, token: int, pos: int, E: int, budget: int, cache, method: Method, rng) -> Draft:
-        """Draft from the pending token at position pos until the budget, an EOS, or the method stops.
+    def _draft(self, token: torch.Tensor, pos: int, E: int, budget: int, cache, method: Method, rng) -> Draft:
+        """Draft from the pending token ([1, 1] on the device) at position pos until the budget, an EOS, or the method
+        stops.
 
         The pending token and every kept draft go through layers 1..E; the last one's pass is already
         part of verification: its layer-E state joins the batch (a draft head ran on it only if its
-        candidate was dropped). With budget 0 (E = L) that single pass is the whole round's forward."""
+        candidate was dropped). With budget 0 (E = L) that single pass is the whole round's forward.
+        Greedy drafts stay on the device unless the method stops on confidence (one read per candidate: its token and
+        confidence together), so an EOS drafted by a method that does not is seen only at acceptance: the drafts
+        after it are paid for (and counted), never emitted."""
         draft = Draft(early=[] if method.wants_shadow else None, exit_layer=E)
         stop = budget == 0
         while True:
             self._draft_layers(token, pos, E, cache, draft)
             pos += 1
-            if stop or len(draft.drafts) >= budget:
+            if stop or len(draft.ids) >= budget:
                 return draft
             candidate, keep = self._draft_token(draft, method, rng)
             if candidate is None:  # stopped, and the stopping candidate is dropped
                 return draft
-            token = candidate
+            token = draft.ids[-1].view(1, 1)
             stop = not keep or candidate in self.eos_ids
 
-    def _draft_layers(self, token: int, pos: int, E: int, cache, draft: Draft) -> None:
-        """Layers 1..E for one token at position pos (writing their KV); its layer-E state [1, 1, D]
+    def _draft_layers(self, token: torch.Tensor, pos: int, E: int, cache, draft: Draft) -> None:
+        """Layers 1..E for one token ([1, 1] ids) at position pos (writing their KV); its layer-E state [1, 1, D]
         goes to draft.exit_states and, for shadow tokens, every layer's output to draft.early."""
         layers = None if draft.early is None else []
-        h = self.stack.forward_layers(self.stack.embed(self._ids([token])), 0, E, pos, cache, collect=layers)
+        h = self.stack.forward_layers(self.stack.embed(token), 0, E, pos, cache, collect=layers)
         draft.exit_states.append(h)  # [1, 1, D]
         if draft.early is not None:
             draft.early.append(layers)  # E × [1, 1, D]
 
-    def _draft_token(self, draft: Draft, method: Method, rng) -> tuple[int | None, bool]:
+    def _draft_token(self, draft: Draft, method: Method, rng, on_host: bool = False) -> tuple[int | None, bool]:
         """The draft head on the newest layer-E state: a candidate token, and whether to keep drafting
         after it (method.keep_drafting, for methods that want confidence). Returns (None, False) when
-        the candidate that stopped drafting is dropped (drop_stopped_draft: DEL's Algorithm 1)."""
+        the candidate that stopped drafting is dropped (drop_stopped_draft: DEL's Algorithm 1), and (-1, True) for a
+        greedy candidate left on the device (no confidence to read, not on_host: drafted by id, read at acceptance).
+        on_host: the caller needs the token itself now (SWIFT: its siblings and the next draft's input)."""
         logits = self.stack.exit_logits(draft.exit_states[-1], draft.exit_layer)[0, -1]  # [V]
         draft.logits = logits
         draft.candidates += 1
-        candidate, q = choose(logits, self.sampling, rng)  # q: the warped draft distribution [V] when sampling
+        if self.sampling.do_sample:
+            candidate, q = choose(logits, self.sampling, rng)  # q: the warped draft distribution [V]
+            token = torch.tensor([candidate], device=logits.device)
+        else:
+            q, token = None, logits.argmax(-1, keepdim=True)  # [1]
+            candidate = -1
         keep = True
         if method.wants_confidence:
             # the draft distribution's top probability: it does not depend on which token was
             # sampled, so stopping on it keeps speculative sampling exact. In float32 for half-precision models
             # (numerics.widened): τ comes from shadow confidences computed so, and both must compare like with like
-            confidence = float(q.max() if q is not None else widened(logits).softmax(-1).max())
+            top = q.max() if q is not None else widened(logits).softmax(-1).max()
+            if candidate < 0:  # one read: the greedy token and its confidence (a token id is exact in float64)
+                candidate, confidence = to_list(torch.cat([token.double(), top.double()[None]]))
+                candidate = int(candidate)
+            else:
+                confidence = to_list(top)
             draft.confidences.append(confidence)
             tp = time.perf_counter()
-            keep = method.keep_drafting(len(draft.drafts), confidence)
+            keep = method.keep_drafting(len(draft.ids), confidence)
             draft.keep_s += time.perf_counter() - tp
             if not keep and method.drop_stopped_draft:  # Algorithm 1: break before appending
                 return None, False
-        draft.drafts.append(candidate)
+        elif candidate < 0 and on_host:
+            candidate = to_list(token)[0]
+        draft.ids.append(token)
+        if candidate >= 0:
+            draft.drafts.append(candidate)
         draft.draft_probs.append(q)
         return candidate, keep
 
@@ -331,7 +386,7 @@ class Engine:
         while len(draft.drafts) < budget:
             h = self.stack.forward_skipping(self.stack.embed(self._ids([token])), pos, cache, attn, mlp)
             draft.exit_states.append(h)  # [1, 1, D]
-            candidate, keep = self._draft_token(draft, method, rng)
+            candidate, keep = self._draft_token(draft, method, rng, on_host=True)
             if candidate is None:  # only with drop_stopped_draft
                 break
             width = method.tree_width(draft.confidences[-1]) if draft.confidences else 1
@@ -348,11 +403,11 @@ class Engine:
         chain = draft.drafts[-1]
         q = draft.draft_probs[-1]
         if q is None:
-            top = draft.logits.topk(min(count + 1, draft.logits.shape[-1])).indices.tolist()
+            top = to_list(draft.logits.topk(min(count + 1, draft.logits.shape[-1])).indices)
             return [t for t in top if t != chain][:count]
         rest = q.clone()
         rest[chain] = 0  # [V]
-        count = min(count, int((rest > 0).sum()))
+        count = min(count, to_list((rest > 0).sum()))
         return rng.without_replacement(rest, count) if count else []
 
     def _verify_full(self, pending: int, draft: Draft, pos: int, cache, keep: str | None = None) -> Verified:
@@ -406,7 +461,7 @@ class Engine:
         h = st.forward_skipping(st.embed(self._ids(ids[:-1])), pos, cache, frozenset(probe.skip.attn),
                                 frozenset(probe.skip.mlp), write=False)  # [1, length, D]
         predicted = st.logits(h)[0].argmax(-1)  # [length]
-        matchness = float((predicted == torch.tensor(ids[1:], device=predicted.device)).double().mean())
+        matchness = to_list((predicted == torch.tensor(ids[1:], device=predicted.device)).double().mean())
         trace = method.scored(probe, matchness)
         return {"opt_kind": probe.kind, "opt_matchness": matchness, **trace,
                 "opt_loaded_layers": _whole(probe.skip.layers(st.num_layers)), "opt_head_calls": probe.length,
@@ -427,14 +482,55 @@ class Engine:
         Returns (k accepted drafts, tokens emitted: fewer than k + 1 after an EOS or a stop)."""
         if verified.siblings is not None:
             return self._accept_tree(draft, verified, n, cache, gen, rng)
-        if self.sampling.do_sample:
-            k, next_token = accept_sampling(draft.drafts, draft.draft_probs, verified.row, self.sampling, rng)
-        else:
-            k, next_token = accept_greedy(draft.drafts, verified.row)
+        if not self.sampling.do_sample:
+            return self._accept_greedy(draft, verified, n, cache, gen)
+        k, next_token = accept_sampling(draft.drafts, draft.draft_probs, verified.row, self.sampling, rng)
         emitted = self._emit(gen, draft.drafts[:k] + [next_token])
         self._record_gaps(gen, verified, range(emitted))  # token j of the round came from row j
         cache.crop(n + k)  # keep the pending token and the accepted drafts; the new pending is next_token
         return k, emitted
+
+    def _accept_greedy(self, draft: Draft, verified: Verified, n: int, cache, gen: Generation) -> tuple[int, int]:
+        """_accept, greedy over a chain, in one host read: the head over all d + 1 rows in one product, their argmax
+        (targets) on the device, then the drafts still on the device, the targets and (half precision) each row's
+        top-2 logits come to the host together. The next pending token stays on the device (targets[k])."""
+        d = len(draft.ids)
+        logits = self._verified_logits(verified)  # [d+1, V]
+        targets = logits.argmax(-1)  # [d+1]
+        if len(draft.drafts) < d:  # drafts left on the device: read them with the targets
+            drafts_ids = torch.cat(draft.ids).to(targets.device)  # [d]
+            values = torch.cat([drafts_ids, targets])  # [2d+1]
+            targets_host, gaps = self._read_targets(values, logits)
+            draft.drafts, targets_host = targets_host[:d], targets_host[d:]
+        else:
+            targets_host, gaps = self._read_targets(targets, logits)
+        k = next((i for i, (x, t) in enumerate(zip(draft.drafts, targets_host)) if x != t), d)
+        verified.targets = targets
+        verified.rows = dict(enumerate(targets_host))
+        if gaps:
+            verified.gaps = dict(enumerate(gaps))
+        emitted = self._emit(gen, draft.drafts[:k] + [targets_host[k]])
+        self._record_gaps(gen, verified, range(emitted))  # token j of the round came from row j
+        cache.crop(n + k)  # keep the pending token and the accepted drafts; the new pending is targets[k]
+        self._pending = targets[k : k + 1].view(1, 1)
+        return k, emitted
+
+    def _verified_logits(self, verified: Verified) -> torch.Tensor:
+        """The verifier's logits of every row, [T, V]: one product, or row by row where each row must keep a decode
+        step's bits (LayerStack.exact_rows: CPU half precision, whose GEMM rounds by the row count)."""
+        if self.stack.exact_rows:
+            return torch.cat([verified.head(verified.h[:, i : i + 1])[0] for i in range(verified.h.shape[1])])
+        return verified.head(verified.h)[0]
+
+    def _read_targets(self, values: torch.Tensor, logits: torch.Tensor) -> tuple[list[int], list[float]]:
+        """values: token ids [N] (device), logits: [T, V] the rows the last T of them came from → (the ids on the
+        host, and in half precision each row's top-2 gap: numerics.gap_from_top2) in one read."""
+        if not self.track_gaps:
+            return to_list(values), []
+        top2 = logits.topk(2, dim=-1).values  # [T, 2]: exact in float64, as the ids are
+        read = to_list(torch.cat([values.double(), top2.double().flatten()]))
+        ids, pairs = [int(x) for x in read[: values.numel()]], read[values.numel() :]
+        return ids, [gap_from_top2(pairs[2 * i], pairs[2 * i + 1], logits.dtype) for i in range(logits.shape[0])]
 
     def _accept_tree(self, draft: Draft, verified: Verified, n: int, cache, gen: Generation, rng) -> tuple[int, int]:
         """_accept over a token tree: the chain's accepted prefix, then maybe one sibling (accept_greedy_tree /
@@ -494,6 +590,8 @@ class Engine:
             states = torch.cat([states, cat_on(verified.late[: L - 1 - m], head)[:, :W]])  # [L-1, W, D]
         elif W > 1:
             states = states.contiguous()
+        if verified.targets is not None:  # greedy: the full model's tokens never left the device
+            return states, verified.targets[:W].to(states.device)
         for i in range(W):  # acceptance computed rows 0..k already; this only guards the invariant
             if i not in verified.rows:
                 verified.row(i)
@@ -518,7 +616,7 @@ class Engine:
     def record_gap(self, gen: Generation, index: int, logits: torch.Tensor) -> None:
         """Half precision: output token `index` was chosen from logits [V]; keep their top-2 gap (numerics.py)."""
         if gen.top2_gap_ulps is not None:
-            gen.set_gap(index, gap_ulps(logits))
+            gen.set_gap(index, gap_from_top2(*to_list(logits.topk(2).values.double()), logits.dtype))
 
     def _record_gaps(self, gen: Generation, verified: Verified, rows) -> None:
         """Half precision: the round's emitted tokens (the last len(rows) of the output) came from these rows."""

@@ -36,6 +36,7 @@ from del_bench.engine.rounds import Round
 from del_bench.engine.sampling import accepts, choose, residual
 from del_bench.models.layer_stack import cat_on
 from del_bench.numerics import widened
+from del_bench.transfer import to_list
 
 
 class _Deferred:
@@ -100,13 +101,13 @@ def _step(engine, prompt_len, cache, gen, method, rng, deferred: _Deferred, flus
             head_rows += 1
             adapter_rows += st.has_adapter(layer)
             probs = sampling.probs(logits) if sampling.do_sample else widened(logits).softmax(-1)
-            if float(probs.max()) > method.gamma:  # emit the next token here; defer t's deeper layers
+            if to_list(probs.max()) > method.gamma:  # emit the next token here; defer t's deeper layers
                 token, q = choose(logits, sampling, rng)
                 for p in range(start, end + 1):
                     deferred.state[p] = h[:, p - start : p - start + 1]
                 deferred.q[end], deferred.layer[end] = q, layer
                 _emit(engine, gen, token)
-                gen.rounds.append(Round(
+                engine.append_round(gen, Round(
                     round=len(gen.rounds), exit_layer=layer, budget=0, drafted=1, accepted=0, emitted=1,
                     loaded_layers=loaded, head_calls=head_rows, draft_s=time.perf_counter() - t0,
                     adapter_rows=adapter_rows,
@@ -141,7 +142,7 @@ def _step(engine, prompt_len, cache, gen, method, rng, deferred: _Deferred, flus
     deferred.clear()  # every deferred position is verified now (or dropped)
     t_end = time.perf_counter()
     kept = sum(1 for v in verified if v[2])
-    gen.rounds.append(Round(
+    engine.append_round(gen, Round(
         round=len(gen.rounds), exit_layer=None, budget=0, drafted=0, accepted=kept,
         emitted=len(gen.output_ids) - before, loaded_layers=loaded, head_calls=head_rows,
         draft_s=t_verify - t0, verify_s=t_end - t_verify, adapter_rows=adapter_rows,
@@ -153,7 +154,7 @@ def _verify(token: int, row: torch.Tensor, q: torch.Tensor | None, sampling, rng
     """Greedy: kept iff the final argmax equals it. Sampling: kept with prob min(1, p(x)/q(x)); else a draw
     from norm(max(0, p − q)) (Leviathan et al.). → (kept, replacement token when not kept)."""
     if not sampling.do_sample:
-        target = int(row.argmax())
+        target = to_list(row.argmax())
         return target == token, target
     p = sampling.probs(row)
     q = q.to(p.dtype)

@@ -29,6 +29,10 @@ class Round:
     # shadow-token rows (layer × position) scored by the restricted/full LM head in this round: DEL's controller
     # work, which policy_s times (0 while scoring is deferred; a deferred batch counts in the round that scores it)
     shadow_rows: int = 0
+    # device → host reads the engine made in the round (del_bench/transfer.py): each one drains a GPU's queue and breaks
+    # a CUDA graph; greedy early exit makes one per round, plus one per candidate a method stops on (DEL's confidence)
+    # and one per statistics update
+    host_syncs: int = 0
     trace: dict = field(default_factory=dict)  # the method's per-round fields (Plan.trace)
 
     def as_dict(self) -> dict:

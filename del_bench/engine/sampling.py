@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from del_bench.numerics import widened
+from del_bench.transfer import to_list
 
 
 @dataclass(frozen=True)
@@ -50,21 +51,21 @@ class Draws:
     def below(self, num: torch.Tensor, den: torch.Tensor) -> bool:
         """One uniform u ∈ [0, 1): u·den < num, i.e. True with probability min(1, num/den) (scalars, same dtype)."""
         u = torch.rand((), generator=self.generator, device=num.device, dtype=num.dtype)
-        return bool(u * den < num)
+        return to_list(u * den < num)
 
     def categorical(self, weights: torch.Tensor) -> int:
         """One index of weights [V] (≥ 0, not necessarily normalised) with probability weights / weights.sum()."""
-        return int(torch.multinomial(weights, 1, generator=self.generator))
+        return to_list(torch.multinomial(weights, 1, generator=self.generator))[0]
 
     def without_replacement(self, weights: torch.Tensor, count: int) -> list[int]:
         """count distinct indices of weights [V], drawn one after another, each renormalised without the earlier."""
-        return torch.multinomial(weights, count, replacement=False, generator=self.generator).tolist()
+        return to_list(torch.multinomial(weights, count, replacement=False, generator=self.generator))
 
 
 def choose(logits: torch.Tensor, sampling: Sampling, rng: Draws) -> tuple[int, torch.Tensor | None]:
     """One token from logits [V]: argmax, or a sample from the warped distribution (returned too)."""
     if not sampling.do_sample:
-        return int(logits.argmax()), None
+        return to_list(logits.argmax()), None
     probs = sampling.probs(logits)
     return rng.categorical(probs), probs
 
@@ -75,10 +76,10 @@ def accept_greedy(drafts: list[int], target_row) -> tuple[int, int]:
     target_row(i) → the verifier's logits [V] at draft position i (i = 0..d), computed on demand:
     rows after the first mismatch are never needed, so they are never paid for."""
     for k, draft in enumerate(drafts):
-        target = int(target_row(k).argmax())
+        target = to_list(target_row(k).argmax())
         if draft != target:
             return k, target
-    return len(drafts), int(target_row(len(drafts)).argmax())
+    return len(drafts), to_list(target_row(len(drafts)).argmax())
 
 
 def accept_sampling(
@@ -116,7 +117,7 @@ def accept_greedy_tree(drafts: list[int], siblings: Siblings, target_row) -> tup
     if k < len(drafts):
         for j, token in enumerate(siblings.tokens[k]):
             if token == target:
-                return k, j, int(target_row(siblings.rows[k][j]).argmax())
+                return k, j, to_list(target_row(siblings.rows[k][j]).argmax())
     return k, None, target
 
 

@@ -44,8 +44,10 @@ from __future__ import annotations
 from functools import lru_cache
 
 import numpy as np
+import torch
 
 from del_bench.methods.base import MAX_DEFERRED, Method, Plan, RoundEvidence, Shadow, check_exit_layer, check_gamma
+from del_bench.transfer import to_numpy
 
 
 def tpl_table(alpha, num_layers: int, d_max: int, head_cost: float = 0.0, stop_head: bool = False,
@@ -205,8 +207,10 @@ class DEL(Method):
         """One round's evidence into the decayed sums (shadow covers exactly the valid window)."""
         L1, W = shadow.tokens.shape
         terms = np.empty((3, L1, W))  # [match, conf·match, conf·(1 − match)]: S ← ω·S + Σ_positions terms
-        np.equal(shadow.tokens.cpu().numpy(), shadow.target.cpu().numpy()[None, :], out=terms[0], casting="unsafe")
-        conf = shadow.confidence.cpu().numpy().astype(np.float64, copy=False)
+        # one host read: matches (0/1) and confidences, both exact in float64
+        read = to_numpy(torch.stack([(shadow.tokens == shadow.target[None, :]).double(), shadow.confidence.double()]))
+        terms[0] = read[0]
+        conf = read[1]
         np.multiply(conf, terms[0], out=terms[1])
         np.multiply(conf, 1 - terms[0], out=terms[2])
         self._sums *= self.omega  # the same two roundings per element as ω·S + x

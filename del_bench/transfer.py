@@ -1,0 +1,33 @@
+"""The engine's device → host reads: every value decoding needs on the host (a token to emit, a confidence to stop
+on, a round's accepted count, a method's statistics) comes through here, one transfer a call, counted.
+
+On a GPU each read waits for the queue: the kernels queued before it drain while the host idles, and nothing around
+it can be captured as a CUDA graph. So the engine batches what a round needs into few reads (greedy early exit: the
+round's drafts, targets and, in half precision, their top-2 logits in one), and `Round.host_syncs` reports how many a
+round made — held in tests against an independent counter of the tensor reads themselves (del_bench/engine/syncs.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+_reads = 0  # every read since the process started; the engine takes differences around a round
+
+
+def reads() -> int:
+    """How many device → host reads the engine has made so far (a round's count: the difference around it)."""
+    return _reads
+
+
+def to_list(values: torch.Tensor) -> list:
+    """values (any device) → a Python list (a 0-d tensor → a scalar): one counted transfer."""
+    global _reads
+    _reads += 1
+    return values.tolist()
+
+
+def to_numpy(values: torch.Tensor) -> np.ndarray:
+    """values (any device) → a NumPy array on the host: one counted transfer."""
+    global _reads
+    _reads += 1
+    return values.cpu().numpy()
