@@ -18,8 +18,9 @@ from hydra.utils import get_class
 from omegaconf import OmegaConf, open_dict
 
 from del_bench import __main__ as cli
-from del_bench import calibration, jobs, runner, selection, tracking
+from del_bench import calibration, calibration_store, config, jobs, runner, selection, tracking
 from del_bench.config import CONFIG_DIR, GROUPS, choices, validate
+from del_bench.errors import ConfigError
 from del_bench.models import loading
 from del_bench.records import RunDir
 
@@ -315,6 +316,22 @@ def test_calibrate_writes_the_best_point_and_ls_uses_it(tmp_path, monkeypatch):
                         f"calibration.file={tmp_path}/cal/tiny.yaml")
     with pytest.raises(Exception, match="no entry for task 'humaneval'.*calibrate"):
         _ = other.method.exit_layer
+
+
+def test_ls_settings_come_from_the_model_config_or_calibration(tmp_path):
+    """config.ls_setting/ls_grid: the (E, γ) `method=ls` and `calibrate` use, for benches and scripts to read."""
+    for model in ("smollm2-135m", "testbed", "llama2-13b"):
+        ls = compose_cfg("run", f"model={model}", "method=ls").method
+        assert config.ls_setting(model) == (ls.exit_layer, ls.gamma)
+        grid = compose_cfg("calibrate", f"model={model}").grid
+        assert config.ls_grid(model) == [(e, g) for e in grid.exit_layers for g in grid.gammas]
+    cal = tmp_path / "testbed.yaml"
+    calibration_store.write_entry(cal, "humaneval", {"exit_layer": 2, "gamma": 6})
+    ls = compose_cfg("run", "model=testbed", "method=ls", "calibration.use=true", f"calibration.file={cal}").method
+    assert config.ls_setting("testbed", "humaneval", cal) == (ls.exit_layer, ls.gamma) == (2, 6)
+    assert config.ls_setting("testbed", "gsm8k", cal) == config.ls_setting("testbed")  # no entry: the model's
+    with pytest.raises(ConfigError, match="no calibration grid for model 'tiny'"):
+        config.ls_grid("tiny")
 
 
 # ---- W&B -----------------------------------------------------------------------------------------------------
