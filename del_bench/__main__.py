@@ -5,7 +5,8 @@
                                                     LS (E, γ) grid search → results/calibration/<model>.yaml
   ls                                                models, tasks, methods, experiments, loggers
   show DIR [DIR …]                                  a table of runs' summary.json (speedup vs vanilla)
-  report [--tables-only|--figures-only] [DIRS …]    paper tables and figures from run records (offline)
+  report [--tables-only|--figures-only] [--exclude-busy] [DIRS …]
+                                                    paper tables and figures from run records (offline)
   train-layerskip [preset=P] [key=value …]          LayerSkip training (configs/train; rerun resumes)
   export specbench RUN_DIR OUT.jsonl [--model-id ID]
                                                     a run as Spec-Bench answers (its evaluation/speed.py reads them)
@@ -100,33 +101,67 @@ def cmd_ls(_: list[str]) -> int:
 
 
 def format_table(summaries: list[dict], keys: list | None = None) -> str:
-    """Speed, speedup (vs the mean of the Vanilla summaries among them that pair with it: RunKey.pairs_with, the
-    report's rule), eTPL, α, the decoder-layer loop that ran (fused | eager: a failed fused build shows here); then a
-    line for each run that drafted nothing (why its α is '-')."""
-    from del_bench.records import run_key_of
+    """Speed, speedup (vs the mean speed of the Vanilla summaries among them that it pairs with:
+    records.vanilla_baseline, the report's rule), eTPL, α, the decoder-layer loop that ran (fused | eager: a failed
+    fused build shows here); methods labelled as the tables label them (RunKey.label; a note names the full tags
+    where two labels coincide); then notes: runs timed on a busy machine (`*`, records.overloaded) and runs that
+    drafted nothing (why their α is '-')."""
+    from del_bench.records import run_key_of, vanilla_baseline, vanilla_partners
 
     keys = keys or [run_key_of(s) for s in summaries]
-    header = (f"{'model':<14} {'task':<10} {'method':<16} {'n':>3} {'tok/s':>7} {'speedup':>8} {'eTPL':>6} {'α':>5}"
-              f" {'layers':<6}  quality")
+    labels, tag_notes = _show_labels(keys)
+    width = max([16] + [len(label) for label in labels])
+    header = (f"{'model':<14} {'task':<10} {'method':<{width}} {'n':>3} {'tok/s':>8} {'speedup':>9} {'eTPL':>6}"
+              f" {'α':>5} {'layers':<6}  quality")
     lines, notes = [header, "-" * len(header)], []
-    for s, key in zip(summaries, keys):
-        partners = [v["tokens_per_s"] for v, k in zip(summaries, keys) if key.pairs_with(k) and v["tokens_per_s"]]
-        base = sum(partners) / len(partners) if partners else None
+    runs = list(zip(keys, summaries))
+    for s, key, label in zip(summaries, keys, labels):
+        base = vanilla_baseline(key, runs)
+        loaded = _busy(s)
         speedup = f"{s['tokens_per_s'] / base:.2f}x" if base and s["tokens_per_s"] else "n/a"
         alpha = f"{s['acceptance_rate']:.2f}" if s["acceptance_rate"] is not None else "-"
+        speedup += "*" if loaded or any(map(_busy, vanilla_partners(key, runs))) else " "  # either side busy
         quality = " ".join(f"{k}={v:.3g}" for k, v in s.get("quality", {}).items() if not k.startswith("bleu_"))
         loop = s.get("provenance", {}).get("layer_path") or "eager"  # records from before the fused loop: eager
-        lines.append(f"{s['model']:<14} {s['task']:<10} {s['method_tag']:<16} {s['n_samples']:>3} "
-                     f"{s['tokens_per_s'] or 0:>7.2f} {speedup:>8} {s['etpl'] or 0:>6.3f} {alpha:>5} {loop:<6}  "
-                     f"{quality}")
+        lines.append(f"{s['model']:<14} {s['task']:<10} {label:<{width}} {s['n_samples']:>3} "
+                     f"{s['tokens_per_s'] or 0:>7.2f}{'*' if loaded else ' '} {speedup:>9} {s['etpl'] or 0:>6.3f} "
+                     f"{alpha:>5} {loop:<6}  {quality}")
+        if loaded:
+            notes.append(f"* {label} on {s['model']}/{s['task']}: timed on a busy machine — other processes kept up to "
+                         f"{loaded['max_other_cores']:.1f} CPUs busy around {loaded['overloaded']} of "
+                         f"{loaded['samples']} samples, with {loaded['free_cores']} cores free of torch's threads; its "
+                         "speed and the speedups against it are not to be trusted (rerun on a quiet machine).")
         if s["method"] != "vanilla" and not s.get("drafted"):
-            notes.append(f"{s['method_tag']} drafted no token on {s['model']}: its policy never expected an early "
+            notes.append(f"{label} drafted no token on {s['model']}: its policy never expected an early "
                          "exit to pay on this model, so every round was a full pass (eTPL = 1/L, α '-'), as Vanilla's.")
-    return "\n".join(lines + notes)
+    return "\n".join(lines + tag_notes + notes)
+
+
+def _busy(summary: dict) -> dict | None:
+    """The run's load summary when some of its samples were timed on an overloaded machine, else None."""
+    load = summary.get("load")
+    return load if load and load.get("overloaded") else None
+
+
+def _show_labels(keys: list) -> tuple[list[str], list[str]]:
+    """Each run's method as the tables label it (RunKey.label: `DEL`, `LS(E4-γ4)`); runs whose labels coincide but
+    whose tags differ (`del` and `del_cpu` are both DEL) are numbered, and a note names each numbered full tag."""
+    tags: dict[str, set[str]] = {}
+    for key in keys:
+        tags.setdefault(key.label(), set()).add(key.method_tag)
+    numbers: dict[str, int] = {}
+    labels = []
+    for key in keys:
+        if len(tags[key.label()]) == 1:
+            labels.append(key.label())
+            continue
+        number = numbers.setdefault(key.method_tag, len(numbers) + 1)
+        labels.append(f"{key.label()} [{number}]")
+    return labels, [f"[{n}] = {tag}" for tag, n in numbers.items()]
 
 
 def cmd_show(argv: list[str]) -> int:
-    from del_bench.records import read_jsonl, run_key_of
+    from del_bench.records import load_summary, read_jsonl, run_key_of
 
     paths = [Path(a) / "summary.json" if Path(a).is_dir() else Path(a) for a in argv]
     missing = [str(p) for p in paths if not p.is_file()]
@@ -135,7 +170,10 @@ def cmd_show(argv: list[str]) -> int:
               file=sys.stderr)
         return 2
     summaries = [json.loads(p.read_text()) for p in paths]
-    keys = [run_key_of(s, read_jsonl(p.parent / "samples.jsonl")) for s, p in zip(summaries, paths)]
+    samples = [read_jsonl(p.parent / "samples.jsonl") for p in paths]
+    keys = [run_key_of(s, rows) for s, rows in zip(summaries, samples)]
+    for summary, rows in zip(summaries, samples):  # judged again from the samples: today's rule, every record
+        summary["load"] = load_summary(rows) if rows else summary.get("load")
     print(format_table(summaries, keys))
     return 0
 

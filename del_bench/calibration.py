@@ -30,7 +30,7 @@ from del_bench import calibration_store
 from del_bench.config import CONFIG_DIR, validate
 from del_bench.errors import CalibrationError, ConfigError
 from del_bench.jobs import run_once
-from del_bench.records import run_key_of
+from del_bench.records import run_key_of, vanilla_baseline
 from del_bench.runner import load_model
 from del_bench.selection import calibration_samples
 
@@ -43,8 +43,8 @@ def grid_of(cfg: DictConfig) -> tuple[list[int], list[int]]:
     try:
         exits, gammas = list(cfg.grid.exit_layers), list(cfg.grid.gammas)
     except Exception as err:  # noqa: BLE001 — an unknown model has no default grid: say what to pass
-        raise ConfigError(f"no calibration grid for model {cfg.model.name}: pass grid.exit_layers=[…] grid.gammas=[…] "
-                          f"(or add it under `grids` in configs/command/calibrate.yaml) ({err})") from None
+        raise ConfigError(f"no calibration grid for model {cfg.model.name}: pass grid.exit_layers=[…] "
+                          f"grid.gammas=[…] (or add it under `grids` in configs/command/calibrate.yaml) ({err})") from None
     if not exits or not gammas:
         raise ConfigError("grid.exit_layers and grid.gammas must both be non-empty lists")
     return exits, gammas
@@ -106,16 +106,15 @@ def _disjoint(cfg: DictConfig) -> bool:
 
 def best_entry(cfg: DictConfig, points, results: dict) -> dict:
     """The best grid point by tokens/s, with the whole grid; a point's speedup is against the grid's Vanilla only
-    where the two pair (RunKey.pairs_with: the report's rule), else None."""
+    where the two pair (records.vanilla_baseline: the report's rule), else None."""
     vanilla = results["vanilla"]
-    vanilla_key = run_key_of(vanilla)
+    vanillas = [(run_key_of(vanilla), vanilla)]
     grid = []
     for name, point in points[1:]:
         s = results[name]
-        paired = run_key_of(s).pairs_with(vanilla_key)
         grid.append({"exit_layer": int(point.method.exit_layer), "gamma": int(point.method.gamma),
                      "tokens_per_s": s["tokens_per_s"], "etpl": s["etpl"], "acceptance_rate": s["acceptance_rate"],
-                     "speedup": _ratio(s["tokens_per_s"], vanilla["tokens_per_s"]) if paired else None,
+                     "speedup": _ratio(s["tokens_per_s"], vanilla_baseline(run_key_of(s), vanillas)),
                      "out_dir": str(point.out_dir)})
     best = max(grid, key=lambda p: p["tokens_per_s"] or 0.0)  # ties: the first in grid order
     exits, gammas = grid_of(cfg)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
@@ -93,6 +94,9 @@ class SampleRecord:
     # in ulps of the model's dtype at the top logit (del_bench/numerics.py). A Vanilla run's gaps say whether another
     # run's first departure from it is a near-tie (≤ NEAR_TIE_ULPS: allowed in half precision) or a real one
     top2_gap_ulps: list[float] | None = None
+    # the machine's load around this sample's timed decoding (del_bench/machine_load.py: load averages, busy CPUs,
+    # our own, cores, torch threads); None in records from before it was kept. `overloaded` judges it
+    load: dict | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -101,6 +105,54 @@ class SampleRecord:
 # one entry of SampleRecord.turns; that turn's rounds are the rounds.jsonl lines with the same `turn`
 TURN_FIELDS = ("turn", "user", "prompt", "prompt_ids", "output_ids", "output_text", "new_tokens", "wall_s", "rounds",
                "loaded_layers", "head_calls", "drafted", "accepted")
+
+
+# ---------------------------------------------------------------- the machine's load (SampleRecord.load)
+
+# CPUs other processes may keep busy beyond the free ones (cores − torch threads) before a sample is flagged:
+# /proc/stat counts in 10 ms ticks and a daemon's blip is no contention, while one other busy process is a whole core
+LOAD_TOLERANCE_CORES = 0.5
+# below this interval /proc/stat's ticks are too coarse to tell our CPU time from others' (20 ticks a CPU at 100 Hz):
+# such a sample is judged by the load average instead
+MIN_TICKS_INTERVAL_S = 0.2
+
+
+def free_cores(load: dict) -> int:
+    """The cores torch's threads leave to everything else."""
+    return load["cores"] - load["torch_threads"]
+
+
+def other_cores(load: dict | None) -> float | None:
+    """CPUs other processes kept busy around a sample: the busy CPUs less our own over the interval (/proc/stat);
+    for a short interval or off Linux, the larger load average less torch's threads (ours while decoding, which
+    the load average counts too); None when nothing was recorded."""
+    if not load:
+        return None
+    busy, own = load.get("busy_cores"), load.get("own_cores")
+    if busy is not None and own is not None and load["interval_s"] >= MIN_TICKS_INTERVAL_S:
+        return max(0.0, busy - own)
+    averages = [a for a in (load.get("loadavg_before"), load.get("loadavg_after")) if a is not None]
+    return max(0.0, max(averages) - load["torch_threads"]) if averages else None
+
+
+def overloaded(load: dict | None) -> bool:
+    """True when other processes kept more CPUs busy than torch's threads left free (by more than
+    LOAD_TOLERANCE_CORES): the sample was timed on a machine it shared, its speed is not to be trusted. False when
+    no load was recorded (older records)."""
+    other = other_cores(load)
+    return other is not None and other > free_cores(load) + LOAD_TOLERANCE_CORES
+
+
+def load_summary(samples: list[dict]) -> dict | None:
+    """A run's load, from its samples: how many recorded one, how many were overloaded (a run with any is flagged:
+    speed is a mean over samples, and one slowed sample moves it), the most CPUs others kept busy around one, and
+    the fewest free cores; None when no sample recorded its load (older records)."""
+    loads = [s["load"] for s in samples if s.get("load")]
+    if not loads:
+        return None
+    others = [o for o in map(other_cores, loads) if o is not None]
+    return {"samples": len(loads), "overloaded": sum(map(overloaded, loads)),
+            "max_other_cores": max(others) if others else None, "free_cores": min(map(free_cores, loads))}
 
 
 def machine_of(provenance: dict) -> str:
@@ -118,6 +170,19 @@ def machine_of(provenance: dict) -> str:
 def prompts_fingerprint(task_version, sample_ids: Iterable) -> str:
     """Short fingerprint of a prompt set (the task's version and its sample ids): runs compare only on one set."""
     text = f"{task_version}|" + "\n".join(sorted({str(i) for i in sample_ids}))
+    return hashlib.sha1(text.encode()).hexdigest()[:10]
+
+
+def prompt_digest(samples: Iterable[dict], stop_strings: Iterable[str] = ()) -> str:
+    """Short digest of what the model saw, from the sample records: each sample's prompt_ids (system prompt, shots and
+    template included), a multi-turn sample's later user turns and how turns were rendered (prompt_format), and the
+    task's stop strings (they end outputs). Runs of one task version and sample ids whose prompts differ (a
+    `task.n_shot=0` variant) get different digests; repeats of a sample count once."""
+    def seen(s: dict) -> tuple:
+        users = [t["user"] for t in (s.get("turns") or [])[1:]]
+        return str(s["sample_id"]), s["prompt_ids"], users, s.get("prompt_format")
+
+    text = json.dumps([sorted({json.dumps(seen(s)) for s in samples}), sorted(stop_strings)])
     return hashlib.sha1(text.encode()).hexdigest()[:10]
 
 
@@ -143,8 +208,12 @@ class RunKey:
     prompts: str  # prompts_fingerprint of the selected samples
     machine: str  # machine_of(provenance)
     experiments: tuple[str, ...] = field(default=(), compare=False)
+    # prompt_digest of the samples' records: what the model saw ("" in records from before it was kept, which so
+    # pair among themselves only)
+    prompt_digest: str = ""
 
-    PAIR_FIELDS = ("model", "weights", "task", "task_version", "decoding", "max_new_tokens", "prompts", "machine")
+    PAIR_FIELDS = ("model", "weights", "task", "task_version", "decoding", "max_new_tokens", "prompts", "prompt_digest",
+                   "machine")
 
     def pair_id(self) -> tuple:
         return tuple(getattr(self, f) for f in self.PAIR_FIELDS)
@@ -155,6 +224,11 @@ class RunKey:
 
     def hyperparameter(self, name: str, default=None):
         return dict(self.hyperparameters).get(name, default)
+
+    def label(self) -> str:
+        """The method as the tables name it (method_label: `DEL`, `LS(E4-γ4)`); the full tag stays method_tag."""
+        return method_label(self.method, self.hyperparameter("exit_layer", ""), self.hyperparameter("gamma", ""),
+                            self.hyperparameter("omega", ""))
 
     def with_experiment(self, name: str | None) -> RunKey:
         if not name or name in self.experiments:
@@ -174,6 +248,48 @@ class RunKey:
         data["experiments"] = tuple(data.get("experiments") or ())
         data["max_new_tokens"] = int(data["max_new_tokens"])
         return cls(**data)
+
+
+def vanilla_partners(key: RunKey, runs: Iterable[tuple[RunKey, Any]]) -> list:
+    """The runs (of `runs`: (RunKey, run) pairs, any run object) that are the Vanilla `key`'s speedup is computed
+    against (RunKey.pairs_with), in the order given. show, the report, calibration and the benches all ask here."""
+    return [run for other, run in runs if key.pairs_with(other)]
+
+
+def vanilla_baseline(key: RunKey, runs: Iterable[tuple[RunKey, dict]], metric: str = "tokens_per_s") -> float | None:
+    """The mean `metric` (tokens/s by default) of the Vanilla runs `key` pairs with, over those that recorded it (a
+    number, not NaN): a speedup's denominator. None when there is no such partner."""
+    values = [run.get(metric) for run in vanilla_partners(key, runs)]
+    values = [v for v in values if v is not None and v == v]  # v != v: NaN (pandas rows)
+    return math.fsum(values) / len(values) if values else None
+
+
+# ---------------------------------------------------------------- how tables, show and the benches name methods
+
+METHOD_LABELS = {"vanilla": "Vanilla", "ls": "LS", "fs": "FS", "dv": "DV", "swift": "SWIFT", "del": "DEL",
+                 "del_e": "DEL-E", "del_gamma": "DEL-γ", "del_e_lim": "DEL-E-lim", "clasp": "CLaSp",
+                 "knapspec": "KnapSpec"}
+DEFAULT_OMEGA = 0.95
+
+
+def _number(value) -> float | None:
+    if value in ("", None) or (isinstance(value, float) and math.isnan(value)):
+        return None
+    return float(value)
+
+
+def method_label(method: str, exit_layer="", gamma="", omega="") -> str:
+    """Labels as in the paper: LS(E8-γ6), FS(E8-γ6), DV(E8); DEL's ω only when not the default (RunKey.label)."""
+    base = METHOD_LABELS.get(method, method)
+    e, g, w = _number(exit_layer), _number(gamma), _number(omega)
+    parts = []
+    if e is not None and method != "vanilla":
+        parts.append(f"E{e:g}")
+    if g is not None and method in ("ls", "fs"):
+        parts.append(f"γ{g:g}")
+    if w is not None and w != DEFAULT_OMEGA and method.startswith("del"):
+        parts.append(f"ω{w:g}")
+    return f"{base}({'-'.join(parts)})" if parts else base
 
 
 def run_key_of(summary: dict, samples: list[dict] | None = None) -> RunKey:

@@ -23,6 +23,7 @@ from del_bench import memory, tracking
 from del_bench.config import validate
 from del_bench.engine.decode import Engine
 from del_bench.engine.sampling import Sampling
+from del_bench.machine_load import LoadProbe
 from del_bench.models import exit_adapters, loading
 from del_bench.models.layer_stack import LayerStack
 from del_bench.records import (
@@ -30,7 +31,9 @@ from del_bench.records import (
     RunKey,
     SampleRecord,
     key_of,
+    load_summary,
     machine_of,
+    prompt_digest,
     prompts_fingerprint,
     run_key_of,
     write_json,
@@ -116,15 +119,17 @@ def run(cfg: DictConfig, load=None) -> dict:
     summary["measured_costs"] = run_dir.costs()
     summary["setup"] = run_dir.setup()  # untimed: model load, layer-loop build/check, cost measurement, warm-up
     summary["selection"] = selection(cfg)
-    summary["run_key"] = run_key(cfg, method, task, samples, summary["provenance"], run_dir).as_dict()
+    summary["run_key"] = run_key(cfg, method, task, samples, records, summary["provenance"], run_dir).as_dict()
     write_json(run_dir.summary_path, summary)
     tracking.mirror(cfg.get("logger"), summary, rounds, str(run_dir.path), samples=records)
     return summary
 
 
-def run_key(cfg: DictConfig, method, task, samples: list, provenance: dict, run_dir: RunDir) -> RunKey:
-    """The run's identity, computed once here and written into summary.json (see records.RunKey). A run that
-    other sweeps already claimed (an earlier summary's experiments) keeps them."""
+def run_key(cfg: DictConfig, method, task, samples: list, records: list[dict], provenance: dict,
+            run_dir: RunDir) -> RunKey:
+    """The run's identity, computed once here and written into summary.json (see records.RunKey): `records`, the
+    finished sample records, give the digest of what the model saw. A run that other sweeps already claimed (an
+    earlier summary's experiments) keeps them."""
     previous = ()
     if run_dir.summary_path.is_file():
         previous = run_key_of(json.loads(run_dir.summary_path.read_text())).experiments
@@ -134,7 +139,8 @@ def run_key(cfg: DictConfig, method, task, samples: list, provenance: dict, run_
                  task_version=str(task.version), method=cfg.method.name, method_tag=cfg.method.tag,
                  hyperparameters=tuple(sorted(method.describe().items())), decoding=cfg.decoding,
                  max_new_tokens=int(cfg.max_new_tokens), machine=machine_of(provenance), experiments=tuple(previous),
-                 prompts=prompts_fingerprint(task.version, [s.id for s in samples]))
+                 prompts=prompts_fingerprint(task.version, [s.id for s in samples]),
+                 prompt_digest=prompt_digest(records, task.stop_strings))
     return key.with_experiment(cfg.get("experiment_name"))
 
 
@@ -146,7 +152,9 @@ def decode_all(cfg, todo, task, method, sampling, run_dir: RunDir, load) -> None
     log.info("decoder layers: %s (built and checked in %.1f s)", stack.layer_path, stack.layer_setup_s)
     tokenizer = loaded.tokenizer
     task.bind_tokenizer(tokenizer)  # multi-turn tasks render chat turns with it
-    engine = Engine(stack, sampling, eos_ids(loaded.model, tokenizer), stop=stop_strings(task.stop_strings, tokenizer))
+    eos, stop = eos_ids(loaded.model, tokenizer), stop_strings(task.stop_strings, tokenizer)
+    peer = getattr(method, "decoder", None)  # a peer row (del_bench/bench/peers.py): transformers decodes, not ours
+    engine = peer(loaded.model, eos, stop, sampling) if peer else Engine(stack, sampling, eos, stop=stop)
     t0 = time.perf_counter()
     if method.wants_costs:  # the calibrated cost model: measured once per run (a resume reuses it)
         costs = run_dir.costs()
@@ -177,11 +185,12 @@ def decode_all(cfg, todo, task, method, sampling, run_dir: RunDir, load) -> None
 def decode_one(cfg, engine, tokenizer, task, method, sample, repeat, loaded) -> tuple[SampleRecord, list[dict]]:
     """A single-prompt sample: one generation, its record and its round lines."""
     prompt_ids = list(tokenizer(sample.prompt)["input_ids"])
-    with memory.PeakMemory(loaded.device) as peak:  # reset/read outside the engine's timed region
+    # memory reset/read and the load readings outside the engine's timed region
+    with memory.PeakMemory(loaded.device) as peak, LoadProbe() as probe:
         gen = engine.generate(prompt_ids, method, cfg.max_new_tokens, sample_seed(cfg.seed, sample.id, repeat))
     text = tokenizer.decode(gen.output_ids, skip_special_tokens=True)
     record = sample_record(sample, repeat, prompt_ids, gen, text, task, loaded.num_layers)
-    record.peak_memory_bytes, record.memory_measure = peak.bytes, peak.measure
+    record.peak_memory_bytes, record.memory_measure, record.load = peak.bytes, peak.measure, probe.load
     return record, [{"sample_id": sample.id, "repeat": repeat, **r.as_dict()} for r in gen.rounds]
 
 
@@ -221,7 +230,7 @@ def decode_turns(cfg, engine, tokenizer, task, method, sample, repeat, loaded) -
     turns: list[dict] = []
     rounds: list[dict] = []
     gaps: list[float] | None = []  # the turns' top-2 gaps, concatenated like their output_ids (None: not recorded)
-    with memory.PeakMemory(loaded.device) as peak:  # the whole conversation
+    with memory.PeakMemory(loaded.device) as peak, LoadProbe() as probe:  # the whole conversation
         for t, user in enumerate(sample.turns):
             prompt = task.render(sample, history)
             prompt_ids = list(tokenizer(prompt)["input_ids"])
@@ -250,7 +259,7 @@ def decode_turns(cfg, engine, tokenizer, task, method, sample, repeat, loaded) -
         drafted=total("drafted"), accepted=total("accepted"),
         scores=None if task.batch_scoring else task.score(sample, text), peak_memory_bytes=peak.bytes,
         memory_measure=peak.measure, category=sample.category, prompt_format=task.prompt_format, turns=turns,
-        top2_gap_ulps=gaps)
+        top2_gap_ulps=gaps, load=probe.load)
     return record, rounds
 
 
@@ -304,6 +313,7 @@ def summarize(cfg: DictConfig, records: list[dict], rounds: list[dict], task) ->
                                    for r in records]),
         "config": OmegaConf.to_container(cfg, resolve=True),
         "provenance": provenance(layer_path=layer_path_of(records)),
+        "load": load_summary(records),  # the machine's load around the timed samples (records.overloaded)
     }
 
 

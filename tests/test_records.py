@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 from pathlib import Path
 
 import pytest
 
-from del_bench import jobs, runner
+from del_bench import jobs, machine_load, records, runner
 from del_bench.__main__ import format_table
 from del_bench.engine.rounds import Round
 from del_bench.records import RunKey, SampleRecord, run_key_of
@@ -34,7 +35,8 @@ def test_pairs_with_its_vanilla_only():
 
 @pytest.mark.parametrize("field, other", [("max_new_tokens", 32), ("prompts", "xyz"), ("weights", "w2"),
                                           ("machine", "cuda/NVIDIA H100"), ("decoding", "sample-t0.6-p0.95"),
-                                          ("task_version", "2"), ("model", "m2"), ("task", "t2")])
+                                          ("task_version", "2"), ("model", "m2"), ("task", "t2"),
+                                          ("prompt_digest", "0123456789")])
 def test_a_vanilla_run_that_differs_never_pairs(field, other):
     assert not KEY.pairs_with(dataclasses.replace(VANILLA, **{field: other}))
 
@@ -55,7 +57,9 @@ def test_runner_writes_the_key_and_the_sweep_that_asked(run_cfg):
     old = {k: v for k, v in summary.items() if k != "run_key"}
     samples = [json.loads(line) for line in (Path(cfg.out_dir) / "samples.jsonl").read_text().splitlines()]
     adapted = run_key_of(old, samples)
-    assert adapted.pair_id() == key.pair_id() and adapted.method_tag == key.method_tag
+    # but for the prompt digest, which such records never had: they pair among themselves only
+    assert adapted.pair_id() == dataclasses.replace(key, prompt_digest="").pair_id() and key.prompt_digest
+    assert adapted.method_tag == key.method_tag
 
 
 def test_a_sweep_that_finds_the_run_finished_adds_itself(run_cfg):
@@ -74,8 +78,8 @@ def test_other_length_or_prompts_never_pair_in_report_or_show(run_cfg, tmp_path)
     ls = runner.run(run_cfg("method=ls", "method.exit_layer=1", "method.gamma=2", "limit=2", f"out_dir={runs / 'ls'}"))
     df = load_runs([runs]).set_index("method_tag")
     assert not df.loc["ls-E1-g2", "has_vanilla"]
-    ls_line = next(line for line in format_table([vanilla, fewer, ls]).splitlines() if "ls-E1-g2" in line)
-    assert " n/a " in ls_line
+    ls_line = next(line for line in format_table([vanilla, fewer, ls]).splitlines() if "LS(E1-γ2)" in line)
+    assert " n/a" in ls_line  # (then `*` where this shared machine was busy)
 
 
 def _rows(table: tables.Table) -> list[str]:
@@ -119,3 +123,133 @@ def test_readme_record_table_lists_the_dataclass_fields():
     assert _readme_fields("rounds.jsonl") == rounds
     assert _readme_fields("summary.json") >= {"run_key", "selection", "quality", "provenance"}
     assert {f.name for f in dataclasses.fields(RunKey)} <= _readme_fields("run_key")
+
+
+# ---- records a reader can trust (issue 30): the machine's load, the prompt digest, one Vanilla baseline, labels
+
+def _load(busy, own, interval=1.0, cores=4, threads=2, loadavg=(0.0, 0.0)) -> dict:
+    return {"interval_s": interval, "loadavg_before": loadavg[0], "loadavg_after": loadavg[1], "busy_cores": busy,
+            "own_cores": own, "cores": cores, "torch_threads": threads}
+
+
+def test_a_sample_is_overloaded_when_others_take_more_than_the_free_cores():
+    assert not records.overloaded(_load(busy=2.0, own=2.0))  # only us
+    assert not records.overloaded(_load(busy=4.0, own=1.5))  # others: 2.5 = the 2 free cores + the tolerance
+    assert records.overloaded(_load(busy=4.0, own=1.25))  # others: 2.75
+    assert records.overloaded(_load(busy=1.75, own=1.0, threads=4))  # threads = cores: nothing free; others 0.75
+    assert not records.overloaded(_load(busy=1.5, own=1.0, threads=4))
+    # too short for /proc/stat's ticks (or off Linux): the larger load average less torch's threads judges
+    assert not records.overloaded(_load(busy=4.0, own=0.0, interval=0.125, loadavg=(2.0, 4.5)))
+    assert records.overloaded(_load(busy=None, own=1.0, loadavg=(4.75, 1.0)))
+    assert not records.overloaded(None) and records.other_cores(None) is None  # older records
+    summary = records.load_summary([{"load": _load(4.0, 1.25)}, {"load": _load(2.0, 2.0)}, {"load": None}])
+    assert summary == {"samples": 2, "overloaded": 1, "max_other_cores": 2.75, "free_cores": 2}
+    assert records.load_summary([{"sample_id": "old"}]) is None
+
+
+def test_busy_cores_from_proc_stat_counts_only_the_cpus_this_process_may_use():
+    def stat(cpu0, cpu2):  # user nice system idle iowait irq softirq steal
+        return (f"cpu  0 0 0 0 0 0 0 0\ncpu0 {cpu0} 0 0 {100 - cpu0} 5 0 0 0\ncpu1 0 0 0 100 0 0 0 0\n"
+                f"cpu2 {cpu2} 1 2 {100 - cpu2} 0 3 4 5\nintr 7 0\n")
+
+    before, after = machine_load.cpu_times(stat(10, 20), {0, 2}), machine_load.cpu_times(stat(60, 20), {0, 2})
+    assert before == (10 + 20 + 1 + 2 + 3 + 4 + 5, 105 + 115) and after == (95, 220)  # steal is busy; iowait not
+    assert machine_load.busy_cores(before, after, 2) is None  # no tick passed
+    assert machine_load.busy_cores((10, 100), (40, 140), 2) == 1.5
+    assert machine_load.cpu_times("intr 1\n", {0}) is None
+
+
+def test_prompt_digest_is_what_the_model_saw():
+    a = {"sample_id": "1", "prompt_ids": [1, 2, 3]}
+    b = {"sample_id": "2", "prompt_ids": [4]}
+    digest = records.prompt_digest([a, b, {**a, "repeat": 1}], ["\n\n"])
+    assert digest == records.prompt_digest([b, a], ["\n\n"])  # order and repeats do not matter
+    assert digest != records.prompt_digest([{**a, "prompt_ids": [9, 2, 3]}, b], ["\n\n"])  # other shots/system prompt
+    assert digest != records.prompt_digest([a, b], [])  # stop strings end outputs
+    turns = [{"user": "hi"}, {"user": "and then?"}]
+    multi = records.prompt_digest([{**a, "turns": turns}], [])
+    assert multi != records.prompt_digest([{**a, "turns": [turns[0], {"user": "why?"}]}], [])  # a later user turn
+    assert multi != records.prompt_digest([{**a, "turns": turns, "prompt_format": "plain"}], [])
+
+
+def test_vanilla_baseline_is_the_mean_over_partners_that_recorded_one():
+    other_machine = dataclasses.replace(VANILLA, machine="cuda/NVIDIA H100")
+    runs = [(VANILLA, {"tokens_per_s": 2.0}), (VANILLA, {"tokens_per_s": 5.0}), (VANILLA, {"tokens_per_s": math.nan}),
+            (VANILLA, {"tokens_per_s": None}), (other_machine, {"tokens_per_s": 100.0}), (KEY, {"tokens_per_s": 50.0})]
+    assert records.vanilla_baseline(KEY, runs) == 3.5
+    assert len(records.vanilla_partners(KEY, runs)) == 4
+    assert records.vanilla_baseline(KEY, runs[4:]) is None
+
+
+def _summary(key: RunKey, tps: float, load: dict | None = None) -> dict:
+    return {"model": key.model, "task": key.task, "method": key.method, "method_tag": key.method_tag, "n_samples": 2,
+            "tokens_per_s": tps, "etpl": 0.5, "acceptance_rate": 0.5, "drafted": 4, "quality": {},
+            "provenance": {}, "run_key": key.as_dict(), "load": load}
+
+
+def test_show_labels_methods_as_the_tables_do_and_marks_busy_runs():
+    del_paper = dataclasses.replace(KEY, method="del", method_tag="del-w0.95-layers-vnull",
+                                    hyperparameters=(("exit_layer", None), ("omega", 0.95)))
+    del_cpu = dataclasses.replace(del_paper, method_tag="del-w0.95-measured-v1024-deferred")
+    busy = records.load_summary([{"load": _load(4.0, 1.0)}])
+    text = format_table([_summary(VANILLA, 10.0, busy), _summary(KEY, 20.0), _summary(del_paper, 5.0),
+                         _summary(del_cpu, 15.0)])
+    lines = text.splitlines()
+    assert "Vanilla" in lines[2] and "10.00*" in lines[2]
+    assert "LS(E1-γ2)" in lines[3] and " 2.00x*" in lines[3]  # its speedup is against a busy Vanilla
+    assert "DEL [1]" in lines[4] and "0.50x" in lines[4] and "DEL [2]" in lines[5] and "1.50x" in lines[5]
+    assert "[1] = del-w0.95-layers-vnull" in text and "[2] = del-w0.95-measured-v1024-deferred" in text
+    assert "* Vanilla on m/t: timed on a busy machine" in text and "3.0 CPUs busy around 1 of 1 samples" in text
+    assert "ls-E1-g2" not in text and len({len(line) for line in lines[:2]}) == 1  # one column layout
+    assert "*" not in format_table([_summary(VANILLA, 10.0), _summary(KEY, 20.0)])
+
+
+def _make_busy(run_dir: Path) -> None:
+    """Give the first sample of a run an overloaded load (3 other CPUs busy, 2 free)."""
+    path = run_dir / "samples.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    rows[0]["load"] = _load(4.0, 1.0)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_tables_mark_busy_runs_and_their_partners_and_the_report_can_leave_them_out(tmp_path):
+    from tests.data.report_golden.records import write_records
+
+    runs = write_records(tmp_path)
+    vanilla = load_runs([runs]).query("model == 'llama2-7b' and task == 'gsm8k' and method == 'vanilla'")
+    _make_busy(Path(vanilla.run_dir.iloc[0]))
+    table3 = {r.label: r for r in tables.build_tables(load_runs([runs]))[2].rows if r.source.startswith("ours")
+              and r.model == "llama2-7b"}
+    assert {"Vanilla ‡", "LS(E7-γ6) ‡", "DEL ‡"} <= set(table3)  # the partners of a busy Vanilla too
+    assert "FS(E7-γ6)" in table3  # not run on GSM8K: its speedups stand
+    assert tables.BUSY_NOTE in tables.to_markdown(tables.build_tables(load_runs([runs]))[2])
+    assert r"$\ddagger$" in tables.to_latex(tables.build_tables(load_runs([runs]))[2])
+    kept = load_runs([runs], exclude_busy=True)
+    assert len(kept) == len(load_runs([runs])) - 1
+    ls = kept.query("model == 'llama2-7b' and task == 'gsm8k' and method == 'ls'")
+    assert not ls.has_vanilla.any()  # its only Vanilla was left out: no baseline
+    assert write_report([runs], tmp_path / "t", None, exclude_busy=True)
+    assert "‡" not in (tmp_path / "t" / "table3.md").read_text()
+
+
+def test_an_n_shot_variant_never_pairs_with_the_other_vanilla(run_cfg, tmp_path):
+    data = REPO / "tests" / "data" / "tasks"
+
+    def run(method, n_shot):
+        return runner.run(run_cfg(f"method={method}", "task=gsm8k", f"task.data_files={data / 'gsm8k_test.jsonl'}",
+                                  f"task.shots_files={data / 'gsm8k_train.jsonl'}", f"task.n_shot={n_shot}",
+                                  "limit=1", "max_new_tokens=4", f"out_dir={tmp_path / 'runs' / f'{method}-{n_shot}'}"))
+
+    vanilla, ls_0, ls_2 = run("vanilla", 2), run("ls", 0), run("ls", 2)
+    keys = {name: run_key_of(s) for name, s in (("vanilla", vanilla), ("ls_0", ls_0), ("ls_2", ls_2))}
+    assert keys["ls_2"].pairs_with(keys["vanilla"]) and not keys["ls_0"].pairs_with(keys["vanilla"])
+    assert keys["ls_0"].prompts == keys["vanilla"].prompts  # same task version and sample ids: only the digest differs
+    df = load_runs([tmp_path / "runs"]).set_index("run_dir")
+    assert not df.loc[str(tmp_path / "runs" / "ls-0"), "has_vanilla"]
+    assert df.loc[str(tmp_path / "runs" / "ls-2"), "has_vanilla"]
+    # every timed sample recorded the machine's load, and the summary counts it
+    sample = json.loads((tmp_path / "runs" / "ls-2" / "samples.jsonl").read_text().splitlines()[0])
+    assert set(sample["load"]) == {"interval_s", "loadavg_before", "loadavg_after", "busy_cores", "own_cores", "cores",
+                                   "torch_threads"}
+    assert sample["load"]["torch_threads"] == 1 and sample["load"]["interval_s"] > 0 and sample["load"]["cores"] >= 1
+    assert ls_2["load"]["samples"] == 1

@@ -11,8 +11,9 @@ def test_report_from_real_records(run_cfg, tmp_path):
     runner.run(run_cfg("method=ls", "method.exit_layer=1", "method.gamma=2", "limit=2", f"out_dir={runs / 'ls'}"))
     written = write_report([runs], out_tables=tmp_path / "tables", out_figures=tmp_path / "figures")
     table3 = (tmp_path / "tables" / "table3.md").read_text()
-    assert "| tiny-random | Vanilla |" in table3 and "LS(E1-γ2)" in table3
-    vanilla_row = next(line for line in table3.splitlines() if "| tiny-random | Vanilla |" in line)
+    # (" ‡" after the label where this shared machine was busy around a sample: records.overloaded)
+    assert "| tiny-random | Vanilla" in table3 and "LS(E1-γ2)" in table3
+    vanilla_row = next(line for line in table3.splitlines() if "| tiny-random | Vanilla" in line)
     assert "1.00" in vanilla_row
     assert all(p.stat().st_size > 0 for p in written)
 

@@ -3,9 +3,11 @@
 The report only reads records: it never decodes, never writes into a run directory (so it does not use
 records.RunDir, whose reader trims torn lines in place), and never guesses a missing Vanilla partner.
 
-    load_runs(roots)      one row per run (speed, eTPL, quality, memory), `speedup` vs its Vanilla partner
-                          (records.RunKey.pairs_with: the one pairing rule) and, for greedy runs, how many
-                          outputs equal that partner's token for token (`outputs_equal` of `outputs_compared`)
+    load_runs(roots)      one row per run (speed, eTPL, quality, memory), `speedup` vs its Vanilla partners
+                          (records.vanilla_baseline: the one pairing rule) and, for greedy runs, how many
+                          outputs equal that partner's token for token (`outputs_equal` of `outputs_compared`);
+                          `busy_samples`: samples timed on an overloaded machine (records.overloaded), which
+                          exclude_busy=True leaves out
     aggregate(df)         one row per configuration: mean/std/count over repeats (seeds or repeated runs)
     load_rounds(run_dir)  one row per SD round (timings, DEL's τ/E/α trace) for the figures
     segment_speeds(...)   tokens/s per fixed-length segment of one output, from its rounds (Figure 1b)
@@ -22,7 +24,7 @@ from typing import Iterable
 import pandas as pd
 
 from del_bench.numerics import compare
-from del_bench.records import RunKey, read_jsonl, run_key_of
+from del_bench.records import RunKey, load_summary, read_jsonl, run_key_of, vanilla_baseline, vanilla_partners
 
 # the committed reference records behind results/tables and results/figures (working runs: results/runs)
 REFERENCE_ROOT = "results/reference"
@@ -66,8 +68,10 @@ def load_run(run_dir: str | Path) -> dict:
     # paper B.4: speed and eTPL are means over samples; recomputed from samples when present
     tps = _mean([s.get("tokens_per_s") for s in samples]) if samples else summary.get("tokens_per_s")
     etpl = _mean([s.get("etpl") for s in samples]) if samples else summary.get("etpl")
+    load = load_summary(samples) or {}
     row = {
         "run_dir": str(run_dir),
+        "run_key": key,
         **{f: getattr(key, f) for f in PAIR_KEYS},
         "max_new_tokens": str(key.max_new_tokens),
         "method": key.method,
@@ -89,6 +93,7 @@ def load_run(run_dir: str | Path) -> dict:
         "memory_measure": summary.get("memory_measure") or "",
         "model_gib": _float(summary.get("model_bytes")) / GIB,
         "outputs": {(str(s["sample_id"]), s.get("repeat", 0)): _digest(s.get("output_ids")) for s in samples},
+        "busy_samples": load.get("overloaded", 0),  # timed on an overloaded machine (0: none, or not recorded)
     }
     for name, value in (summary.get("quality") or {}).items():
         row[f"q_{name}"] = value
@@ -99,11 +104,15 @@ def _digest(output_ids) -> str:
     return hashlib.sha1(json.dumps(output_ids).encode()).hexdigest()
 
 
-def load_runs(roots: Iterable[str | Path] = DEFAULT_ROOTS) -> pd.DataFrame:
-    """All runs under the roots, one row each, with `speedup` and `vanilla_tps` filled where paired."""
+def load_runs(roots: Iterable[str | Path] = DEFAULT_ROOTS, exclude_busy: bool = False) -> pd.DataFrame:
+    """All runs under the roots, one row each, with `speedup` and `vanilla_tps` filled where paired. exclude_busy:
+    runs timed on an overloaded machine (busy_samples > 0) are left out before pairing, so none is a baseline."""
     rows = [load_run(d) for d in find_runs(roots)]
-    empty = ["run_dir"] + CONFIG_KEYS + ["n", "tokens_per_s", "etpl", "sample_set", "peak_memory_gib",
-                                         "memory_measure", "model_gib", "experiments", "outputs"]
+    if exclude_busy:
+        rows = [r for r in rows if not r["busy_samples"]]
+    empty = ["run_dir", "run_key"] + CONFIG_KEYS + ["n", "tokens_per_s", "etpl", "sample_set", "peak_memory_gib",
+                                                    "memory_measure", "model_gib", "experiments", "outputs",
+                                                    "busy_samples"]
     df = pd.DataFrame(rows, columns=None if rows else empty)
     # None in the key columns (Vanilla has no E/γ/ω) would make groupby drop rows; use "" instead
     for col in ("exit_layer", "gamma", "omega"):
@@ -119,12 +128,11 @@ def add_lossless(df: pd.DataFrame) -> pd.DataFrame:
     near_tie_at / departs_at: where the outputs that differ first depart (token index), split by the partner's recorded
     top-2 gap there (half precision, del_bench/numerics.py): a near-tie is allowed, a real departure is not. Empty
     where the partner recorded no gaps (full precision: there any departure is a real one)."""
-    reference: dict[tuple, tuple[str, dict]] = {}
-    for _, v in df[df["method"] == "vanilla"].sort_values("run_dir").iterrows():
-        reference.setdefault(tuple(v[k] for k in PAIR_KEYS), (v["run_dir"], v["outputs"]))
+    vanillas = [(v["run_key"], (v["run_dir"], v["outputs"]))
+                for _, v in df[df["method"] == "vanilla"].sort_values("run_dir").iterrows()]
     equal, compared, near_tie_at, departs_at = [], [], [], []
     for _, r in df.iterrows():
-        base_dir, base = reference.get(tuple(r[k] for k in PAIR_KEYS), (None, None))
+        base_dir, base = (vanilla_partners(r["run_key"], vanillas) or [(None, None)])[0]
         near, real = [], []
         near_tie_at.append(near)
         departs_at.append(real)
@@ -170,19 +178,23 @@ def tell_weights_apart(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def add_speedup(df: pd.DataFrame) -> pd.DataFrame:
-    """speedup = tokens/s ÷ the Vanilla tokens/s of the same model, task, decoding, length, prompts, machine;
-    memory_overhead_pct = peak memory ÷ that Vanilla's peak memory − 1, in percent (Table 5).
+    """speedup = tokens/s ÷ the mean Vanilla tokens/s of its partners (records.vanilla_baseline: the same model,
+    task, decoding, length, prompts, machine); memory_overhead_pct = peak memory ÷ that Vanilla's peak memory − 1,
+    in percent (Table 5); busy_vanilla: some partner was timed on an overloaded machine.
 
     Several Vanilla runs with the same key (repeats) are averaged. No partner → NaN and has_vanilla False.
     """
-    df = tell_weights_apart(df)
-    if "peak_memory_gib" not in df:
-        df["peak_memory_gib"] = math.nan
-    base = df[df["method"] == "vanilla"].groupby(PAIR_KEYS)
-    vanilla = pd.concat([base["tokens_per_s"].mean().rename("vanilla_tps"),
-                         base["peak_memory_gib"].mean().rename("vanilla_memory_gib")], axis=1).reset_index()
-    df = df.drop(columns=["vanilla_tps", "vanilla_memory_gib"], errors="ignore").merge(vanilla, on=PAIR_KEYS,
-                                                                                        how="left")
+    df = tell_weights_apart(df).reset_index(drop=True)
+    for column, default in (("peak_memory_gib", math.nan), ("busy_samples", 0)):
+        if column not in df:
+            df[column] = default
+    vanillas = [(r["run_key"], r) for r in df[df["method"] == "vanilla"].to_dict("records")]
+
+    def baseline(metric: str) -> list[float]:
+        return [_float(vanilla_baseline(key, vanillas, metric)) for key in df["run_key"]]
+
+    df["vanilla_tps"], df["vanilla_memory_gib"] = baseline("tokens_per_s"), baseline("peak_memory_gib")
+    df["busy_vanilla"] = [any(v["busy_samples"] for v in vanilla_partners(key, vanillas)) for key in df["run_key"]]
     df["has_vanilla"] = df["vanilla_tps"].notna()
     df["speedup"] = df["tokens_per_s"] / df["vanilla_tps"]
     df["memory_overhead_pct"] = (df["peak_memory_gib"] / df["vanilla_memory_gib"] - 1) * 100
@@ -194,7 +206,7 @@ def aggregate(df: pd.DataFrame) -> pd.DataFrame:
     metric (q_*) over its repeats (runs with the same CONFIG_KEYS: other seeds, or repeated runs)."""
     optional = {"peak_memory_gib": math.nan, "vanilla_memory_gib": math.nan, "memory_overhead_pct": math.nan,
                 "memory_measure": "", "model_gib": math.nan, "sample_set": "eval", "outputs_equal": math.nan,
-                "outputs_compared": math.nan}
+                "outputs_compared": math.nan, "busy_samples": 0, "busy_vanilla": False}
     df = df.assign(**{k: v for k, v in optional.items() if k not in df})  # frames built by older code
     metrics = ["etpl", "tokens_per_s", "speedup", "peak_memory_gib", "memory_overhead_pct"]
     metrics += sorted(c for c in df.columns if c.startswith("q_"))
@@ -212,6 +224,9 @@ def aggregate(df: pd.DataFrame) -> pd.DataFrame:
     out["sample_set"] = grouped["sample_set"].first()  # the prompt set decides it: one per configuration
     out["outputs_equal"] = grouped["outputs_equal"].sum(min_count=1)  # over repeats; NaN: nothing compared
     out["outputs_compared"] = grouped["outputs_compared"].sum(min_count=1)
+    # repeats timed on an overloaded machine, or paired with a Vanilla that was (records.overloaded)
+    out["busy_runs"] = grouped["busy_samples"].agg(lambda v: int((v > 0).sum()))
+    out["busy_vanilla"] = grouped["busy_vanilla"].any()
     if "near_tie_at" in df:  # first-departure positions, pooled over repeats (lists: summed = concatenated)
         for column in ("near_tie_at", "departs_at"):
             out[column] = grouped[column].agg(lambda lists: sorted(p for at in lists for p in at))

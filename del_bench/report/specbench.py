@@ -26,10 +26,11 @@ from pathlib import Path
 
 import pandas as pd
 
+from del_bench.records import vanilla_partners
 from del_bench.specbench import GROUP_LABELS, GROUPS, in_group
 
 from . import tables
-from .collect import CONFIG_KEYS, PAIR_KEYS, read_jsonl
+from .collect import CONFIG_KEYS, read_jsonl
 from .tables import Cell, Row, Table
 
 TASK = "specbench"
@@ -67,12 +68,10 @@ def run_metrics(runs: pd.DataFrame) -> pd.DataFrame:
     """One row per run: CONFIG_KEYS, the lossless counts, and per group speedup / pooled / MAT (NaN where the
     run has no question of the group or no Vanilla partner)."""
     numbers = {r: group_numbers(r) for r in runs["run_dir"]}
-    vanilla = runs[runs["method"] == "vanilla"]
+    vanillas = [(v["run_key"], numbers[v["run_dir"]]) for _, v in runs[runs["method"] == "vanilla"].iterrows()]
     rows = []
     for _, run in runs.iterrows():
-        pair = tuple(run[k] for k in PAIR_KEYS)
-        partners = [numbers[v] for v in vanilla["run_dir"]
-                    if tuple(vanilla.loc[vanilla["run_dir"] == v, PAIR_KEYS].iloc[0]) == pair]
+        partners = vanilla_partners(run["run_key"], vanillas)  # the one pairing rule (records)
         row = {k: run[k] for k in CONFIG_KEYS + ["run_dir", "n", "outputs_equal", "outputs_compared"] if k in run}
         row["has_vanilla"] = bool(partners)
         own = numbers[run["run_dir"]]

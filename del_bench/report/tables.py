@@ -28,7 +28,9 @@ from pathlib import Path
 
 import pandas as pd
 
-from .collect import PAIR_KEYS, aggregate
+from del_bench.records import DEFAULT_OMEGA, METHOD_LABELS, method_label, vanilla_partners  # noqa: F401 (figures…)
+
+from .collect import aggregate
 
 PAPER_CSV = Path(__file__).with_name("paper_values.csv")
 
@@ -41,11 +43,7 @@ TABLE2_TASKS = {"humaneval": "pass@1", "humaneval_pass10": "pass@10"}  # our tas
 TABLE4_TASKS = ["humaneval", "cnndm_lm"]
 TABLE5_TASKS = ["humaneval", "cnndm_lm", "cnndm_sum", "xsum", "gsm8k", "aqua_rat"]
 METHOD_ORDER = ["vanilla", "ls", "fs", "dv", "swift", "clasp", "knapspec", "del_gamma", "del_e", "del_e_lim", "del"]
-METHOD_LABELS = {"vanilla": "Vanilla", "ls": "LS", "fs": "FS", "dv": "DV", "swift": "SWIFT", "del": "DEL",
-                 "del_e": "DEL-E", "del_gamma": "DEL-γ", "del_e_lim": "DEL-E-lim", "clasp": "CLaSp",
-                 "knapspec": "KnapSpec"}
 SKIPPING = ("SWIFT", "CLaSp", "KnapSpec")  # layer-skipping rows (no early-exit training): their gain is over Vanilla
-DEFAULT_OMEGA = 0.95
 DIGITS = {"etpl": 3, "tokens_per_s": 2, "speedup": 2, "gain": 2, "q_rouge2": 3, "peak_memory_gib": 3,
           "memory_overhead_pct": 2}
 METRIC_LABELS = {"etpl": "eTPL", "tokens_per_s": "Speed", "speedup": "Speedup", "q_rouge2": "ROUGE-2",
@@ -131,20 +129,6 @@ def _num(value) -> float | None:
     if value in ("", None) or (isinstance(value, float) and math.isnan(value)):
         return None
     return float(value)
-
-
-def method_label(method: str, exit_layer="", gamma="", omega="") -> str:
-    """Labels as in the paper: LS(E8-γ6), FS(E8-γ6), DV(E8); DEL's ω only when not the default."""
-    base = METHOD_LABELS.get(method, method)
-    e, g, w = _num(exit_layer), _num(gamma), _num(omega)
-    parts = []
-    if e is not None and method != "vanilla":
-        parts.append(f"E{e:g}")
-    if g is not None and method in ("ls", "fs"):
-        parts.append(f"γ{g:g}")
-    if w is not None and w != DEFAULT_OMEGA and method.startswith("del"):
-        parts.append(f"ω{w:g}")
-    return f"{base}({'-'.join(parts)})" if parts else base
 
 
 @lru_cache(maxsize=1)
@@ -244,6 +228,18 @@ def lossless_note(recs) -> str:
     return f" ({'; '.join(parts)})"
 
 
+BUSY_MARK = " ‡"
+BUSY_NOTE = ("‡ = timed on a busy machine: other processes kept more CPUs busy than torch's threads left free around "
+             "some of the run's samples, or its Vanilla partner's (records.overloaded); its speed or speedup is not to "
+             "be trusted. `report --exclude-busy` leaves such runs out.")
+
+
+def busy_mark(recs) -> str:
+    """' ‡' when a run behind these aggregated cells, or a Vanilla partner of one, was timed on an overloaded
+    machine (collect: busy_runs, busy_vanilla); '' otherwise, and for records from before the load was kept."""
+    return BUSY_MARK if any(r.get("busy_runs", 0) or r.get("busy_vanilla", False) for r in recs) else ""
+
+
 def _isnan(value) -> bool:
     return value is None or (isinstance(value, float) and math.isnan(value))
 
@@ -285,8 +281,8 @@ def wide_table(df: pd.DataFrame, table: int, cols: list[Col], title: str, overal
         label += lossless_note(by_task.values())
         block = tuple(key[k] for k in ("model", "machine", "decoding", "max_new_tokens", "variant") if k in key)
         source = _ours(key["machine"], key["variant"], key.get("decoding", ""), key["max_new_tokens"])
-        out.rows.append(Row(block, key["model"], label, source, cells, ranked=key["method"] != "vanilla",
-                            tag=key["method_tag"]))
+        out.rows.append(Row(block, key["model"], label + busy_mark(by_task.values()), source, cells,
+                            ranked=key["method"] != "vanilla", tag=key["method_tag"]))
         paper = _paper_row(table, key, cols, block, label) if paper_rows else None
         if paper:
             out.rows.append(paper)
@@ -507,8 +503,9 @@ def table6(df: pd.DataFrame) -> Table:
             label = f"{TASK_LABELS.get(b.task, b.task)} " + (f"ω={_num(rec.omega):g}" if is_del else "ω=- (Vanilla)")
             label += lossless_note([rec])
             cells = {m: _cell(rec, m) for m, _ in columns}
-            out.rows.append(Row(block, b.model, label, _ours(b.machine, b.variant, b.decoding, b.max_new_tokens), cells,
-                                ranked=is_del, tag=rec["method_tag"]))
+            out.rows.append(Row(block, b.model, label + busy_mark([rec]),
+                                _ours(b.machine, b.variant, b.decoding, b.max_new_tokens), cells, ranked=is_del,
+                                tag=rec["method_tag"]))
             setting = f"omega={_num(rec.omega):g}" if is_del else ""
             paper = {m: paper_cell(6, b.model, b.task, rec["method"], metric=m, setting=setting) for m, _ in columns}
             if any(paper.values()):
@@ -558,7 +555,8 @@ def mark_best(table: Table) -> Table:
 def _notes(table: Table) -> list[str]:
     marks = ["Bold = best, underline = second best among our runs of the same model and machine "
              "(Vanilla excluded), computed from the numbers; paper rows are printed as in the paper."]
-    return table.notes + (marks if table.marked else []) + [
+    busy = [BUSY_NOTE] if any(BUSY_MARK in r.label for r in table.rows) else []
+    return table.notes + busy + (marks if table.marked else []) + [
         "Mean ± std over repeats where a configuration was run more than once (other seeds or repeated runs "
         "on the same prompts). Speedup is paired with the Vanilla run of the same model, task, prompts, "
         "decoding, max_new_tokens and machine; 'no vanilla' = no such run. '–' = no run (ours) or no such "
@@ -583,7 +581,7 @@ def to_markdown(table: Table) -> str:
 _TEX = {"\\": r"\textbackslash{}", "_": r"\_", "%": r"\%", "&": r"\&", "#": r"\#", "±": r"$\pm$",
         "γ": r"$\gamma$", "ω": r"$\omega$", "×": r"$\times$", "–": "--", "α": r"$\alpha$",
         "τ": r"$\tau$", "÷": r"$\div$", "−": "-", "≥": r"$\geq$", "^": r"\^{}", "$": r"\$",
-        "{": r"\{", "}": r"\}", "~": r"\textasciitilde{}", "§": r"\S{}"}
+        "{": r"\{", "}": r"\}", "~": r"\textasciitilde{}", "§": r"\S{}", "‡": r"$\ddagger$"}
 
 
 def tex_escape(text: str) -> str:
@@ -618,10 +616,9 @@ def select_runs(df: pd.DataFrame, table: str, adhoc: bool) -> pd.DataFrame:
     own = df["experiments"].map(lambda e: in_experiment(e, table))
     if adhoc:
         own |= df["experiments"].map(lambda e: not e)
-    pairs = {tuple(r) for r in df.loc[own, PAIR_KEYS].itertuples(index=False)}
-    paired = [tuple(r) in pairs for r in df[PAIR_KEYS].itertuples(index=False)]
-    partner = (df["method"] == "vanilla") & pd.Series(paired, index=df.index, dtype=bool)
-    return df[own | partner]
+    vanillas = list(zip(df["run_key"], df.index))
+    partners = {i for key in df.loc[own, "run_key"] for i in vanilla_partners(key, vanillas)}
+    return df[own | df.index.isin(partners)]
 
 
 def build_tables(df: pd.DataFrame, adhoc: bool = True) -> list[Table]:
