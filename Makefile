@@ -36,10 +36,10 @@ demo: setup ## the main job: HumanEval, Vanilla vs DEL (del_cpu) on SmolLM2-135M
 	$(PY) -m del_bench run method=vanilla limit=3 max_new_tokens=128 out_dir=$(DEMO)/smollm2-vanilla
 	$(PY) -m del_bench run limit=3 max_new_tokens=128 out_dir=$(DEMO)/smollm2-del
 	$(PY) -m del_bench run model=testbed method=vanilla limit=3 max_new_tokens=128 out_dir=$(DEMO)/testbed-vanilla
-	$(PY) -m del_bench run model=testbed method=ls method.exit_layer=4 method.gamma=4 limit=3 max_new_tokens=128 \
+	$(PY) -m del_bench run model=testbed method=ls limit=3 max_new_tokens=128 \
 	  out_dir=$(DEMO)/testbed-ls
 	$(PY) -m del_bench run model=testbed limit=3 max_new_tokens=128 out_dir=$(DEMO)/testbed-del
-	@echo; echo "SmolLM2 (an ordinary checkpoint) vs the testbed (LayerSkip-trained here; LS at its best static (E, γ) = (4, 4), make bench-testbed):"
+	@echo; echo "SmolLM2 (an ordinary checkpoint) vs the testbed (LayerSkip-trained here; LS at the model config's (E, γ): its best static one on bench-testbed):"
 	$(PY) -m del_bench show $(DEMO)/smollm2-vanilla $(DEMO)/smollm2-del $(DEMO)/testbed-vanilla $(DEMO)/testbed-ls \
 	  $(DEMO)/testbed-del
 	@echo "SmolLM2's early layers rarely agree with its last one (its own head at layer 24 of 30: ~0.3 of tokens), so DEL's"

@@ -43,8 +43,8 @@ def grid_of(cfg: DictConfig) -> tuple[list[int], list[int]]:
     try:
         exits, gammas = list(cfg.grid.exit_layers), list(cfg.grid.gammas)
     except Exception as err:  # noqa: BLE001 — an unknown model has no default grid: say what to pass
-        raise ConfigError(f"no calibration grid for model {cfg.model.name}: pass grid.exit_layers=[…] "
-                          f"grid.gammas=[…] (or add it under `grids` in configs/command/calibrate.yaml) ({err})") from None
+        raise ConfigError(f"no calibration grid for model {cfg.model.name}: pass grid.exit_layers=[…] grid.gammas=[…] "
+                          f"(or add it under `grids` in configs/command/calibrate.yaml) ({err})") from None
     if not exits or not gammas:
         raise ConfigError("grid.exit_layers and grid.gammas must both be non-empty lists")
     return exits, gammas

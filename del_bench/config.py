@@ -98,6 +98,27 @@ def load_choice(group: str, name: str) -> DictConfig:
     return OmegaConf.load(CONFIG_DIR / group / f"{canonical(group, name)}.yaml")
 
 
+def ls_setting(model: str, task: str | None = None, calibration_file: str | Path | None = None) -> tuple[int, int]:
+    """LS's (E, γ) on `model`, where `method=ls` takes them: the task's best grid point in a calibration file (what
+    `python -m del_bench calibrate` wrote; calibration.use=true) when one is given and holds the task, else the model
+    config's default_exit_layer / default_gamma. Benches and scripts take (E, γ) from here, never from a constant."""
+    if calibration_file and task:
+        entry = calibration_store.read(calibration_file).get(task)
+        if entry:
+            return int(entry["exit_layer"]), int(entry["gamma"])
+    cfg = load_choice("model", model)
+    return int(cfg.default_exit_layer), int(cfg.default_gamma)
+
+
+def ls_grid(model: str) -> list[tuple[int, int]]:
+    """Every (E, γ) of the grid `calibrate` searches on `model` (configs/command/calibrate.yaml's grids), E-major."""
+    grids = OmegaConf.load(CONFIG_DIR / "command" / "calibrate.yaml").grids
+    if model not in grids:
+        raise ConfigError(f"no calibration grid for model {model!r}: add it under `grids` in "
+                          f"configs/command/calibrate.yaml (models with one: {', '.join(grids)})")
+    return [(int(e), int(g)) for e in grids[model].exit_layers for g in grids[model].gammas]
+
+
 def _group_of(key: str) -> str:
     """The config group an override's key names (`+task`, `override task` → task), else the key itself."""
     key = key.lstrip("+~")

@@ -8,6 +8,7 @@ import copy
 import itertools
 import json
 import re
+import struct
 import sys
 
 import pytest
@@ -17,8 +18,9 @@ from hydra.utils import get_class
 from omegaconf import OmegaConf, open_dict
 
 from del_bench import __main__ as cli
-from del_bench import calibration, jobs, runner, selection, tracking
+from del_bench import calibration, calibration_store, config, jobs, runner, selection, tracking
 from del_bench.config import CONFIG_DIR, GROUPS, choices, validate
+from del_bench.errors import ConfigError
 from del_bench.models import loading
 from del_bench.records import RunDir
 
@@ -316,6 +318,22 @@ def test_calibrate_writes_the_best_point_and_ls_uses_it(tmp_path, monkeypatch):
         _ = other.method.exit_layer
 
 
+def test_ls_settings_come_from_the_model_config_or_calibration(tmp_path):
+    """config.ls_setting/ls_grid: the (E, γ) `method=ls` and `calibrate` use, for benches and scripts to read."""
+    for model in ("smollm2-135m", "testbed", "llama2-13b"):
+        ls = compose_cfg("run", f"model={model}", "method=ls").method
+        assert config.ls_setting(model) == (ls.exit_layer, ls.gamma)
+        grid = compose_cfg("calibrate", f"model={model}").grid
+        assert config.ls_grid(model) == [(e, g) for e in grid.exit_layers for g in grid.gammas]
+    cal = tmp_path / "testbed.yaml"
+    calibration_store.write_entry(cal, "humaneval", {"exit_layer": 2, "gamma": 6})
+    ls = compose_cfg("run", "model=testbed", "method=ls", "calibration.use=true", f"calibration.file={cal}").method
+    assert config.ls_setting("testbed", "humaneval", cal) == (ls.exit_layer, ls.gamma) == (2, 6)
+    assert config.ls_setting("testbed", "gsm8k", cal) == config.ls_setting("testbed")  # no entry: the model's
+    with pytest.raises(ConfigError, match="no calibration grid for model 'tiny'"):
+        config.ls_grid("tiny")
+
+
 # ---- W&B -----------------------------------------------------------------------------------------------------
 def test_wandb_offline_writes_summary_and_round_traces(run_cfg, tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wb"))
@@ -331,6 +349,70 @@ def test_wandb_offline_writes_summary_and_round_traces(run_cfg, tmp_path, monkey
     traces = json.loads(table.read_text())
     assert {"round", "exit_layer", "drafted", "accepted", "emitted"} <= set(traces["columns"])
     assert len(traces["data"]) > 1
+
+
+def wandb_run_records(run_dir) -> list:
+    """The records of an offline run's .wandb file (a LevelDB-style log: 7-byte file header, 32 KiB blocks, records
+    of crc32 + length + kind, split across blocks as FIRST/MIDDLE/LAST), parsed as wandb's own protobuf Records."""
+    from wandb.proto import wandb_internal_pb2
+
+    [path] = run_dir.glob("run-*.wandb")
+    data, pos, parts, records = path.read_bytes(), 7, b"", []
+    while pos + 7 <= len(data):
+        if (room := 32768 - pos % 32768) < 7:  # a block's tail too short for a header is padding
+            pos += room
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        parts, pos = parts + data[pos + 7:pos + 7 + length], pos + 7 + length
+        if kind in (1, 4):  # FULL or LAST
+            records.append(wandb_internal_pb2.Record.FromString(parts))
+            parts = b""
+    return records
+
+
+def test_report_logs_tables_and_figures_to_one_wandb_run_offline(tmp_path, monkeypatch):
+    import wandb
+
+    from del_bench.report.build import cli as report_cli
+    from tests.data.report_golden.records import write_records
+
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wb"))
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    write_records(tmp_path / "golden")
+    runs = tmp_path / "golden" / "runs"  # a calibration grid (Figure 1b's heatmap) and Tables 1, 3, 6's CNN/DM runs
+    roots = [str(runs / "calibration" / "smollm2-135m" / "humaneval"), str(runs / "llama2-7b" / "cnndm_sum")]
+    out = ["--out-tables", str(tmp_path / "tables"), "--out-figures", str(tmp_path / "figures")]
+    assert report_cli([*roots, *out, "logger=wandb", "logger.group=g1"]) == 0
+    wandb.teardown()  # the run's .wandb log is written by wandb's service process: stopping it flushes the log
+    [run_dir] = (tmp_path / "wb" / "wandb").glob("offline-run-*")
+    [run] = [r.run for r in wandb_run_records(run_dir) if r.WhichOneof("record_type") == "run"]
+    assert (run.run_group, run.job_type, run.display_name) == ("g1", "report", "report/g1")
+    for n in range(1, 7):  # each table cell for cell as its .md prints it
+        md = (tmp_path / "tables" / f"table{n}.md").read_text().split("\n")
+        rows = [line.strip("| ").split(" | ") for line in md if line.startswith("| ")]
+        [logged] = (run_dir / "files" / "media" / "table" / "tables").glob(f"table{n}_*.table.json")
+        logged = json.loads(logged.read_text())
+        assert [logged["columns"], *logged["data"]] == rows
+        assert len(rows) > 1 or n == 2  # no CodeLLaMA runs here: Table 2 is its header alone
+    pngs = sorted(p.stem for p in (tmp_path / "figures").glob("*.png"))
+    images = sorted(p.stem.rsplit("_", 2)[0] for p in (run_dir / "files" / "media" / "images" / "figures").glob("*"))
+    assert images == pngs and any(p.startswith("fig1b_") for p in pngs)  # the heatmap among them
+
+
+def test_report_groups_with_the_experiment_its_runs_share():
+    import pandas as pd
+
+    from del_bench.report.build import shared_experiment
+
+    experiments = [("table1_local", "table3_local"), ("table3_local",), ("fig3_local", "table3_local")]
+    runs = pd.DataFrame({"experiments": experiments})
+    assert shared_experiment(runs) == "table3_local"
+    assert shared_experiment(pd.concat([runs, pd.DataFrame({"experiments": [()]})])) is None  # an ad hoc run
+    assert tracking.logger_settings(["logger=none"]) is None and tracking.logger_settings([]) is None
+    settings = tracking.logger_settings(["logger=wandb", "logger.mode=offline", "logger.group=g"])
+    assert (settings["name"], settings["mode"], settings["group"]) == ("wandb", "offline", "g")
 
 
 def test_wandb_mode_without_a_key_is_offline(monkeypatch, tmp_path):

@@ -4,6 +4,7 @@
     write_report(roots, out_figures=None)   tables only   (make tables)
     write_report(roots, out_tables=None)    figures only  (make figures)
     cli(argv) -> exit code         argument handling for `python -m del_bench report`
+    log_report(logger, roots, …)   the same tables and figures into one W&B run (`report … logger=wandb`)
 
 The Spec-Bench table (report/specbench.py) is written only where there are Spec-Bench runs.
 `report` alone reads the committed reference records (results/reference) and rewrites the committed
@@ -50,12 +51,15 @@ def cli(argv: list[str]) -> int:
     args, roots = list(argv), []
     outs: dict[str, str | None] = {}
     only, adhoc, exclude_busy = None, False, False
+    logger: list[str] = []
     while args:
         arg = args.pop(0)
         if arg in ("--tables-only", "--figures-only"):
             only = arg
         elif arg == "--ad-hoc":
             adhoc = True
+        elif arg.partition("=")[0].partition(".")[0] == "logger":  # logger=wandb logger.mode=offline …, as `run`
+            logger.append(arg)
         elif arg == "--exclude-busy":
             exclude_busy = True
         elif arg in ("--out-tables", "--out-figures") and args:
@@ -73,6 +77,51 @@ def cli(argv: list[str]) -> int:
     if not find_runs(roots):
         print(f"report: no run records (summary.json) under {', '.join(roots)}", file=sys.stderr)
         return 1
-    for path in write_report(roots, out_tables, out_figures, adhoc, exclude_busy):
+    written = write_report(roots, out_tables, out_figures, adhoc, exclude_busy)
+    for path in written:
         print(path)
+    if logger:
+        log_report(logger, roots, adhoc, written, exclude_busy=exclude_busy)
     return 0
+
+
+def log_report(logger: list[str], roots: Iterable[str | Path], adhoc: bool, written: list[Path], **load) -> None:
+    """Mirror the report to the tracker `logger` names (tracking.logger_settings: `logger=wandb logger.mode=…`): the
+    tables as build_tables makes them for the .md files (Spec-Bench's too, where there are runs) and the PNGs among
+    `written`; the local W&B files go beside the tables (their parent directory), or to logger.dir."""
+    from del_bench import tracking
+
+    from .specbench import specbench_table
+    from .tables import build_tables
+
+    settings = tracking.logger_settings(logger)
+    if settings is None:
+        return
+    df = load_runs(roots, **load)
+    tables = [*build_tables(df, adhoc), specbench_table(df, adhoc)]
+    figures = [p for p in written if p.suffix == ".png"]
+    out_dir = Path(written[0]).parent.parent if written else Path(WORKING[0]).parent
+    config = {"roots": [str(r) for r in roots], "runs": len(df), "adhoc": adhoc}
+    tracking.mirror_report(settings, [wandb_table(t) for t in tables if t is not None], figures, out_dir,
+                           shared_experiment(df), config)
+
+
+def wandb_table(table) -> dict:
+    """A report Table as tracking.mirror_report takes it: the .md's header and cells (best/second marked ** and
+    <u></u> as there; every cell a string, as printed), its title and notes."""
+    from .tables import _notes
+
+    mark = {"best": "**{}**", "second": "<u>{}</u>", "": "{}"}  # as to_markdown marks them
+    rows = [[r.model, r.label, r.source] + [mark[r.cells[k].mark].format(r.cells[k].render()) for k, _ in table.columns]
+            for r in table.rows]
+    return {"name": table.name, "title": table.title, "columns": ["Model", "Method", "Source"] +
+            [h for _, h in table.columns], "rows": rows, "notes": _notes(table)}
+
+
+def shared_experiment(df) -> str | None:
+    """The experiment every run of the report belongs to (run_key.experiments), e.g. table1_local; None when the
+    runs share none (then the report's W&B group is logger.group or `report`)."""
+    if df.empty or "experiments" not in df:
+        return None
+    shared = set.intersection(*(set(e or ()) for e in df["experiments"]))
+    return min(shared) if shared else None
