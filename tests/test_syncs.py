@@ -173,7 +173,7 @@ def test_without_on_round_only_the_mean_is_known():
 def test_print_syncs(capsys):
     report = SyncReport(rounds=4, total=10, kinds={"read": 9, "upload": 1}, ops={"tolist": 9, "tensor": 1},
                         sites={"a.py:1 f": 9, "b.py:2 g": 1}, rounds_syncs=[1, 2, 3, 4], engine_syncs=[1, 2, 3, 3])
-    print_syncs([("LS [eager]", report)])
+    print_syncs([{"row": "LS [eager]", **report.as_dict()}])
     line = capsys.readouterr().out.splitlines()[-1].split()
     assert line[:7] == ["LS", "[eager]", "4", "10", "2.50", "4", "2.25"]
 
@@ -222,3 +222,18 @@ def test_the_engine_counts_its_own_syncs(reports, name):
     assert report.engine_syncs is not None
     assert sum(report.engine_syncs) == report.total, report.sites
     assert report.rounds_syncs is None or report.rounds_syncs == report.engine_syncs
+
+
+def test_a_bench_rows_syncs_after_its_run(run_cfg):
+    """bench_syncs: a finished run's method on its prompts (ids from its records) counted again, one JSON-ready row
+    each; the model loaded from the run's config when the row has no loader."""
+    from del_bench.engine.syncs import bench_syncs
+    from del_bench.records import RunDir
+
+    cfg = run_cfg("method=ls", "method.exit_layer=2", "method.gamma=3", "max_new_tokens=8", "layers=eager")
+    RunDir(cfg.out_dir).path.mkdir(parents=True)
+    for i, ids in enumerate([[5, 6, 7], [8, 9]]):  # what a finished run leaves: its prompts' ids in samples.jsonl
+        RunDir(cfg.out_dir).append({"sample_id": str(i), "repeat": 0, "prompt_ids": ids}, [])
+    (row,) = bench_syncs([SimpleNamespace(label="LS", cfg=cfg, load=None)], prompts=1)
+    assert row["row"] == "LS" and 0 < row["rounds"] <= 8 and row["total"] >= row["rounds"]
+    assert row["per_round"] == row["total"] / row["rounds"]

@@ -38,8 +38,8 @@ model lives). `.to(x.device)` and copy_ between CPU tensors are not counted on a
 model's device from a cast there. On an accelerator only reads and copies of non-CPU tensors count.
 
 `measure(engine, method, prompts, ...)` runs Engine.generate under the counter → a SyncReport (syncs per round; per
-round one by one where the engine calls `engine.on_round(record)` as it records each Round); `print_syncs` prints
-reports as a table (bench-engine's syncs/round per method).
+round one by one where the engine calls `engine.on_round(record)` as it records each Round); `bench_syncs` counts a
+bench's finished rows again, untimed, and `print_syncs` prints them (bench-engine's syncs/round per method).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -327,6 +327,16 @@ class SyncReport:
         """The most syncs any round made (None without per-round attribution)."""
         return max(self.rounds_syncs) if self.rounds_syncs else None
 
+    @property
+    def engine_per_round(self) -> float | None:
+        """The engine's own count (Round.host_syncs) ÷ rounds, where it keeps one."""
+        return None if self.engine_syncs is None else sum(self.engine_syncs) / max(1, self.rounds)
+
+    def as_dict(self, sites: int = 10) -> dict:
+        """JSON-ready, the derived numbers included; the `sites` call sites that made the most."""
+        return {**asdict(self), "per_round": self.per_round, "worst_round": self.worst_round,
+                "engine_per_round": self.engine_per_round, "sites": dict(list(self.sites.items())[:sites])}
+
 
 def _generate_attributed(engine, counter: SyncCounter, generate: Callable) -> object:
     """Run generate() with a cut at each recorded round (through engine.on_round, where the engine has it); what
@@ -366,17 +376,18 @@ def measure(engine, method, prompts: list[list[int]], max_new_tokens: int, seed:
                       engine_syncs=None if None in engine_syncs else engine_syncs)
 
 
-def print_syncs(rows: list[tuple[str, SyncReport]], sites: int = 3) -> None:
-    """bench-engine's table: per row, rounds, syncs, syncs/round (worst round where attributed; the engine's own
-    count beside it where it keeps one), per kind, and the call sites that made the most."""
+def print_syncs(rows: list[dict], sites: int = 3) -> None:
+    """bench-engine's table of SyncReport.as_dict() rows (each with its "row" label): rounds, syncs, syncs/round, the
+    worst round (where attributed), the engine's own count per round (where it keeps one), per kind, and the call
+    sites that made the most."""
     print("  host syncs, counted independently of the engine (engine/syncs.py), untimed; engine: Round.host_syncs")
     print(f"  {'row':<22} {'rounds':>6} {'syncs':>6} {'/round':>7} {'worst':>5} {'engine':>7}  kinds; top sites")
-    for label, rep in rows:
-        worst = "" if rep.worst_round is None else str(rep.worst_round)
-        engine = "" if rep.engine_syncs is None else f"{sum(rep.engine_syncs) / max(1, rep.rounds):.2f}"
-        kinds = ", ".join(f"{k} {n}" for k, n in rep.kinds.items())
-        top = "; ".join(f"{n}× {s}" for s, n in list(rep.sites.items())[:sites])
-        print(f"  {label:<22} {rep.rounds:>6} {rep.total:>6} {rep.per_round:>7.2f} {worst:>5} {engine:>7}  "
+    for r in rows:
+        worst = "" if r["worst_round"] is None else str(r["worst_round"])
+        engine = "" if r["engine_per_round"] is None else f"{r['engine_per_round']:.2f}"
+        kinds = ", ".join(f"{k} {n}" for k, n in r["kinds"].items())
+        top = "; ".join(f"{n}× {s}" for s, n in list(r["sites"].items())[:sites])
+        print(f"  {r['row']:<22} {r['rounds']:>6} {r['total']:>6} {r['per_round']:>7.2f} {worst:>5} {engine:>7}  "
               f"{kinds}; {top}")
 
 
@@ -384,7 +395,8 @@ def print_syncs(rows: list[tuple[str, SyncReport]], sites: int = 3) -> None:
 def config_syncs(cfg, load, prompt_ids: list[list[int]]) -> SyncReport:
     """A run config's method and decoding (cfg.method, its generation settings, cfg.max_new_tokens) on these prompts
     (token ids), under count_syncs, untimed; a calibrated cost model is measured as a run measures it (or read from
-    the run's directory). load: () → (Loaded, LayerStack), as runner.run takes it."""
+    the run's directory). load: () → (Loaded, LayerStack), as runner.run takes it (None: the config's model loaded
+    here)."""
     from hydra.utils import instantiate
     from omegaconf import OmegaConf
 
@@ -393,7 +405,12 @@ def config_syncs(cfg, load, prompt_ids: list[list[int]]) -> SyncReport:
     from del_bench.records import RunDir
     from del_bench.runner import eos_ids
 
-    loaded, stack = load()
+    if load is None:  # as the runner: the model of the run's config, on its layer loop
+        from del_bench.runner import load_model
+
+        loaded, stack = load_model(cfg.model, cfg.layers)
+    else:
+        loaded, stack = load()
     method = instantiate(cfg.method)
     if method.wants_costs:
         costs = RunDir(cfg.out_dir).costs() if cfg.get("out_dir") else None
@@ -411,3 +428,10 @@ def run_syncs(cfg, load, prompts: int = 2) -> SyncReport:
 
     records = RunDir(cfg.out_dir).finished()[:prompts]
     return config_syncs(cfg, load, [r["prompt_ids"] for r in records])
+
+
+def bench_syncs(rows, prompts: int = 2) -> list[dict]:
+    """bench-engine's host-sync rows, after its timed runs: for each finished bench row (a `label`, its run's `cfg`,
+    its `load`), run_syncs on its first `prompts` prompts → SyncReport.as_dict() with its "row" label (print_syncs
+    prints them; the result file keeps them)."""
+    return [{"row": r.label, **run_syncs(r.cfg, r.load, prompts).as_dict()} for r in rows]
