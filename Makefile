@@ -14,7 +14,7 @@ export HF_DATASETS_OFFLINE ?= 1
 export TRANSFORMERS_NO_ADVISORY_WARNINGS ?= 1
 
 .DEFAULT_GOAL := help
-.PHONY: help setup constraints bench-gpu demo test lint tables figures bench-peer bench-parts bench-engine bench-compile bench-controller bench-memory bench-del bench-testbed bench-swift bench-adapters bench-sandbox exits smoke-tasks testbed clean
+.PHONY: help setup constraints bench bench-gpu demo test lint tables figures bench-peer bench-parts bench-engine bench-compile bench-controller bench-memory bench-del bench-testbed bench-swift bench-adapters bench-half-lossless bench-sandbox exits smoke-tasks testbed clean
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -49,7 +49,7 @@ demo: setup ## the main job: HumanEval, Vanilla vs DEL (del_cpu) on SmolLM2-135M
 
 test: setup ## ruff, then the test suite (tiny float64 models, offline; a few minutes)
 	$(VENV)/bin/ruff check del_bench tests scripts
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not slow"
 
 lint: setup ## ruff
 	$(VENV)/bin/ruff check del_bench tests scripts
@@ -63,41 +63,46 @@ tables: setup ## Tables 1-6 (Markdown + LaTeX) from the reference records (resul
 figures: setup ## the paper's figures from the reference records → results/figures (PNG + PDF)
 	$(PY) -m del_bench report --figures-only
 
-bench-peer: setup ## our Vanilla/LS vs HF generate and assistant_early_exit on SmolLM2 → $(RECORDS)/bench/peer.json
-	$(PY) scripts/bench_peer.py --out $(RECORDS)/bench/peer.json
+bench: setup ## list the benchmarks (python -m del_bench bench NAME --help: a bench's options; the bench-* targets run them)
+	$(PY) -m del_bench bench
+
+bench-peer: setup ## our Vanilla/LS vs HF generate and assistant_early_exit (peers as rows, with records) on SmolLM2 → $(RECORDS)/bench/peer.json
+	$(PY) -m del_bench bench peer --root $(RECORDS)/bench/peer_runs --out $(RECORDS)/bench/peer.json
 
 # bench-gpu runs in your CUDA environment's python (README "GPU": del-bench installed there, its torch kept), not in
 # .venv's CPU stack: GPU_PYTHON=/path/to/python to choose it, BENCH_GPU_ARGS="--layers 4 …" for other shapes.
 GPU_PYTHON ?= python3
 bench-gpu: ## Llama-2-7B-shaped random bf16 model on a GPU: our Vanilla/LS/DEL vs HF generate and assistant_early_exit, tok/s, HBM roofline, peak memory → $(RECORDS)/bench/gpu.json
-	$(GPU_PYTHON) scripts/bench_gpu.py $(BENCH_GPU_ARGS) --out $(RECORDS)/bench/gpu.json
+	$(GPU_PYTHON) -m del_bench bench gpu $(BENCH_GPU_ARGS) --root $(RECORDS)/bench/gpu_runs --out $(RECORDS)/bench/gpu.json
 
 bench-parts: setup ## per-part costs of a token on SmolLM2 (HF forward vs our eager and fused layer loops, LM-head products)
-	$(PY) scripts/bench_engine_parts.py
+	$(PY) -m del_bench bench parts --out $(RECORDS)/bench/parts.json
 
 bench-engine: setup ## eager vs fused layer loop: tok/s, measured ÷ predicted speedup, DEL's controller share, Vanilla vs the memory-bandwidth floor and vs its GEMVs alone; SmolLM2 + testbed (~20 min; QUICK=1: a few; METHODS=clasp,knapspec,del_knapspec: more rows) → $(RECORDS)/bench/engine.json
-	$(PY) scripts/bench_engine.py $(if $(QUICK),--quick) $(if $(METHODS),--methods $(METHODS)) --root $(RECORDS)/bench/engine_runs --out $(RECORDS)/bench/engine.json
+	$(PY) -m del_bench bench engine $(if $(QUICK),--quick) $(if $(METHODS),--methods $(METHODS)) --root $(RECORDS)/bench/engine_runs --out $(RECORDS)/bench/engine.json
 
 bench-compile: setup ## torch.compile (inductor) vs the eager and fused layer loops, one decode token, per-layer and whole-stack graphs (compile time apart)
-	$(PY) scripts/bench_compile.py
+	$(PY) -m del_bench bench compile --out $(RECORDS)/bench/compile.json
 
 bench-controller: setup ## DEL's shadow-token cost and the restricted-vocabulary approximation → $(RECORDS)/bench/controller.json
-	$(PY) scripts/bench_controller.py --prompts 6 --max-new-tokens 96 --out $(RECORDS)/bench/controller.json
+	$(PY) -m del_bench bench controller --limit 6 --max-new-tokens 96 --root $(RECORDS)/bench/controller_runs \
+	  --out $(RECORDS)/bench/controller.json
 
 bench-memory: setup ## DEL's peak memory over Vanilla's on a 2048-token prompt (SmolLM2) against the state it keeps → $(RECORDS)/bench/memory.json
-	$(PY) scripts/bench_memory.py --model smollm2-135m --prompt-tokens 2048 --json $(RECORDS)/bench/memory.json
+	$(PY) -m del_bench bench memory --model smollm2-135m --prompt-tokens 2048 --root $(RECORDS)/bench/memory_runs \
+	  --out $(RECORDS)/bench/memory.json
 
 bench-del: setup ## DEL + ablations vs Vanilla and grid-searched LS/FS/DV on SmolLM2 (~20 min) → $(RECORDS)/bench/del.json
-	$(PY) scripts/bench_del.py --root $(RECORDS)/bench/del_runs --out $(RECORDS)/bench/del.json --limit 4 --max-new-tokens 96 --del-methods del,del_cpu,del_e,del_gamma,del_e_lim \
+	$(PY) -m del_bench bench del --root $(RECORDS)/bench/del_runs --out $(RECORDS)/bench/del.json --limit 4 --max-new-tokens 96 --del-methods del,del_cpu,del_e,del_gamma,del_e_lim \
 	  --del-overrides method.cost_model=measured method.shadow_vocab=1024
 
-bench-testbed: setup ## the paper's picture on the LayerSkip testbed: DEL vs grid-searched LS/FS/DV → $(RECORDS)/bench/testbed.json
-	$(PY) scripts/bench_del.py --model testbed --tasks humaneval,code --limit 8 --max-new-tokens 128 \
-	  --grid 1:2,1:4,2:2,2:4,2:6,3:4,3:6,4:4,4:6,6:6 --del-methods del,del_cpu,del_e,del_gamma,del_e_lim \
+bench-testbed: setup ## the paper's picture on the LayerSkip testbed: DEL vs LS over its calibration grid, FS, DV → $(RECORDS)/bench/testbed.json
+	$(PY) -m del_bench bench del --model testbed --tasks humaneval,code --limit 8 --max-new-tokens 128 \
+	  --del-methods del,del_cpu,del_e,del_gamma,del_e_lim \
 	  --root $(RECORDS)/bench/testbed_runs --out $(RECORDS)/bench/testbed.json --experiment bench-testbed
 
 bench-swift: setup ## SWIFT (searched, then its found set fixed) vs Vanilla, LS best, DEL on SmolLM2 and the testbed (~20 min) → $(RECORDS)/bench/swift.json
-	$(PY) scripts/bench_swift.py --models smollm2-135m:0.2,testbed:0.45 --limit 4 --max-new-tokens 96 \
+	$(PY) -m del_bench bench swift --models smollm2-135m:0.2,testbed:0.45 --limit 4 --max-new-tokens 96 \
 	  --swift-overrides method.bo_polish=false --root $(RECORDS)/bench/swift_runs --out $(RECORDS)/bench/swift.json
 
 EXITS := $(RECORDS)/exits
@@ -106,13 +111,16 @@ exits: setup ## exit adapters for SmolLM2: HumanEval problems 0..99 and GSM8K's 
 	$(PY) -m del_bench train-exits model=smollm2-135m task=gsm8k new_tokens=64 out_dir=$(EXITS)/smollm2-135m-gsm8k
 
 bench-adapters: setup ## own head vs exit adapters (make exits first): Vanilla, LS, DEL, AdaDecode on HumanEval 100+ and GSM8K (~30 min) → $(RECORDS)/bench/adapters_*.json
-	$(PY) scripts/bench_adapters.py --adapters $(EXITS)/smollm2-135m-humaneval --task humaneval --limit 10 --max-new-tokens 128 \
+	$(PY) -m del_bench bench adapters --adapters $(EXITS)/smollm2-135m-humaneval --task humaneval --limit 10 --max-new-tokens 128 \
 	  --root $(RECORDS)/bench/adapters_runs --out $(RECORDS)/bench/adapters_humaneval.json
-	$(PY) scripts/bench_adapters.py --adapters $(EXITS)/smollm2-135m-gsm8k --task gsm8k --limit 10 --max-new-tokens 128 \
+	$(PY) -m del_bench bench adapters --adapters $(EXITS)/smollm2-135m-gsm8k --task gsm8k --limit 10 --max-new-tokens 128 \
 	  --root $(RECORDS)/bench/adapters_runs --out $(RECORDS)/bench/adapters_gsm8k.json
 
+bench-half-lossless: setup ## lossless in bf16: every method's greedy output on the testbed vs generate's and our Vanilla's → $(RECORDS)/bench/half_lossless.json
+	$(PY) -m del_bench bench half-lossless --out $(RECORDS)/bench/half_lossless.json
+
 bench-sandbox: setup ## HumanEval scoring in the sandbox vs check_correctness: overhead, 164 canonical, committed runs rescored → $(RECORDS)/bench/sandbox.json
-	$(PY) scripts/bench_sandbox.py --out $(RECORDS)/bench/sandbox.json
+	$(PY) -m del_bench bench sandbox --out $(RECORDS)/bench/sandbox.json
 
 smoke-tasks: setup ## every paper task offline on SmolLM2, limit=2 (data from ../shared/data)
 	scripts/smoke_tasks.sh smollm2-135m

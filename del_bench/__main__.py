@@ -1,4 +1,4 @@
-"""python -m del_bench {run,calibrate,ls,show,report,train-layerskip,export} …
+"""python -m del_bench {run,calibrate,ls,show,report,train-layerskip,export,train-exits,bench} …
 
   run  [-m] model=M task=T method=X [key=value …]   decode and write records (Hydra; -m sweeps)
   calibrate [-m] model=M task=T [grid.exit_layers=[…] grid.gammas=[…]]
@@ -12,6 +12,7 @@
                                                     a run as Spec-Bench answers (its evaluation/speed.py reads them)
   train-exits model=M out_dir=D [task=T] [layers=[…]]
                                                     exit adapters for a frozen model (configs/train/exits.yaml)
+  bench [NAME [ARGS …]]                             the benchmarks (bare: list them; NAME --help: its arguments)
 """
 
 from __future__ import annotations
@@ -242,8 +243,15 @@ def cmd_train_exits(argv: list[str]) -> int:
                           lambda cfg, out: f"exit adapters: {out} (use: model.exit_adapters={out})")
 
 
+def cmd_bench(argv: list[str]) -> int:
+    from del_bench.bench import main
+
+    return main(argv)
+
+
 COMMANDS = {"run": cmd_run, "calibrate": cmd_calibrate, "ls": cmd_ls, "show": cmd_show, "report": cmd_report,
-            "train-layerskip": cmd_train_layerskip, "export": cmd_export, "train-exits": cmd_train_exits}
+            "train-layerskip": cmd_train_layerskip, "export": cmd_export, "train-exits": cmd_train_exits,
+            "bench": cmd_bench}
 
 
 def main() -> int:

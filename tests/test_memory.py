@@ -20,12 +20,13 @@ SLACK = 512 * 1024  # RSS pages and small heap blocks; keeping every prompt posi
 
 
 def test_dels_peak_over_vanillas_is_the_state_it_keeps(tmp_path):
-    """scripts/bench_memory.py (a 1024-token prompt, D = 256, float64): DEL's peak RSS minus Vanilla's stays within
+    """`bench memory` (a 1024-token prompt, D = 256, float64): DEL's peak RSS minus Vanilla's stays within
     its kept state ((L − 1)·w·D·8 B = 192 KiB) plus SLACK; holding every position of L − 1 layers (6 MiB) fails."""
     out = tmp_path / "memory.json"
-    subprocess.run([sys.executable, "scripts/bench_memory.py", "--model", "tiny-random", "--prompt-tokens", "1024",
-                    "--new-tokens", "4", "--reps", "2", "--layers", "eager", "--json", str(out),
-                    "--set", "hidden_size=256", "intermediate_size=512"], cwd=REPO, check=True, capture_output=True)
+    subprocess.run([sys.executable, "-m", "del_bench", "bench", "memory", "--model", "tiny-random", "--prompt-tokens",
+                    "1024", "--new-tokens", "4", "--reps", "2", "--out", str(out), "--root", str(tmp_path / "runs"),
+                    "--set", "layers=eager", "threads=1", "--model-set", "hidden_size=256", "intermediate_size=512"],
+                   cwd=REPO, check=True, capture_output=True)
     result = json.loads(out.read_text())
     if not result["measure"].startswith("cpu peak RSS (VmHWM)"):
         pytest.skip(f"no resettable peak RSS here: {result['measure']}")

@@ -1,107 +1,186 @@
-"""Every bench script runs once, end to end, on the tiny random model (configs/model/tiny-random.yaml) with the
-smallest sizes it takes, so a script that a change elsewhere broke (a TypeError in a bench script once went unnoticed
-until a manual run) fails the suite. Each runs in this process through its `__main__` (runpy: the imports are
-already warm); its figures are not checked, only that it runs to the end and writes what it says it writes."""
+"""Every bench (`python -m del_bench bench NAME`) runs once, end to end, on the tiny random model
+(configs/model/tiny-random.yaml) at the smallest sizes it takes, so a bench a change elsewhere broke fails the
+suite; so do the tools left in scripts/. The benches run in this process (the imports are already warm). Beyond
+running: what a bench prints is recomputable from the records it wrote, and a peer row (transformers decoding) is a
+run like ours — its records pair with our Vanilla and hold the work its hooks counted."""
 
 from __future__ import annotations
 
 import json
+import re
 import runpy
+import statistics
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from del_bench import runner
+from del_bench import bench, runner
+from del_bench.bench.peers import cut
+from del_bench.records import read_jsonl
 from tests.conftest import compose_run
 from tests.test_exit_adapters import random_adapters
 
-SCRIPTS_DIR = Path(__file__).resolve().parent.parent / "scripts"
+REPO = Path(__file__).resolve().parent.parent
 TINY = "tiny-random"
-# script: (its arguments, the file it writes); {tmp} is the test's temporary directory
-SCRIPTS = {
-    "bench_adapters.py": (["--adapters", "{tmp}/adapters", "--model", TINY, "--limit", "1", "--max-new-tokens", "8",
-                           "--methods", "vanilla,ls", "--root", "{tmp}/runs", "--out", "{tmp}/out.json"],
-                          "out.json"),
-    "bench_compile.py": (["--models", TINY, "--context", "8", "--reps", "1", "--threads", "1", "--backend", "eager"],
-                         None),
-    "bench_controller.py": (["--model", TINY, "--prompts", "1", "--max-new-tokens", "8", "--vocab", "64",
-                             "--threads", "1", "--every", "2", "--out", "{tmp}/out.json"], "out.json"),
-    "bench_del.py": (["--model", TINY, "--tasks", "humaneval", "--limit", "1", "--max-new-tokens", "8",
-                      "--grid", "1:2", "--del-methods", "del_cpu", "--root", "{tmp}/runs",
-                      "--out", "{tmp}/out.json"], "out.json"),
-    "bench_engine.py": (["--models", TINY, "--limit", "1", "--max-new-tokens", "8", "--probe-mb", "1",
-                         "--threads", "1", "--layers", "eager", "--root", "{tmp}/runs", "--out", "{tmp}/out.json"],
-                        "out.json"),
-    "bench_engine_parts.py": (["--model", TINY, "--context", "8", "--threads", "1"], None),
-    "bench_peer.py": (["--model", TINY, "--prompts", "1", "--max-new-tokens", "8", "--configs", "1:2",
-                       "--threads", "1", "--out", "{tmp}/out.json"], "out.json"),
-    "bench_sandbox.py": (["--trivial", "1", "--workers", "1", "--problems", "2", "--skip-rescore",
-                          "--out", "{tmp}/out.json"], "out.json"),
-    "bench_swift.py": (["--models", f"{TINY}:0.5", "--tasks", "humaneval", "--limit", "1", "--max-new-tokens", "8",
-                        "--grid", "1:2", "--root", "{tmp}/runs", "--out", "{tmp}/out.json"], "out.json"),
-    "check_half_lossless.py": (["--model", TINY, "--dtype", "bfloat16", "--prompts", "1", "--max-new-tokens", "8",
-                                "--layers", "eager", "--out", "{tmp}/out.json"], "out.json"),
-    "specbench_speed.py": (["{tmp}/method.jsonl", "{tmp}/baseline.jsonl"], None),
-    "tag_experiments.py": (["smoke", "--records-root", "{tmp}/records"], None),
+RUNS = ["--root", "{tmp}/runs", "--set", "layers=eager", "threads=1", "warmup_tokens=2"]  # eager: no fused build
+# bench: its arguments beyond --out; {tmp} is the test's temporary directory
+BENCHES = {
+    "adapters": ["--adapters", "{tmp}/adapters", "--model", TINY, "--limit", "1", "--max-new-tokens", "8",
+                 "--methods", "vanilla,ls", *RUNS],
+    "compile": ["--models", TINY, "--context", "8", "--reps", "1", "--threads", "1", "--backend", "eager",
+                "--no-fused"],
+    "controller": ["--model", TINY, "--limit", "1", "--max-new-tokens", "8", "--vocab", "64", "--every", "2", *RUNS],
+    "del": ["--model", TINY, "--tasks", "humaneval", "--limit", "2", "--max-new-tokens", "8", "--grid", "1:2",
+            "--del-methods", "del_cpu", *RUNS],
+    "engine": ["--models", TINY, "--limit", "1", "--max-new-tokens", "8", "--probe-mb", "1", "--layers", "eager",
+               "--root", "{tmp}/runs", "--set", "threads=1", "warmup_tokens=2"],
+    "half-lossless": ["--model", TINY, "--dtype", "bfloat16", "--prompts", "1", "--max-new-tokens", "8",
+                      "--layers", "eager"],
+    "parts": ["--model", TINY, "--context", "8", "--threads", "1", "--reps", "1", "--loops", "eager"],
+    "peer": ["--model", TINY, "--limit", "2", "--max-new-tokens", "8", "--configs", "1:2", *RUNS],
+    "sandbox": ["--trivial", "1", "--workers", "1", "--problems", "2", "--skip-rescore"],
+    "specbench-speed": ["{tmp}/method.jsonl", "{tmp}/baseline.jsonl"],
+    "swift": ["--models", f"{TINY}:0.5", "--tasks", "humaneval", "--limit", "1", "--max-new-tokens", "8",
+              "--grid", "1:2", *RUNS],
 }
-NOT_HERE = {  # scripts in scripts/ that this file does not run, and why
-    "bench_gpu.py": "tests/test_bench_gpu.py",
-    "bench_memory.py": "tests/test_memory.py (in a subprocess: it sets the process's malloc for measuring)",
-    "freeze_constraints.py": "writes constraints.txt from the environment",
+NOT_HERE = {  # benches this file does not run, and why
+    "gpu": "tests/test_bench_gpu.py",
+    "memory": "tests/test_memory.py (in a subprocess: it sets the process's malloc for measuring)",
 }
+SCRIPTS = {"tag_experiments.py": ["smoke", "--records-root", "{tmp}/records"]}
+SCRIPTS_NOT_HERE = {"freeze_constraints.py": "writes constraints.txt from the environment"}
 
 
-def run_script(name: str, args: list[str], monkeypatch) -> None:
-    """scripts/<name> as `python scripts/<name> ARGS` would run it, in this process; the torch thread count and
-    sys.path (a script may put scripts/ on it) are restored after."""
-    monkeypatch.setattr(sys, "argv", [str(SCRIPTS_DIR / name), *args])
-    monkeypatch.setattr(sys, "path", list(sys.path))
+def run_bench(name: str, tmp: Path) -> dict:
+    """`python -m del_bench bench NAME ARGS --out tmp/out.json` in this process (torch's threads restored after);
+    → the result file."""
     threads = torch.get_num_threads()
     try:
-        runpy.run_path(str(SCRIPTS_DIR / name), run_name="__main__")
-    except SystemExit as done:
-        assert done.code in (0, None), f"{name} exited with {done.code}"
+        assert bench.main([name, *(a.format(tmp=tmp) for a in BENCHES[name]), "--out", str(tmp / "out.json")]) == 0
     finally:
         torch.set_num_threads(threads)
+    return json.loads((tmp / "out.json").read_text())
 
 
-def prepare(name: str, tmp) -> None:
-    """What a script reads, made here: exit adapters, Spec-Bench answer files, a finished run to tag."""
-    if name == "bench_adapters.py":
+def prepare(name: str, tmp: Path) -> None:
+    """What a bench reads, made here: exit adapters, Spec-Bench answer files."""
+    if name == "adapters":
         agreement = {"agreement": [0.3, 0.5, 0.7]}
         random_adapters(64).save(tmp / "adapters", {"model": {"name": TINY, "num_layers": 4}, "layers": [1, 2, 3],
                                                     "agreement": {"own_head": agreement, "final": agreement}})
-    elif name == "specbench_speed.py":
+    elif name == "specbench-speed":
         for file, seconds in (("method.jsonl", 1.0), ("baseline.jsonl", 2.0)):
             answers = [{"question_id": i, "category": category, "choices": [
                 {"index": 0, "turns": ["an answer"], "new_tokens": [8], "wall_time": [seconds],
                  "accept_lengths": [2, 3, 3]}]} for i, category in enumerate(("writing", "translation"))]
             (tmp / file).write_text("".join(json.dumps(a) + "\n" for a in answers))
-    elif name == "tag_experiments.py":  # the smoke sweep's run, made without its experiment name
-        cfg = compose_run("experiment=smoke", f"records_root={tmp / 'records'}", "experiment_name=null", "threads=1",
-                          "warmup_tokens=0")
-        runner.run(cfg)
-        (tmp / "run_dir").write_text(cfg.out_dir)
 
 
-def test_every_script_is_run_here():
-    scripts = {p.name for p in SCRIPTS_DIR.glob("*.py")}
-    assert scripts - set(NOT_HERE) == set(SCRIPTS)
+def samples(out_dir: str) -> list[dict]:
+    return read_jsonl(Path(out_dir) / "samples.jsonl")
+
+
+def mean_speed(out_dir: str) -> float:
+    """tok/s of a run recomputed from its samples with json alone: generated tokens ÷ wall seconds, mean over them."""
+    return statistics.fmean(s["generated_tokens"] / s["wall_s"] for s in samples(out_dir))
+
+
+def test_every_bench_is_run_here_and_listed():
+    assert set(bench.BENCHES) == set(BENCHES) | set(NOT_HERE)
+    modules = {p.stem for p in (REPO / "del_bench" / "bench").glob("*.py")} - {"__init__", "harness", "peers"}
+    assert modules == set(bench.BENCHES.values())  # no bench module outside the listing
+    listing = bench.listing().splitlines()
+    assert [line.split()[0] for line in listing] == list(bench.BENCHES)
+    assert all(len(line.split()) > 3 for line in listing)  # each with its line
+
+
+def test_no_bench_script_is_left_and_make_calls_the_benches():
+    assert {p.name for p in (REPO / "scripts").iterdir()} == {*SCRIPTS, *SCRIPTS_NOT_HERE, "smoke_tasks.sh"}
+    makefile = (REPO / "Makefile").read_text()
+    called = set(re.findall(r"^\t.*-m del_bench bench ([\w-]+)", makefile, re.M))  # in recipes
+    assert called == set(bench.BENCHES) - {"specbench-speed"}  # it compares two answer files you exported
+    assert "scripts/bench_" not in makefile + (REPO / "README.md").read_text()
+
+
+def test_no_sys_path_edits_in_the_repo():
+    edits = [str(p) for d in ("del_bench", "scripts", "tests") for p in (REPO / d).rglob("*.py")
+             if re.search(r"sys\.path\.(insert|append)|sys\.path\s*=|sys\.path\s*\+=", p.read_text())]
+    assert edits == []
+
+
+@pytest.mark.parametrize("name", sorted(BENCHES))
+def test_bench_runs_on_the_tiny_model(name, tmp_path, capsys):
+    prepare(name, tmp_path)
+    result = run_bench(name, tmp_path)
+    out = capsys.readouterr().out
+    assert result["bench"] == name and result["provenance"]
+    if name == "specbench-speed":  # method 8 tokens/s, baseline 4: speedup 2 on every selection it has
+        assert "2.0000" in out and "(no questions)" in out
+    if name in ("del", "peer"):
+        check_recomputable(result["rows"], out)
+        check_interleaved(result["rows"], limit=2)
+    if name == "peer":
+        check_peer_records(result["rows"])
+
+
+def check_recomputable(rows: list[dict], printed: str) -> None:
+    """Every row's tok/s and speedup, as printed, from the run directories it names (samples.jsonl and each run's
+    Vanilla partner: the same model, task, prompts and length, method vanilla) with json alone."""
+    vanilla = [r["out_dir"] for r in rows if r["method"] == "vanilla"]
+    for r in rows:
+        speed = mean_speed(r["out_dir"])
+        assert r["tokens_per_s"] == pytest.approx(speed, rel=1e-9)
+        speedup = speed / statistics.fmean(map(mean_speed, vanilla))  # one model × task × length here
+        assert r["speedup"] == pytest.approx(speedup, rel=1e-9)
+        assert re.search(rf"{re.escape(r['row'])}\s+{speed:.2f}\s+{speedup:.2f}x", printed), r["row"]
+
+
+def check_interleaved(rows: list[dict], limit: int) -> None:
+    """Rows grown one prompt at a time across all rows: every run was decoded in `limit` sessions of one prompt each
+    (setup.jsonl: a line per session, with the samples finished before it)."""
+    for r in rows:
+        sessions = read_jsonl(Path(r["out_dir"]) / "setup.jsonl")
+        assert [line["samples_before"] for line in sessions] == list(range(limit)), r["row"]
+
+
+def check_peer_records(rows: list[dict]) -> None:
+    """A peer's records hold what its hooks counted: generate runs all L layers and one head row per token; the
+    early-exit assistant drafts; every greedy output equals generate's (float64); peers pair with our Vanilla."""
+    by_method = {r["method"]: r for r in rows}
+    assert set(by_method) == {"vanilla", "hf_generate", "hf_forward_loop", "ls", "hf_assistant_early_exit"}
+    for name in ("hf_generate", "hf_forward_loop"):
+        for s in samples(by_method[name]["out_dir"]):
+            assert s["loaded_layers"] == 4 * s["generated_tokens"] and s["head_calls"] == s["generated_tokens"]
+            assert s["drafted"] == s["accepted"] == 0 and s["rounds"] == 0
+    for s in samples(by_method["hf_assistant_early_exit"]["out_dir"]):  # E = 1 of L = 4 layers
+        targets = s["generated_tokens"] - s["accepted"]  # verification passes: each emits its accepted drafts + 1
+        assert s["drafted"] > 0 and s["loaded_layers"] == s["drafted"] + 4 * targets
+        assert s["head_calls"] == 2 * s["drafted"] + targets  # a row per draft, then one per verified position
+    assert all(r["equal_generate"] == "2/2" and r["speedup"] is not None for r in rows)
+    summary = json.loads((Path(by_method["hf_generate"]["out_dir"]) / "summary.json").read_text())
+    assert summary["run_key"]["method"] == "hf_generate" and summary["method_tag"] == "hf-generate"
+
+
+def test_a_peer_output_ends_as_ours():
+    """Through the first EOS, or the token that completes a stop string (assisted generation may run past both)."""
+    assert cut([5, 9, 2, 7, 2], {2}, None) == [5, 9, 2]
+    assert cut([5, 9, 7, 8], {2}, lambda ids: ids[-2:] == [9, 7]) == [5, 9, 7]
+    assert cut([5, 9], {2}, lambda ids: False) == [5, 9]
 
 
 @pytest.mark.parametrize("name", sorted(SCRIPTS))
-def test_script_runs_on_the_tiny_model(name, tmp_path, monkeypatch, capsys):
-    args, writes = SCRIPTS[name]
-    prepare(name, tmp_path)
-    run_script(name, [a.format(tmp=tmp_path) for a in args], monkeypatch)
-    out = capsys.readouterr().out
-    if writes:
-        assert json.loads((tmp_path / writes).read_text())
-    if name == "specbench_speed.py":  # method 8 tokens/s, baseline 4: speedup 2 on every selection it has
-        assert "2.0000" in out and "(no questions)" in out
-    if name == "tag_experiments.py":
-        assert "smoke: 1 jobs, 1 finished runs tagged, 0 not composable here" in out
-        summary = json.loads((Path((tmp_path / "run_dir").read_text()) / "summary.json").read_text())
-        assert summary["run_key"]["experiments"] == ["smoke"]
+def test_script_runs(name, tmp_path, monkeypatch, capsys):
+    """scripts/<name> as `python scripts/<name> ARGS` would run it, in this process."""
+    cfg = compose_run("experiment=smoke", f"records_root={tmp_path / 'records'}", "experiment_name=null",
+                      "threads=1", "warmup_tokens=0")  # the smoke sweep's run, made without its experiment name
+    runner.run(cfg)
+    monkeypatch.setattr(sys, "argv", [name, *(a.format(tmp=tmp_path) for a in SCRIPTS[name])])
+    try:
+        runpy.run_path(str(REPO / "scripts" / name), run_name="__main__")
+    except SystemExit as done:
+        assert done.code in (0, None), f"{name} exited with {done.code}"
+    assert "smoke: 1 jobs, 1 finished runs tagged, 0 not composable here" in capsys.readouterr().out
+    summary = json.loads((Path(cfg.out_dir) / "summary.json").read_text())
+    assert summary["run_key"]["experiments"] == ["smoke"]

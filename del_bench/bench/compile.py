@@ -1,38 +1,39 @@
-"""Can torch.compile (inductor; C++ on CPU) beat the eager layer loop on this machine? One decode token (T = 1)
-through all layers at a fixed context, three ways, on the model's own weights and KV cache:
+"""torch.compile vs our layer loops at one decode token: per-layer and whole-stack graphs (micro-benchmark).
 
+One decode token (T = 1) through all layers at a fixed context, on the model's own weights and KV cache:
 - eager: LayerStack.forward_layers — the engine's Python loop and the reference (and, for comparison, the fused C++
   loop the engine uses by default, layers=auto: del_bench/models/fused.py);
 - per-layer graph: one compiled function for a decoder layer, its weights and cache passed as inputs, positions
-  dynamic: recompilation is bounded (one graph per batch width T: 1 for drafting, d + 1 ≤ d_max + 1 for
-  verification), so any exit layer E reuses it;
+  dynamic: recompilation is bounded (one graph per batch width T), so any exit layer E reuses it;
 - whole-stack graph: all L layers in one compiled function (what gpt-fast compiles): the most fusion, but one graph
   per layer range [a, b) × T — draft [0, E) and verify [E, L) for every E that DEL may choose.
-
 Prints median ms per token, the compile time apart (first call, then new positions: recompiles), and how far the
-compiled logits are from eager (float32: not bit for bit; the argmax is compared). Noisy on a shared machine: run
-it alone.
-
-    python scripts/bench_compile.py [--models testbed,smollm2-135m] [--context 150] [--reps 20] [--threads 2]
-                                    [--backend inductor]
+compiled logits are from eager (float32: not bit for bit; the argmax is compared); the result file keeps the raw
+seconds. Noisy on a shared machine: run it alone.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_engine_parts import ms  # noqa: E402 (median ms after a warm-up)
+from del_bench.bench import harness as h
+from del_bench.models import fused, loading
+from del_bench.models.layer_stack import LayerStack, _linear, rms_norm
 
-from del_bench.config import load_choice  # noqa: E402
-from del_bench.models import fused, loading  # noqa: E402
-from del_bench.models.layer_stack import LayerStack, _linear, rms_norm  # noqa: E402
+
+def parse(argv):
+    ap = h.parser("compile", __doc__, runs=False)
+    ap.add_argument("--models", default="testbed,smollm2-135m")
+    ap.add_argument("--context", type=int, default=150)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--backend", default="inductor", help="torch.compile backend (eager: tracing only, no codegen)")
+    ap.add_argument("--fused", action=argparse.BooleanOptionalAction, default=True, help="also time the fused loop")
+    return ap.parse_args(argv)
 
 
 def layer_fn(stack: LayerStack):
@@ -72,21 +73,23 @@ def all_layers(stack: LayerStack, cache, layer):
 
 
 @torch.inference_mode()
-def bench(model: str, context: int, reps: int, backend: str = "inductor") -> None:
-    stack = LayerStack(loading.load(load_choice("model", model)).model)
-    L = stack.num_layers
+def bench(model: str, args) -> dict:
+    """Raw seconds of each way, the compile times and the compiled logits' distance from eager."""
+    stack = LayerStack(loading.load(h.model_config(model)).model)
+    L, context = stack.num_layers, args.context
     cache = stack.new_cache(context + 64)
     ids = torch.randint(100, min(1000, stack.vocab_size), (1, context))  # a tiny model's vocabulary is smaller
     stack.forward_layers(stack.embed(ids), 0, L, 0, cache)
     x = stack.embed(torch.tensor([[42]]))
     reference = stack.logits(stack.forward_layers(x, 0, L, context, cache))
-    eager = ms(lambda: stack.forward_layers(x, 0, L, context, cache), reps)
-    print(f"{model}: eager {eager:.2f} ms/token")
+    out = {"eager": h.timings(lambda: stack.forward_layers(x, 0, L, context, cache), args.reps)}
+    print(f"{model}: eager {h.median_ms(out['eager']):.2f} ms/token")
     # fullgraph: a graph break would silently measure something else
-    compiled = torch.compile(layer_fn(stack), dynamic=True, fullgraph=True, backend=backend)
+    compiled = torch.compile(layer_fn(stack), dynamic=True, fullgraph=True, backend=args.backend)
     per_layer = all_layers(stack, cache, compiled)
     torch._dynamo.reset()  # the whole-stack graph compiles from scratch, not from the per-layer one's caches
-    whole = torch.compile(all_layers(stack, cache, layer_fn(stack)), dynamic=True, fullgraph=True, backend=backend)
+    whole = torch.compile(all_layers(stack, cache, layer_fn(stack)), dynamic=True, fullgraph=True,
+                          backend=args.backend)
     for name, fn in (("per-layer graph", per_layer), ("whole-stack graph", whole)):
         t0 = time.perf_counter()
         logits = stack.logits(fn(x, context))
@@ -95,27 +98,22 @@ def bench(model: str, context: int, reps: int, backend: str = "inductor") -> Non
         for pos in (context + 1, context + 2, context + 17):  # new positions: recompiles, if any
             fn(x, pos)
         later = time.perf_counter() - t0
-        t = ms(lambda fn=fn: fn(x, context), reps)
-        same = bool(logits.argmax() == reference.argmax())
+        out[name] = h.timings(lambda fn=fn: fn(x, context), args.reps)
+        t, eager = h.median_ms(out[name]), h.median_ms(out["eager"])
+        out[f"{name}: compile s"], out[f"{name}: 3 new positions s"] = [first], [later]
         print(f"  {name:<18} {t:7.2f} ms/token ({t / eager:.2f}× eager); compile {first:.1f} s, 3 new positions "
-              f"{later:.1f} s; max |Δlogit| {(logits - reference).abs().max().item():.1e}, argmax equal: {same}")
-    print(f"  eager again        {ms(lambda: stack.forward_layers(x, 0, L, context, cache), reps):7.2f} ms/token")
-    stack.fused, _, _ = fused.choose(stack, "fused")  # the same stack and cache through the C++ loop
-    print(f"  fused loop (C++)   {ms(lambda: stack.forward_layers(x, 0, L, context, cache), reps):7.2f} ms/token")
+              f"{later:.1f} s; max |Δlogit| {(logits - reference).abs().max().item():.1e}, argmax equal: "
+              f"{bool(logits.argmax() == reference.argmax())}")
+    if args.fused:
+        stack.fused, _, _ = fused.choose(stack, "fused")  # the same stack and cache through the C++ loop
+        out["fused loop"] = h.timings(lambda: stack.forward_layers(x, 0, L, context, cache), args.reps)
+        print(f"  fused loop (C++)   {h.median_ms(out['fused loop']):7.2f} ms/token")
+    return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default="testbed,smollm2-135m")
-    ap.add_argument("--context", type=int, default=150)
-    ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--backend", default="inductor", help="torch.compile backend (eager: tracing only, no codegen)")
-    args = ap.parse_args()
+def main(argv: list[str]) -> int:
+    args = parse(argv)
     torch.set_num_threads(args.threads)
-    for model in args.models.split(","):
-        bench(model, args.context, args.reps, args.backend)
-
-
-if __name__ == "__main__":
-    main()
+    seconds = {model: bench(model, args) for model in args.models.split(",")}
+    h.write_result(args.out, "compile", vars(args), seconds=seconds)
+    return 0

@@ -1,0 +1,151 @@
+"""DEL's controller: its shadow-token cost (rows with records) and how often approximations change decisions.
+
+1. Agreement (no clock): DEL decodes with exact shadow tokens while a twin DEL is fed the same rounds through the
+   restricted head (shadow_vocab=K); per round the twins' plans (E, γ) and thresholds τ_E are compared. Likewise
+   `shadow_every: R` (--every): a twin folds the same shadow tokens in only every R rounds; per round the decisions
+   that act (the exit layer when either drafts, and whether it drafts) are compared. The result file keeps every
+   round's pair, so the fractions printed are recomputable from it.
+2. Cost: Vanilla, DEL as published, DEL with measured costs (exact shadow), with shadow_vocab=K, and `del_cpu`, as
+   runs with records, interleaved prompt by prompt (ctrl = policy time ÷ decode time, from rounds.jsonl).
+"""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+from del_bench.bench import harness as h
+from del_bench.engine.decode import Engine
+from del_bench.engine.sampling import Sampling
+from del_bench.methods.base import Shadow
+from del_bench.methods.dynamic_exit import DEL
+from del_bench.records import read_jsonl
+from del_bench.runner import eos_ids
+
+COLUMNS = ["row", "tok/s", "speedup", "eTPL", "α", "ctrl", ("= Vanilla", "equal_vanilla", "", 9)]
+
+
+def parse(argv):
+    ap = h.parser("controller", __doc__)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--task", default="humaneval")
+    ap.add_argument("--limit", type=int, default=3, help="prompts")
+    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--vocab", type=int, default=1024)
+    ap.add_argument("--every", default="2,4", help="shadow_every values whose decision agreement to measure")
+    return ap.parse_args(argv)
+
+
+class Twin(DEL):
+    """Exact DEL that also feeds a restricted-vocabulary copy; keeps both plans of every round."""
+
+    def __init__(self, stack, vocab: int, **kwargs):
+        super().__init__(**kwargs)
+        self.stack, self.twin, self.vocab, self.pairs = stack, DEL(shadow_vocab=vocab, **kwargs), vocab, []
+
+    def start(self, num_layers):
+        super().start(num_layers)
+        self.twin.start(num_layers)
+
+    def set_costs(self, **costs):
+        super().set_costs(**costs)
+        self.twin.set_costs(**costs)
+
+    def _approx(self, shadow: Shadow) -> Shadow:
+        L1, W, D = shadow.states.shape
+        tokens, conf = self.stack.shadow_tokens(shadow.states.reshape(-1, D), shadow.target.repeat(L1), self.vocab)
+        return Shadow(tokens.view(L1, W), conf.view(L1, W), shadow.target)
+
+    def _compare(self):
+        self.pairs.append({"plan": [self.exit_layer, self.gamma], "twin": [self.twin.exit_layer, self.twin.gamma],
+                           "tau_gap": abs(self.threshold - float(self.twin.tau[self.exit_layer - 1]))})
+
+    def observe_prefill(self, shadow):
+        super().observe_prefill(shadow)
+        self.twin.update(self._approx(shadow))
+        self._compare()
+
+    def observe(self, evidence):
+        super().observe(evidence)
+        if evidence.shadow is not None:
+            self.twin.update(self._approx(evidence.shadow))
+            self._compare()
+
+
+class Lagging(DEL):
+    """Exact DEL (it drives the decode) with a twin that folds the same shadow tokens in every R rounds only;
+    keeps both acting decisions (E when drafting, or no draft) of every round."""
+
+    def __init__(self, every: int, **kwargs):
+        super().__init__(**kwargs)
+        self.every, self.twin, self.pairs = every, DEL(**kwargs), []
+
+    def start(self, num_layers):
+        super().start(num_layers)
+        self.twin.start(num_layers)
+        self.pending = []
+
+    def set_costs(self, **costs):
+        super().set_costs(**costs)
+        self.twin.set_costs(**costs)
+
+    def observe_prefill(self, shadow):
+        super().observe_prefill(shadow)
+        self.twin.observe_prefill(shadow)
+
+    def observe(self, evidence):
+        super().observe(evidence)
+        self.pending.append(evidence.shadow)
+        if len(self.pending) >= self.every:
+            for shadow in self.pending:
+                self.twin.update(shadow)
+            self.pending = []
+        self.pairs.append({"plan": acting(self), "twin": acting(self.twin)})
+
+
+def acting(method: DEL) -> list:
+    """What a plan does under draft_budget=d_max: the exit layer if it drafts, else nothing."""
+    return [method.exit_layer if method.gamma else None, bool(method.gamma)]
+
+
+def agreement(args, load, prompts: list[list[int]]) -> dict:
+    """Every round's pair of decisions of each twin, decoding the prompts (untimed)."""
+    loaded, stack = load()
+    engine = Engine(stack, Sampling(), eos_ids(loaded.model, loaded.tokenizer))
+    costs = stack.measure_costs()
+    twins = {f"vocab {args.vocab}, cost_model={c}": Twin(stack, args.vocab, cost_model=c)
+             for c in ("layers", "measured")}
+    twins.update({f"shadow_every {r}": Lagging(int(r), cost_model="measured", shadow_vocab=args.vocab)
+                  for r in args.every.split(",") if r})
+    for twin in twins.values():
+        if twin.cost_model == "measured":
+            twin.set_costs(**costs)
+        for p in prompts:
+            engine.generate(p, twin, args.max_new_tokens, seed=0)
+    return {name: twin.pairs for name, twin in twins.items()}
+
+
+def main(argv: list[str]) -> int:
+    args = parse(argv)
+    base = [f"model={args.model}", f"task={args.task}", f"max_new_tokens={args.max_new_tokens}", *args.set]
+    load = h.shared_load(h.compose(*base))
+    measured = ["method=del", "method.cost_model=measured"]
+    rows = [h.row(label, args.root, args.experiment, *base, *overrides, load=load) for label, overrides in (
+        ("Vanilla", ["method=vanilla"]), ("DEL (paper: layer costs, exact shadow)", ["method=del"]),
+        ("DEL measured costs, exact shadow", measured),
+        (f"DEL measured costs, shadow_vocab={args.vocab}", [*measured, f"method.shadow_vocab={args.vocab}"]),
+        (f"del_cpu (shadow_vocab={args.vocab}, deferred)", ["method=del_cpu", f"method.shadow_vocab={args.vocab}"]))]
+    table = h.table(h.run_rows(rows, args.limit))
+    for r in table:
+        r["equal_vanilla"] = "{}/{}".format(*h.outputs_equal(r["out_dir"], table[0]["out_dir"]))
+    prompts = [s["prompt_ids"] for s in read_jsonl(Path(table[0]["out_dir"]) / "samples.jsonl")]
+    pairs = agreement(args, load, prompts)
+    print(f"\n{args.model}, {args.task}, {len(prompts)} prompts, {args.max_new_tokens} new tokens, greedy\n")
+    for name, rounds in pairs.items():
+        same = statistics.fmean(p["plan"] == p["twin"] for p in rounds) if rounds else None
+        gaps = [p["tau_gap"] for p in rounds if "tau_gap" in p]
+        print(f"{name}: the same decision as exact DEL in {h.fmt(same, '%')} of {len(rounds)} rounds"
+              + (f"; mean |Δτ_E| = {statistics.fmean(gaps):.4f}" if gaps else ""))
+    h.print_table(table, COLUMNS)
+    h.write_result(args.out, "controller", vars(args), rows=table, agreement=pairs)
+    return 0

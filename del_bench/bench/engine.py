@@ -1,0 +1,131 @@
+"""Engine efficiency per model and layer loop: measured ÷ predicted speedup, controller share, bandwidth floor.
+
+Per model (SmolLM2 and the testbed by default) and per decoder-layer loop (--layers: eager and fused, before and
+after), rows Vanilla, LS (the model config's E, γ: the testbed's is its best static point), DEL as published and
+`del_cpu` (and --methods as more rows), interleaved prompt by prompt with a memory-bandwidth probe before each
+prompt, so the drift of a shared machine hits every row and the floor alike. A row's speedup is against the Vanilla
+of its own loop (they pair: RunKey's machine names the loop).
+
+Columns from the records: tok/s, speedup, pred. (eTPL × L), meas/pred, ctrl (Round.policy_s ÷ decode time), ms/tok
+(decode time per emitted token, prefill excluded: rounds ≥ 1 of rounds.jsonl). Columns from the probe, a
+micro-benchmark whose raw timings the result file keeps (`probe_s`, `gemv_s`, per prompt): floor (Vanilla only:
+(bytes of weights one token reads ÷ the probe's GB/s) ÷ ms/tok, 1.0 = at the floor) and gemv (Vanilla only: a
+token's matrix products alone ÷ ms/tok). The probe streams a large [in, out] fp32 matrix with x @ W at one row;
+a Vanilla token reads every decoder layer's tensors, the final norm and the LM head.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+from del_bench.bench import harness as h
+from del_bench.models.layer_stack import _linear
+
+COLUMNS = ["row", "tok/s", "speedup", "pred.", "meas/pred", "ctrl", ("ms/tok", "decode_ms_per_token", ".2f", 7),
+           ("floor", "floor_fraction", ".2f", 6), ("gemv", "gemv_fraction", ".2f", 5)]
+
+
+def parse(argv):
+    ap = h.parser("engine", __doc__)
+    ap.add_argument("--models", default="smollm2-135m,testbed")
+    ap.add_argument("--task", default="humaneval")
+    ap.add_argument("--limit", type=int, default=6, help="prompts per row")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--probe-mb", type=int, default=512, help="size of the bandwidth probe's matrix")
+    ap.add_argument("--layers", default="eager,fused", help="layer loops to compare (each row runs under each)")
+    ap.add_argument("--methods", default="", help="more method configs as rows (e.g. clasp,knapspec,del_knapspec)")
+    ap.add_argument("--quick", action="store_true", help="2 prompts, 48 new tokens, 256 MB probe: a smoke test")
+    return ap.parse_args(argv)
+
+
+def rows_for(extra: list[str]) -> list[tuple[str, list[str]]]:
+    """(label, method overrides) of one model's rows; Vanilla first; LS at the model config's (E, γ)."""
+    return [("Vanilla", ["method=vanilla"]), ("LS", ["method=ls"]), ("DEL (paper)", ["method=del"]),
+            ("DEL del_cpu", ["method=del_cpu"]), *((name, [f"method={name}"]) for name in extra)]
+
+
+@torch.inference_mode()
+def probe_seconds(mb: int, reps: int = 5) -> tuple[int, list[float]]:
+    """(bytes, seconds of each pass) of x @ W for one row x [1, in] and W [in, out] fp32 of about `mb` MB."""
+    cols = 16384
+    w = torch.randn(mb * 2**20 // (4 * cols), cols)  # [in, out], contiguous: the engine's layout
+    x = torch.randn(1, w.shape[0])
+    return w.numel() * 4, h.timings(lambda: x @ w, reps, warmup=1)
+
+
+@torch.inference_mode()
+def gemv_seconds(stack, reps: int = 5) -> list[float]:
+    """Seconds of one token's matrix products alone, as the engine computes them (every layer's q|k|v, o, gate|up
+    and down through layer_stack._linear, then the LM head, at one position)."""
+    mats = [w for lay in stack.layers for w in (lay.w_qkv, lay.w_o, lay.w_gate_up, lay.w_down)]
+    rows = {w.shape[1]: torch.randn(1, 1, w.shape[1], dtype=w.dtype, device=w.device) for w in mats}
+    head_row = torch.randn(1, 1, stack.head_weight.shape[1], dtype=stack.dtype, device=stack.head_weight.device)
+
+    def products():
+        for w in mats:
+            _linear(rows[w.shape[1]], w, None)
+        stack.head(head_row)
+
+    return h.timings(products, reps)
+
+
+def token_bytes(stack) -> int:
+    """Bytes of weights one Vanilla token reads: every decoder layer's tensors, the final norm, the LM head."""
+    tensors = [t for lay in stack.layers for t in vars(lay).values() if isinstance(t, torch.Tensor)]
+    return sum(t.numel() * t.element_size() for t in [*tensors, stack.norm_weight, stack.head_weight])
+
+
+def decode_ms_per_token(out_dir: str) -> float:
+    """Decode time per emitted token, prefill (round 0) excluded, pooled over the run's prompts."""
+    rounds = [r for r in h.rounds_of(out_dir) if r["round"] > 0]
+    seconds = sum(r["draft_s"] + r["verify_s"] + r["policy_s"] for r in rounds)
+    return 1000 * seconds / max(1, sum(r["emitted"] for r in rounds))
+
+
+def bench_model(model: str, args) -> dict:
+    rows, loads = [], {}
+    for layers in args.layers.split(","):
+        loads[layers] = h.shared_load(h.compose(f"model={model}", *args.set, f"layers={layers}"))
+        for label, overrides in rows_for([m for m in args.methods.split(",") if m]):
+            rows.append(h.row(f"{label} [{layers}]", f"{args.root}/{model}/{layers}", args.experiment,
+                              f"model={model}", f"task={args.task}", f"max_new_tokens={args.max_new_tokens}",
+                              *args.set, f"layers={layers}", *overrides, load=loads[layers]))
+    probe = {"probe_s": [], "gemv_s": []}
+
+    def measure_floor():  # before each prompt's rows: the machine as that prompt saw it
+        size, seconds = probe_seconds(args.probe_mb)
+        probe.update(probe_bytes=size, token_bytes=token_bytes(stack()))
+        probe["probe_s"].append(seconds)
+        probe["gemv_s"].append(gemv_seconds(stack()))
+
+    def stack():
+        return next(iter(loads.values()))()[1]
+
+    table = h.table(h.run_rows(rows, args.limit, before_prompt=measure_floor))
+    gbps = statistics.median(probe["probe_bytes"] / statistics.median(s) for s in probe["probe_s"]) / 1e9
+    floor_ms = 1000 * probe["token_bytes"] / (gbps * 1e9)
+    gemv_ms = statistics.median(h.median_ms(s) for s in probe["gemv_s"])
+    for r in table:
+        r["decode_ms_per_token"] = decode_ms_per_token(r["out_dir"])
+        vanilla = r["method"] == "vanilla"
+        r["floor_fraction"] = floor_ms / r["decode_ms_per_token"] if vanilla else None
+        r["gemv_fraction"] = gemv_ms / r["decode_ms_per_token"] if vanilla else None
+    return {"model": model, "rows": table, "gbps": gbps, "floor_ms_per_token": floor_ms, "gemv_ms_per_token": gemv_ms,
+            **probe}
+
+
+def main(argv: list[str]) -> int:
+    args = parse(argv)
+    if args.quick:
+        args.limit, args.max_new_tokens, args.probe_mb = 2, 48, 256
+        args.root += "-quick"
+    results = [bench_model(model, args) for model in args.models.split(",")]
+    for res in results:
+        h.print_table(res["rows"], COLUMNS, f"{res['model']}, {args.task}, {args.limit} prompts/row, "
+                      f"{args.max_new_tokens} new tokens: probe {res['gbps']:.1f} GB/s, one token reads "
+                      f"{res['token_bytes'] / 1e6:.0f} MB → floor {res['floor_ms_per_token']:.2f} ms/token; its "
+                      f"matrix products alone {res['gemv_ms_per_token']:.2f} ms")
+    h.write_result(args.out, "engine", vars(args), models=results)
+    return 0

@@ -1,0 +1,239 @@
+"""The one harness every bench runs on: rows are ordinary runs (records and all), composed offline, decoded
+interleaved prompt by prompt, paired with Vanilla through the record contract, and printed from their records.
+
+A bench is a list of `Row`s (a label and a composed run config, optionally its own model loader). `run_rows`
+grows every row's run one prompt at a time (each row decodes prompt i before any decodes prompt i + 1), so the
+drift of a shared machine over the minutes of a bench hits every row alike; the runner warms each up untimed and
+resumes what it already decoded. `table` turns the finished rows' summary.json into table rows — every number
+there is recomputable from the run directory it names (`out_dir`) — with each row's speedup against the mean of
+the Vanilla runs it pairs with (records.RunKey.pairs_with). `write_result` writes the bench's result JSON.
+
+Micro-benchmarks that time a part of the engine directly (bench parts, compile, the bandwidth probe of bench
+engine) use `timings`, and write the raw seconds they print a median of.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from omegaconf import DictConfig, OmegaConf
+
+from del_bench.config import CONFIG_DIR
+from del_bench.records import RunDir, read_jsonl, run_key_of, vanilla_baseline
+
+RESULTS = "results/runs/bench"  # where a bench writes by default (gitignored); make's RECORDS= moves it
+
+
+def compose(*overrides: str) -> DictConfig:
+    """A run config as `python -m del_bench run` composes it, with the offline task data (the `data` group's
+    `local`: ../shared/data, or DEL_BENCH_DATA) unless an override names another source."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    data = [] if any(o.startswith("data=") for o in overrides) else ["data=local"]
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        return hydra_compose(config_name="run", overrides=[*data, *overrides])
+
+
+def model_config(name: str, *overrides: str) -> DictConfig:
+    """configs/model/<name>.yaml with `key=value` overrides (a tiny-random model of another shape)."""
+    return compose(f"model={name}", *(f"model.{o}" for o in overrides)).model
+
+
+def shared_load(cfg: DictConfig) -> Callable:
+    """A loader for `runner.run` that loads the run config's model (and layer loop) once for every row sharing it."""
+    from del_bench.runner import load_model
+
+    loaded = []
+
+    def load():
+        if not loaded:
+            loaded.append(load_model(cfg.model, cfg.layers, cfg.products))
+        return loaded[0]
+
+    return load
+
+
+def parser(name: str, doc: str, runs: bool = True) -> argparse.ArgumentParser:
+    """A bench's argument parser with the options every bench shares: --out (its result file) and, for a bench
+    of runs, --root (their directories), --experiment (recorded in their run keys) and --set (overrides for every
+    row, e.g. layers=eager threads=1)."""
+    ap = argparse.ArgumentParser(prog=f"python -m del_bench bench {name}", description=doc,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=f"{RESULTS}/{name}.json", help="the result file")
+    if runs:
+        ap.add_argument("--root", default=f"{RESULTS}/{name}_runs", help="the rows' run directories")
+        ap.add_argument("--experiment", default=f"bench-{name}", help="recorded in every row's run_key.experiments")
+        ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="overrides for every row's run (e.g. layers=eager threads=1)")
+    return ap
+
+
+def prompts_task(path: Path, rows: list[dict]) -> list[str]:
+    """Overrides for a `prompts` task over `rows` ({"id", "prompt"}), written to `path`."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return ["task=prompts", f"task.data_files={path.resolve()}"]
+
+
+def code_prompts(model: str, root: str, n: int = 16) -> list[str]:
+    """Overrides for task `code` (a model trained by `train-layerskip`): held-out prompts of its training run."""
+    from del_bench.models.loading import local_dir
+    from del_bench.train.data import heldout_prompts
+
+    train_cfg = OmegaConf.load(local_dir(model_config(model)) / "train_config.yaml")
+    return prompts_task(Path(root) / "code_prompts.jsonl", heldout_prompts(OmegaConf.to_container(train_cfg), n))
+
+
+def task_overrides(task: str, model: str, root: str) -> list[str]:
+    """`task=<task>` (its data from the `data` group), or the held-out code prompts for task `code`."""
+    return code_prompts(model, root) if task == "code" else [f"task={task}"]
+
+
+@dataclass
+class Row:
+    label: str
+    cfg: DictConfig
+    load: Callable | None = None  # (Loaded, LayerStack); None: the runner loads the model itself
+    summary: dict = field(default_factory=dict)
+
+
+def row(label: str, root: str, experiment: str, *overrides: str, load=None, suffix: str = "",
+        method: dict | None = None) -> Row:
+    """A row: the run `overrides` compose, in <root>/<method tag><suffix> (a re-run resumes it), recording
+    `experiment` in its run key (so a bench's runs reach no paper table); `method`: a method config composed in
+    code instead of the method group's (a peer: peers.peer_method)."""
+    cfg = compose(*overrides)
+    if method is not None:
+        cfg.method = method
+    cfg.out_dir = f"{root}/{cfg.method.tag}{suffix}"
+    cfg.experiment_name = experiment
+    return Row(label, cfg, load)
+
+
+def run_rows(rows: list[Row], limit: int, before_prompt: Callable | None = None) -> list[Row]:
+    """Every row's run grown one prompt at a time across all rows (`limit` is resumable: a run with limit i + 1
+    decodes only what limit i did not); `before_prompt()` runs before each prompt's rows. Fills each row's
+    summary (summary.json of its finished run)."""
+    from del_bench.runner import run
+
+    for i in range(1, limit + 1):
+        if before_prompt is not None:
+            before_prompt()
+        for r in rows:
+            r.cfg.limit = i
+            r.summary = run(r.cfg, r.load)
+    return rows
+
+
+def _ratio(value, base) -> float | None:
+    return value / base if value is not None and base else None
+
+
+def table(rows: list[Row]) -> list[dict]:
+    """One table row per finished Row, from its summary.json alone: tok/s and eTPL are means over prompts (paper
+    B.4); pooled = all tokens ÷ all seconds (or loaded layers), every token weighed alike; pred. = eTPL × L (Vanilla
+    loads L layers a token); speedups against the mean of the paired Vanilla rows."""
+    out = []
+    for r in rows:
+        s = r.summary
+        L = r.cfg.model.num_layers
+        pooled_etpl = _ratio(s["generated_tokens"], s["loaded_layers"])
+        out.append({"row": r.label, "method": s["method"], "method_tag": s["method_tag"], "model": s["model"],
+                    "task": s["task"], "n": s["n_samples"], "tokens_per_s": s["tokens_per_s"], "etpl": s["etpl"],
+                    "predicted_speedup": s["etpl"] * L if s["etpl"] is not None else None,
+                    "pooled_tokens_per_s": _ratio(s["generated_tokens"], s["wall_s"]), "pooled_etpl": pooled_etpl,
+                    "pooled_predicted_speedup": pooled_etpl * L if pooled_etpl is not None else None,
+                    "acceptance": s["acceptance_rate"], "controller_share": s["time_split"]["policy"],
+                    "out_dir": r.cfg.out_dir})
+    keys = [run_key_of(r.summary) for r in rows]
+    runs = list(zip(keys, out))
+    for key, t in runs:
+        for name, of in (("speedup", "tokens_per_s"), ("pooled_speedup", "pooled_tokens_per_s")):
+            t[name] = _ratio(t[of], vanilla_baseline(key, runs, of))
+        t["measured_over_predicted"] = _ratio(t["speedup"], t["predicted_speedup"])
+        t["pooled_measured_over_predicted"] = _ratio(t["pooled_speedup"], t["pooled_predicted_speedup"])
+    return out
+
+
+def outputs_equal(out_dir: str, reference_dir: str) -> tuple[int, int]:
+    """(outputs equal to the reference run's for the same sample, outputs compared), from samples.jsonl."""
+    reference = {(s["sample_id"], s["repeat"]): s["output_ids"] for s in read_jsonl(Path(reference_dir) /
+                                                                                      "samples.jsonl")}
+    mine = [s for s in read_jsonl(Path(out_dir) / "samples.jsonl") if (s["sample_id"], s["repeat"]) in reference]
+    return sum(s["output_ids"] == reference[s["sample_id"], s["repeat"]] for s in mine), len(mine)
+
+
+def rounds_of(out_dir: str) -> list[dict]:
+    return RunDir(out_dir).rounds()
+
+
+# ---------------------------------------------------------------- printing and writing
+
+def fmt(value, spec: str) -> str:
+    """A table cell: '-' for a missing value; spec 'x' = a ratio (2 decimals + 'x'), '%' = a share."""
+    if value is None:
+        return "-"
+    if spec == "x":
+        return f"{value:.2f}x"
+    if spec == "%":
+        return f"{value:.1%}"
+    return format(value, spec)
+
+
+# (header, key, spec, width): the columns most benches print
+COLUMNS = {
+    "row": ("row", "row", "", 26), "model": ("model", "model", "", 13), "task": ("task", "task", "", 11),
+    "tok/s": ("tok/s", "tokens_per_s", ".2f", 7), "speedup": ("speedup", "speedup", "x", 8),
+    "eTPL": ("eTPL", "etpl", ".3f", 6), "pred.": ("pred.", "predicted_speedup", "x", 6),
+    "meas/pred": ("meas/pred", "measured_over_predicted", ".2f", 9),
+    "pooled": ("pooled", "pooled_speedup", "x", 7), "p.pred": ("p.pred", "pooled_predicted_speedup", "x", 6),
+    "p.m/p": ("p.m/p", "pooled_measured_over_predicted", ".2f", 6), "α": ("α", "acceptance", ".2f", 5),
+    "ctrl": ("ctrl", "controller_share", "%", 6),
+}
+
+
+def print_table(rows: list[dict], columns: list, title: str = "") -> None:
+    """rows under `columns` (names of COLUMNS, or (header, key, spec, width) tuples); text left, numbers right."""
+    cols = [COLUMNS[c] if isinstance(c, str) else c for c in columns]
+    cols = [(hd, k, spec, w if spec else max([w, *(len(str(r.get(k, ""))) for r in rows)])) for hd, k, spec, w in cols]
+    if title:
+        print(f"\n{title}\n")
+    print(" ".join(f"{h:<{w}}" if not spec else f"{h:>{w}}" for h, _, spec, w in cols))
+    for r in rows:
+        print(" ".join(f"{str(r.get(k, '')):<{w}}" if not spec else f"{fmt(r.get(k), spec):>{w}}"
+                       for _, k, spec, w in cols))
+
+
+def write_result(path: str | Path, bench: str, settings: dict, **payload) -> Path:
+    """The bench's result file: its settings, what it printed (rows name their run directories) and provenance."""
+    from del_bench.runner import provenance
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"bench": bench, "settings": settings, **payload, "provenance": provenance()},
+                               indent=2) + "\n")
+    print(f"written: {path}")
+    return path
+
+
+def timings(fn: Callable, reps: int = 20, warmup: int = 3) -> list[float]:
+    """Wall seconds of `reps` calls of fn() after `warmup` untimed ones (a micro-benchmark's raw timings)."""
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def median_ms(seconds: list[float]) -> float:
+    return 1000 * statistics.median(seconds)
