@@ -13,8 +13,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from del_bench.engine import early_exit
 from del_bench.engine.decode import Draft, Engine
 from del_bench.engine.sampling import Sampling
+from del_bench.engine.shadow import ShadowScorer
 from del_bench.errors import ConfigError
 from del_bench.methods.adadecode import AdaDecode
 from del_bench.methods.swift import Swift
@@ -75,8 +77,8 @@ def test_placement_follows_one_rule(split):
     split.set_adapters(ExitAdapters.identity([1, 3], split.config.hidden_size))
     assert split.adapters.weight.device == META  # exit adapters beside the head
     engine = Engine(split, Sampling(do_sample=True), set())
-    assert engine.rng_device == META and engine._ids([1, 2]).device == CPU  # RNG by the logits, ids by the embedding
-    h = split.forward_layers(split.embed(engine._ids([1, 2, 3])), 0, 1, 0, cache)  # layer 1's state, on cpu
+    assert engine.rng_device == META and engine.ids([1, 2]).device == CPU  # RNG by the logits, ids by the embedding
+    h = split.forward_layers(split.embed(engine.ids([1, 2, 3])), 0, 1, 0, cache)  # layer 1's state, on cpu
     assert split.exit_logits(h, 1).device == META
 
 
@@ -85,9 +87,7 @@ def test_prefill_keeps_each_layers_window_and_gathers_it_on_the_heads_device(spl
     h = split.forward_layers(split.embed(torch.tensor([[1, 5, 9, 4, 7]])), 0, 4, 0, cache, collect=kept, keep=3)
     assert h.device == META and h.shape[1] == 5
     assert [(s.device, tuple(s.shape)) for s in kept] == [(CPU, (1, 3, 64))] * 2 + [(META, (1, 3, 64))] * 2
-    engine = Engine(split, Sampling(), set())
-    engine._shadow_rows = 0  # generate's per-prompt counter
-    shadow = engine._prefill_shadow(kept, h, 3, None)  # layers 1..3's windows, scored beside the head
+    shadow = ShadowScorer(split).prefill(kept, h, 3, None)  # layers 1..3's windows, scored beside the head
     assert shadow.states.shape == (3, 3, 64) and shadow.tokens.device == META
     # verification from an exit layer on the second device: its batch starts there, the RoPE tables on the first
     late = split.forward_layers(h[:, -2:], 2, 4, 5, cache)
@@ -100,17 +100,17 @@ def test_shadow_window_and_its_scoring_happen_on_the_heads_device(split):
     """A DEL round with E = 1 (cpu): layer 1 from drafting (cpu), layers 2..3 from verification (cpu, meta)."""
     engine = Engine(split, Sampling(), set())
     cache = split.new_cache(16)
-    split.forward_layers(split.embed(engine._ids([1, 5, 9])), 0, 4, 0, cache)
+    split.forward_layers(split.embed(engine.ids([1, 5, 9])), 0, 4, 0, cache)
     draft = Draft(early=[], exit_layer=1, drafts=[8])
     for pos, token in enumerate([4, 8], start=3):
-        engine._draft_layers(engine._ids([token]), pos, 1, cache, draft)
-    verified = engine._verify(draft, 1, 3, cache)
+        early_exit.draft_layers(engine, engine.ids([token]), pos, 1, cache, draft)
+    verified = early_exit.verify(engine, draft, 1, 3, cache)
     assert [s.device for s in verified.late] == [CPU, META, META]
     verified.rows = {0: 8, 1: 6}  # acceptance's rows (meta holds no logits to take an argmax of)
-    states, target = engine._window(draft, verified, 1, k=1)
+    scorer = ShadowScorer(split)
+    states, target = scorer.window(draft, verified, 1, k=1)
     assert states.shape == (3, 2, 64) and states.device == META and target.device == META
-    engine._shadow_rows = 0
-    shadow = engine._shadow_of(states, target, None)
+    shadow = scorer.score(states, target, None)
     assert shadow.tokens.shape == (3, 2) and shadow.tokens.device == META
 
 

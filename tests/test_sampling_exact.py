@@ -12,7 +12,7 @@ from collections import defaultdict
 import pytest
 import torch
 
-from del_bench.engine import sampling
+from del_bench.engine import sampling, skipping
 from del_bench.engine.decode import Draft, Engine
 from del_bench.engine.sampling import Draws, Sampling, Siblings
 from del_bench.methods.adadecode import AdaDecode
@@ -150,7 +150,7 @@ def chain_round(d: int):
 
 def tree_round(d: int, width: int, leaves: dict | None = None):
     """One round of a token tree on the tables: d chain drafts, `width` − 1 siblings beside each drawn by the engine's
-    own sibling step (Engine._siblings: from q without replacement after the chain token), then accept_sampling_tree.
+    own sibling step (skipping.siblings: from q without replacement after the chain token), then accept_sampling_tree.
     The verifier's rows: 0..d the chain's prefixes, then one per sibling (its prefix: the chain before it + it).
     leaves: if given, counts the runs that accepted a sibling, by depth."""
 
@@ -159,7 +159,7 @@ def tree_round(d: int, width: int, leaves: dict | None = None):
         for _ in range(d):
             draft.draft_probs.append(q_of(draft.drafts))
             draft.drafts.append(draws.categorical(draft.draft_probs[-1]))
-            draft.siblings.append(Engine._siblings(None, draft, width - 1, draws))  # uses no engine state
+            draft.siblings.append(skipping.siblings(draft, width - 1, draws))
         prefixes = [tuple(draft.drafts[:i]) for i in range(d + 1)]
         rows = []
         for i, level in enumerate(draft.siblings):

@@ -81,7 +81,7 @@ def _step(engine, prompt_len, cache, gen, method, rng, deferred: _Deferred, flus
     outstanding = (n - 1) - cache.lengths[L - 1]
     # flush: the pending token is final (EOS, stop, budget) and needs no pass; only the deferred positions run
     end = n - 2 if flush else n - 1  # last position of this step's batch
-    h, start = (None, end + 1) if flush else (st.embed(engine._ids([gen.output_ids[-1]])), n - 1)
+    h, start = (None, end + 1) if flush else (st.embed(engine.ids([gen.output_ids[-1]])), n - 1)
     loaded = head_rows = adapter_rows = 0
     can_exit = not flush and outstanding < method.max_outstanding
     for i in range(L):

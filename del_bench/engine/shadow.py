@@ -1,0 +1,86 @@
+"""DEL's shadow tokens as an object of their own (ShadowScorer): which hidden states a round's valid window holds,
+their scoring by the LM head against the full model's tokens, and the deferral of that scoring while the method's
+plan cannot change (Method.can_defer) — so the engine's loop only hands it a round's draft and verification."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from del_bench.engine.steps import Draft, Verified
+from del_bench.methods.base import MAX_DEFERRED, Method, RoundEvidence, Shadow
+from del_bench.models.layer_stack import LayerStack, cat_on
+
+
+class ShadowScorer:
+    """Per prompt: the rounds whose scoring is held back, and the shadow rows scored since the last Round."""
+
+    def __init__(self, stack: LayerStack):
+        self.stack = stack
+        self.deferred: list[tuple[RoundEvidence, torch.Tensor, torch.Tensor]] = []  # (evidence, states, targets)
+        self.rows = 0  # shadow rows scored since the last Round was recorded (Round.shadow_rows)
+
+    def take_rows(self) -> int:
+        rows, self.rows = self.rows, 0
+        return rows
+
+    def prefill(self, layers: list[torch.Tensor], h: torch.Tensor, w: int, vocab: int | None) -> Shadow:
+        """Shadow tokens of the prompt's last w positions: layers 1..L−1's kept states (each [1, w, D], on its
+        layer's device) gathered on the head's device, against the full model's tokens there (w head rows)."""
+        states = cat_on(layers[: self.stack.num_layers - 1], self.stack.head_device)  # [L-1, w, D]
+        target = self.stack.logits(h[:, -w:])[0].argmax(-1)  # [w]
+        return self.score(states, target, vocab)
+
+    def observe(self, method: Method, evidence: RoundEvidence, draft: Draft, verified: Verified, E: int) -> None:
+        """Hold the round's valid window back; score every held-back round in one batch once the method may not defer
+        any longer."""
+        self.deferred.append((evidence, *self.window(draft, verified, E, evidence.accepted)))
+        windows = [states.shape[1] for _, states, _ in self.deferred]
+        if len(windows) >= MAX_DEFERRED or not method.can_defer(windows):
+            self.flush(method)
+
+    def flush(self, method: Method) -> None:
+        """Score the shadow tokens of every deferred round in one head pass ([L-1, ΣW, D] rows: the head's
+        weights are read once, not once per round) and hand the method its evidence round by round, in order."""
+        evidence, states, targets = zip(*self.deferred)
+        self.deferred.clear()
+        shadow = self.score(torch.cat(states, dim=1), torch.cat(targets), method.shadow_vocab)
+        start = 0
+        for ev, window in zip(evidence, (t.shape[0] for t in targets)):
+            part = slice(start, start + window)
+            start += window
+            method.observe(replace(ev, shadow=Shadow(shadow.tokens[:, part], shadow.confidence[:, part],
+                                                     shadow.target[part], shadow.states[:, part])))
+
+    def window(self, draft: Draft, verified: Verified, E: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hidden states [L-1, W, D] and the full model's tokens [W] of the valid window, positions 0..k
+        (k = accepted drafts: later positions were computed on a context the model did not keep). Layers
+        1..E come from drafting, E+1..L−1 from the verification batch."""
+        L, W = self.stack.num_layers, k + 1
+        m = min(E, L - 1)  # layers 1..m come from drafting
+        # early[i][j]: position i after layer j + 1, [1, 1, D]; one cat → [W·m, 1, D] → view [m, W, D]
+        head = self.stack.head_device  # shadow states and their scoring live there, whichever device made them
+        states = cat_on([h for layers in draft.early[:W] for h in layers[:m]], head).view(W, m, -1).transpose(0, 1)
+        if m < L - 1:  # late[j]: layers E+1.., each [1, d+1, D] → [L-1-E, W, D]
+            states = torch.cat([states, cat_on(verified.late[: L - 1 - m], head)[:, :W]])  # [L-1, W, D]
+        elif W > 1:
+            states = states.contiguous()
+        if verified.targets is not None:  # greedy: the full model's tokens never left the device
+            return states, verified.targets[:W].to(states.device)
+        for i in range(W):  # acceptance computed rows 0..k already; this only guards the invariant
+            if i not in verified.rows:
+                verified.row(i)
+        target = torch.tensor([verified.rows[i] for i in range(W)], device=states.device)
+        return states, target
+
+    def score(self, states: torch.Tensor, target: torch.Tensor, vocab: int | None) -> Shadow:
+        """states: [L-1, W, D] (layers 1..L−1), target: [W] the full model's tokens → Shadow."""
+        n_layers, W, D = states.shape
+        self.rows += n_layers * W
+        layers = None  # row → its layer: only exit adapters need it (each layer's rows through its own map)
+        if self.stack.adapters is not None:
+            layers = torch.arange(1, n_layers + 1, device=states.device).repeat_interleave(W)
+        tokens, confidence = self.stack.shadow_tokens(states.reshape(-1, D), target.repeat(n_layers), vocab,
+                                                      layers=layers)
+        return Shadow(tokens.view(n_layers, W), confidence.view(n_layers, W), target, states)
