@@ -1,5 +1,6 @@
-"""The engine's device → host reads: every value decoding needs on the host (a token to emit, a confidence to stop
-on, a round's accepted count, a method's statistics) comes through here, one transfer a call, counted.
+"""The engine's host ↔ device transfers: every value decoding needs on the host (a token to emit, a confidence to stop
+on, a round's accepted count, a method's statistics) comes through here, one transfer a call, counted — and so does
+every token the host hands the device (a prompt, a sampled token).
 
 On a GPU each read waits for the queue: the kernels queued before it drain while the host idles, and nothing around
 it can be captured as a CUDA graph. So the engine batches what a round needs into few reads (greedy early exit: the
@@ -24,6 +25,14 @@ def to_list(values: torch.Tensor) -> list:
     global _reads
     _reads += 1
     return values.tolist()
+
+
+def to_device(values: list, device: torch.device) -> torch.Tensor:
+    """Host values (token ids) → a long tensor on device: one counted transfer (a blocking copy from pageable host
+    memory waits for the queue on CUDA, as a read does)."""
+    global _reads
+    _reads += 1
+    return torch.tensor(values, dtype=torch.long, device=device)
 
 
 def to_numpy(values: torch.Tensor) -> np.ndarray:

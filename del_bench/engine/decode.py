@@ -24,6 +24,7 @@ a copy of the loop.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -43,7 +44,7 @@ from del_bench.engine.steps import Draft, Verified, whole  # noqa: F401 (Draft, 
 from del_bench.methods.base import Method, RoundEvidence
 from del_bench.models.layer_stack import KVCache, LayerStack, cat_on
 from del_bench.numerics import gap_from_top2, is_half, widened
-from del_bench.transfer import reads, to_list
+from del_bench.transfer import reads, to_device, to_list
 
 
 class Engine:
@@ -58,6 +59,7 @@ class Engine:
         # greedy in half precision: each output token's top-2 gap is recorded (Generation.top2_gap_ulps, numerics.py)
         self.track_gaps = is_half(stack.dtype) and not sampling.do_sample
         self._cache: KVCache | None = None
+        self.on_round: Callable[[Round], None] | None = None  # called as each Round is recorded (engine/syncs.py)
 
     @property
     def cache(self) -> KVCache | None:
@@ -79,7 +81,7 @@ class Engine:
 
     def ids(self, ids: list[int]) -> torch.Tensor:
         """Token ids [1, T] where the embedding lives."""
-        return torch.tensor([ids], dtype=torch.long, device=self.device)
+        return to_device([ids], self.device)
 
     @torch.inference_mode()
     def generate(self, prompt_ids: list[int], method: Method, max_new_tokens: int, seed: int,
@@ -126,6 +128,8 @@ class Engine:
         """Record a round (every schedule's rounds come through here) with the host reads it made."""
         record.host_syncs = self._take_reads()
         gen.rounds.append(record)
+        if self.on_round is not None:
+            self.on_round(record)
 
     def _pending_id(self, gen: Generation) -> torch.Tensor:
         """The pending token [1, 1]: kept on the device by the last acceptance, else from the host's output."""
@@ -220,7 +224,7 @@ class Engine:
         draft.candidates += 1
         if self.sampling.do_sample:
             candidate, q = choose(logits, self.sampling, rng)  # q: the warped draft distribution [V]
-            token = torch.tensor([candidate], device=logits.device)
+            token = to_device([candidate], logits.device)
         else:
             q, token = None, logits.argmax(-1, keepdim=True)  # [1]
             candidate = -1

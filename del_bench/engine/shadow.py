@@ -11,6 +11,7 @@ import torch
 from del_bench.engine.steps import Draft, Verified
 from del_bench.methods.base import MAX_DEFERRED, Method, RoundEvidence, Shadow
 from del_bench.models.layer_stack import LayerStack, cat_on
+from del_bench.transfer import to_device
 
 
 class ShadowScorer:
@@ -71,7 +72,7 @@ class ShadowScorer:
         for i in range(W):  # acceptance computed rows 0..k already; this only guards the invariant
             if i not in verified.rows:
                 verified.row(i)
-        target = torch.tensor([verified.rows[i] for i in range(W)], device=states.device)
+        target = to_device([verified.rows[i] for i in range(W)], states.device)
         return states, target
 
     def score(self, states: torch.Tensor, target: torch.Tensor, vocab: int | None) -> Shadow:

@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import time
 
-import torch
-
 from del_bench.engine.rounds import Generation
 from del_bench.engine.steps import Draft, Verified, whole
 from del_bench.methods.base import Method, SkipSet
-from del_bench.transfer import to_list
+from del_bench.transfer import to_device, to_list
 
 
 def draft(engine, token: int, pos: int, skip: SkipSet, budget: int, cache, method: Method, rng) -> Draft:
@@ -93,7 +91,7 @@ def probe(engine, method: Method, n: int, gen: Generation, cache) -> dict:
     h = st.forward_skipping(st.embed(engine.ids(ids[:-1])), pos, cache, frozenset(probe.skip.attn),
                             frozenset(probe.skip.mlp), write=False)  # [1, length, D]
     predicted = st.logits(h)[0].argmax(-1)  # [length]
-    matchness = to_list((predicted == torch.tensor(ids[1:], device=predicted.device)).double().mean())
+    matchness = to_list((predicted == to_device(ids[1:], predicted.device)).double().mean())
     trace = method.scored(probe, matchness)
     return {"opt_kind": probe.kind, "opt_matchness": matchness, **trace,
             "opt_loaded_layers": whole(probe.skip.layers(st.num_layers)), "opt_head_calls": probe.length,
