@@ -30,7 +30,7 @@ def sweep_jobs(experiment: list[str]) -> list[list[str]]:
     """The override lists of every job of the sweep `experiment` (its overrides: experiment=NAME scale=SCALE) asks
     for, a cartesian product as Hydra's basic sweeper expands it (the axes resolved: a scale changes them)."""
     hydra_cfg = compose(config_name="run", overrides=experiment, return_hydra_config=True).hydra
-    params = OmegaConf.to_container(hydra_cfg.sweeper.params or {}, resolve=True)
+    params = OmegaConf.to_container(hydra_cfg.sweeper.params, resolve=True) if hydra_cfg.sweeper.params else {}
     parsed = OverridesParser.create().parse_overrides([f"{k}={v}" for k, v in params.items()])
     axes = [[f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()] if o.is_sweep_override()
             else [f"{o.get_key_element()}={o.get_value_element_as_str()}"] for o in parsed]
@@ -65,7 +65,8 @@ def main() -> None:
     args = ap.parse_args()
     for name in args.experiments:
         jobs, tagged, failed = tag(name, args.scale, args.records_root)
-        print(f"{name} ({args.scale}): {jobs} jobs, {tagged} finished runs tagged, {failed} not composable here")
+        scale = "" if args.scale == "paper" else f" (scale={args.scale})"
+        print(f"{name}{scale}: {jobs} jobs, {tagged} finished runs tagged, {failed} not composable here")
 
 
 if __name__ == "__main__":
