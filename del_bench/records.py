@@ -270,6 +270,14 @@ METHOD_LABELS = {"vanilla": "Vanilla", "ls": "LS", "fs": "FS", "dv": "DV", "swif
                  "del_e": "DEL-E", "del_gamma": "DEL-γ", "del_e_lim": "DEL-E-lim", "clasp": "CLaSp",
                  "knapspec": "KnapSpec"}
 DEFAULT_OMEGA = 0.95
+# peers: transformers' own decoding measured beside ours and written as records (del_bench/bench/peers.py); their
+# labels carry PEER_MARK wherever a method is named (show, the tables), with PEER_NOTE under a table that has one
+PEER_LABELS = {"hf_generate": "HF generate", "hf_forward_loop": "HF forward loop",
+               "hf_assistant_early_exit": "HF assistant_early_exit"}
+PEER_MARK = "†"
+PEER_NOTE = (f"{PEER_MARK} = a peer: transformers' own decoding (generate, a plain loop over its forward, "
+             "assistant_early_exit: LayerSkip's self-speculation in transformers) on the same weights and prompts, "
+             "written as records like ours (work counted by hooks where it runs; del_bench/bench/peers.py).")
 
 
 def _number(value) -> float | None:
@@ -279,17 +287,19 @@ def _number(value) -> float | None:
 
 
 def method_label(method: str, exit_layer="", gamma="", omega="") -> str:
-    """Labels as in the paper: LS(E8-γ6), FS(E8-γ6), DV(E8); DEL's ω only when not the default (RunKey.label)."""
-    base = METHOD_LABELS.get(method, method)
+    """Labels as in the paper: LS(E8-γ6), FS(E8-γ6), DV(E8); DEL's ω only when not the default (RunKey.label); a
+    peer's marked: HF generate†, HF assistant_early_exit(E8-γ6)†."""
+    base = METHOD_LABELS.get(method) or PEER_LABELS.get(method, method)
     e, g, w = _number(exit_layer), _number(gamma), _number(omega)
     parts = []
     if e is not None and method != "vanilla":
         parts.append(f"E{e:g}")
-    if g is not None and method in ("ls", "fs"):
+    if g is not None and method in ("ls", "fs", "hf_assistant_early_exit"):
         parts.append(f"γ{g:g}")
     if w is not None and w != DEFAULT_OMEGA and method.startswith("del"):
         parts.append(f"ω{w:g}")
-    return f"{base}({'-'.join(parts)})" if parts else base
+    label = f"{base}({'-'.join(parts)})" if parts else base
+    return label + (PEER_MARK if method in PEER_LABELS else "")
 
 
 def run_key_of(summary: dict, samples: list[dict] | None = None) -> RunKey:

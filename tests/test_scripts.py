@@ -17,8 +17,11 @@ import pytest
 import torch
 
 from del_bench import bench, runner
+from del_bench.__main__ import cmd_show
 from del_bench.bench.peers import cut
-from del_bench.records import read_jsonl
+from del_bench.records import PEER_NOTE, method_label, read_jsonl
+from del_bench.report import tables
+from del_bench.report.tables import Row, Table
 from tests.conftest import compose_run
 from tests.test_exit_adapters import random_adapters
 
@@ -123,6 +126,18 @@ def test_bench_runs_on_the_tiny_model(name, tmp_path, capsys):
         check_interleaved(result["rows"], limit=2)
     if name == "peer":
         check_peer_records(result["rows"])
+        assert cmd_show([r["out_dir"] for r in result["rows"]]) == 0  # `show` lists the peers as marked rows
+        shown = capsys.readouterr().out
+        assert "HF generate†" in shown and "HF assistant_early_exit(E1-γ2)†" in shown and PEER_NOTE in shown
+        assert "HF generate† drafted no token" not in shown  # a peer has no policy to explain
+
+
+def test_tables_mark_a_peer_and_say_why():
+    assert method_label("hf_assistant_early_exit", 24, 4) == "HF assistant_early_exit(E24-γ4)†"
+    assert method_label("hf_generate") == "HF generate†" and method_label("ls", 24, 4) == "LS(E24-γ4)"
+    table = Table("t", "T", [], rows=[Row("b", "m", method_label("hf_generate"), "ours", {})])
+    assert PEER_NOTE in tables._notes(table)
+    assert PEER_NOTE not in tables._notes(Table("t", "T", [], rows=[Row("b", "m", "DEL", "ours", {})]))
 
 
 def check_recomputable(rows: list[dict], printed: str) -> None:

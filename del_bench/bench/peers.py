@@ -5,7 +5,7 @@ for our engine), whose class says it decodes by itself (`Peer.decoder`): the run
 peer's decoder instead of our Engine, and writes a SampleRecord per prompt as for any run (no rounds.jsonl lines:
 transformers exposes no rounds). Its RunKey's method is the peer's (`hf_generate`, `hf_assistant_early_exit`,
 `hf_forward_loop`), so `show` and the report list it beside our rows and pair it with our Vanilla
-(RunKey.pairs_with) — the tables mark it as a peer (PEER_METHODS).
+(RunKey.pairs_with), labelled with a † (records.PEER_LABELS, method_label) and a note under a table.
 
 What a peer record holds, counted where it runs (forward hooks on the decoder layers and the LM head, never
 claimed): loaded_layers = decoder-layer calls (each call over any number of positions is one load, as in ours),
@@ -30,9 +30,6 @@ import torch
 
 from del_bench.errors import ConfigError
 from del_bench.methods.base import Method, check_exit_layer, check_gamma
-
-PEER_METHODS = {"hf_generate": "HF generate", "hf_assistant_early_exit": "HF assistant_early_exit",
-                "hf_forward_loop": "HF forward loop"}  # method name → the label a table gives it (marked †)
 
 
 def peer_method(name: str, **params) -> dict:
@@ -115,6 +112,7 @@ class Peer(Method):
         return {}
 
     def describe(self) -> dict:
+        """The transformers version and what generate is asked beyond greedy decoding."""
         import transformers
 
         return {"transformers": transformers.__version__, **self.generate_kwargs()}
@@ -140,6 +138,9 @@ class HFAssistantEarlyExit(Peer):
     def generate_kwargs(self) -> dict:
         return {"assistant_early_exit": self.exit_layer, "num_assistant_tokens": self.gamma,
                 "assistant_confidence_threshold": 0.0, "num_assistant_tokens_schedule": "constant"}
+
+    def describe(self) -> dict:  # E and γ under our names too: tables label it as LS, HF assistant_early_exit(E-γ)†
+        return {"exit_layer": self.exit_layer, "gamma": self.gamma, **super().describe()}
 
 
 class HFForwardLoop(Peer):

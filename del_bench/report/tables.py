@@ -28,7 +28,14 @@ from pathlib import Path
 
 import pandas as pd
 
-from del_bench.records import DEFAULT_OMEGA, METHOD_LABELS, method_label, vanilla_partners  # noqa: F401 (figures…)
+from del_bench.records import (  # noqa: F401 (figures…)
+    DEFAULT_OMEGA,
+    METHOD_LABELS,
+    PEER_MARK,
+    PEER_NOTE,
+    method_label,
+    vanilla_partners,
+)
 
 from .collect import aggregate
 
@@ -556,6 +563,7 @@ def _notes(table: Table) -> list[str]:
     marks = ["Bold = best, underline = second best among our runs of the same model and machine "
              "(Vanilla excluded), computed from the numbers; paper rows are printed as in the paper."]
     busy = [BUSY_NOTE] if any(BUSY_MARK in r.label for r in table.rows) else []
+    busy += [PEER_NOTE] if any(PEER_MARK in r.label for r in table.rows) else []
     return table.notes + busy + (marks if table.marked else []) + [
         "Mean ± std over repeats where a configuration was run more than once (other seeds or repeated runs "
         "on the same prompts). Speedup is paired with the Vanilla run of the same model, task, prompts, "
