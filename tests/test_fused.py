@@ -15,9 +15,11 @@ import torch
 from del_bench import runner
 from del_bench.engine.decode import Engine
 from del_bench.engine.sampling import Sampling
+from del_bench.methods.dynamic_exit import DEL
+from del_bench.methods.ls import LayerSkip
 from del_bench.methods.swift import Swift
 from del_bench.models import fused
-from del_bench.models.layer_stack import LayerStack
+from del_bench.models.layer_stack import LayerStack, TreeMask
 from del_bench.records import RunDir, run_key_of
 from tests.conftest import tiny_model
 from tests.test_engine import METHODS, PROMPTS, hf_greedy
@@ -100,13 +102,12 @@ def test_auto_falls_back_to_eager_when_the_bits_differ(monkeypatch):
 
 def test_auto_is_fused_here_and_models_it_cannot_run_stay_eager():
     assert LayerStack(tiny_model()[0], layers="auto").layer_path == "fused"  # this machine builds it
-    biased = tiny_model()[0]
-    attn = biased.model.layers[0].self_attn
-    for proj in (attn.q_proj, attn.k_proj, attn.v_proj):  # a Qwen-style q|k|v bias
-        proj.bias = torch.nn.Parameter(torch.zeros(proj.out_features, dtype=torch.float64))
-    assert LayerStack(biased, layers="auto").layer_path == "eager"
-    with pytest.raises(fused.FusedUnavailable, match="biases"):
-        LayerStack(biased, layers="fused")
+    assert LayerStack(family_model("gemma2", torch.float64), layers="auto").layer_path == "fused"
+    exact_gelu = tiny_model()[0]
+    exact_gelu.config.hidden_act = "gelu"  # an activation the C++ loop does not compute (eager runs ACT2FN's)
+    assert LayerStack(exact_gelu, layers="auto").layer_path == "eager"
+    with pytest.raises(fused.FusedUnavailable, match="activation 'gelu' is not in the C\\+\\+ loop"):
+        LayerStack(exact_gelu, layers="fused")
     with pytest.raises(ValueError, match="choose one of auto, fused, eager"):
         LayerStack(tiny_model()[0], layers="fast")
 
@@ -172,3 +173,92 @@ def test_ninja_beside_the_interpreter_is_found_without_an_activated_venv(monkeyp
     assert shutil.which("ninja") is None
     assert fused.put_ninja_on_path()
     assert shutil.which("ninja")
+
+
+# ---- every described family (models/families.py) in the C++ loop, bit for bit with the eager loop ----
+WINDOW = 4  # a sliding window shorter than the prompts, so windowed layers mask and narrow
+FAMILY_CONFIGS = {  # case: (family, transformers' own config class, its settings), tiny; each case switches on its
+    # family's variations
+    "qwen2": ("qwen2", "Qwen2Config", dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=2)),
+    "qwen2-full": ("qwen2", "Qwen2Config", {}),  # Llama's math plus q|k|v biases: the plain LayerStack
+    "qwen3": ("qwen3", "Qwen3Config", dict(head_dim=16)),
+    "mistral": ("mistral", "MistralConfig", dict(sliding_window=WINDOW)),
+    "gemma2": ("gemma2", "Gemma2Config", dict(head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=24,
+                                              attn_logit_softcapping=2.0, final_logit_softcapping=5.0)),
+    "gemma3": ("gemma3", "Gemma3TextConfig", dict(head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=24,
+                                                  layer_types=["sliding_attention", "full_attention"] * 2)),
+    "phi3": ("phi3", "Phi3Config", dict(sliding_window=WINDOW)),
+}
+
+
+def family_model(case: str, dtype: torch.dtype):
+    """A tiny random causal LM of FAMILY_CONFIGS[case], every weight (norms and biases too) drawn N(0, 0.1), seeded."""
+    import transformers
+
+    _, class_name, extra = FAMILY_CONFIGS[case]
+    config = getattr(transformers, class_name)(
+        vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, bos_token_id=1, eos_token_id=2, pad_token_id=0, **extra)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).to(dtype).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0, 0.1)
+    return model
+
+
+def layer_results(stack, ext, prompt: list[int]) -> list[torch.Tensor]:
+    """Every layer output and cache entry `stack` computes with the loop `ext` (None: eager) over each kind of call:
+    a prefill longer than the window, single decode steps past it, a chain over the cache (verification), a token
+    tree (SWIFT's) and an early-layer draft step (layers [0, 2))."""
+    stack.fused = ext
+    cache, out = stack.new_cache(32), []
+    P = len(prompt)
+    stack.forward_layers(stack.embed(torch.tensor([prompt])), 0, stack.num_layers, 0, cache, collect=out)
+    for pos in (P, P + 1):
+        stack.forward_layers(stack.embed(torch.tensor([[pos % 50 + 3]])), 0, stack.num_layers, pos, cache,
+                             collect=out)
+    out.append(stack.forward_layers(stack.embed(torch.tensor([[5, 9, 11]])), 0, 2, P + 2, cache))
+    chain = stack.embed(torch.tensor([[7, 8, 9, 10]]))
+    stack.forward_layers(chain, 0, stack.num_layers, P + 2, cache, collect=out)
+    tree = TreeMask.of([-1, 0, 0, 1, 2])
+    stack.forward_layers(stack.embed(torch.tensor([[4, 6, 12, 13, 14]])), 0, stack.num_layers, P + 6, cache,
+                         collect=out, tree=tree)
+    n = P + 11
+    return out + [t[:, :, :n] for t in cache.k + cache.v]
+
+
+@pytest.fixture(scope="module")
+def extension():
+    return fused.extension()
+
+
+# bfloat16 on CPU: verification and trees attend row by row (exact_rows), the windowed masks' gathered keys too
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", list(FAMILY_CONFIGS))
+def test_every_family_runs_fused_with_the_eager_bits(extension, case, dtype):
+    stack = LayerStack(family_model(case, dtype), layers="fused")  # fused.check passed at load
+    assert stack.layer_path == "fused" and stack.math.family.name == FAMILY_CONFIGS[case][0]
+    prompt = [3, 17, 29, 41, 8, 22, 35, 11, 19]  # 9 positions > WINDOW
+    eager = layer_results(stack, None, prompt)
+    fused_bits = layer_results(stack, extension, prompt)
+    assert len(eager) == len(fused_bits)
+    differ = [i for i, (a, b) in enumerate(zip(eager, fused_bits)) if not torch.equal(a, b)]
+    assert differ == [], f"{case} {dtype}: results {differ} of {len(eager)} differ"
+
+
+@pytest.mark.parametrize("case", list(FAMILY_CONFIGS))
+def test_every_family_decodes_fused_as_eager_and_generate(case):
+    """Through the engine's own calls (DEL's trimmed prefill, drafts from an exit layer, SWIFT's token tree): the
+    fused loop's tokens are `generate`'s and its rounds eager's."""
+    model = family_model(case, torch.float64)
+    prompt = [3, 17, 29, 41, 8, 22, 35, 11, 19]
+    ref = hf_greedy(model, prompt, 16)
+    stack = LayerStack(model, layers="fused")
+    fused_loop = stack.fused
+    for method in (LayerSkip(2, 3), DEL(), SWIFT[1]):
+        stack.fused = None
+        eager = Engine(stack, Sampling(), set()).generate(prompt, method, 16, seed=0)
+        stack.fused = fused_loop
+        gen = Engine(stack, Sampling(), set()).generate(prompt, method, 16, seed=0)
+        assert gen.output_ids == ref and decisions(gen) == decisions(eager), method.name

@@ -96,12 +96,15 @@ def put_ninja_on_path() -> bool:
     return False
 
 
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # the MLP activations fused_layers.cpp's mlp_sublayer computes
+
+
 def unsupported(stack) -> str | None:
-    """Why the fused loop cannot run this stack's layers (None: it can)."""
-    if not stack.math.plain:  # families.py: the C++ loop is Llama's layer; other families' math is eager's only
-        return f"the {stack.math.family.name} family's layer math is not in the C++ loop (only Llama's is)"
-    if any(b is not None for lay in stack.layers for b in (lay.b_qkv, lay.b_o, lay.b_gate_up, lay.b_down)):
-        return "the model's projections have biases (the C++ loop is the bias-free Llama layer)"
+    """Why the fused loop cannot run this stack's layers (None: it can). Every variation families.py describes is in
+    the C++ loop (LayerStack._fused_family_args passes it); check() still holds its bits to eager's at load."""
+    if stack.math.activation not in ACTIVATIONS:
+        return (f"the {stack.math.family.name} model's MLP activation {stack.math.activation!r} is not in the C++ loop "
+                f"(it computes {', '.join(ACTIVATIONS)})")
     if len({lay.device for lay in stack.layers}) > 1:
         return "the layers span several devices (device_map): the loop moves no tensor between them"
     return None

@@ -3,9 +3,13 @@
 // The same ATen ops, in the same order, on the same tensors as the eager Python loop (layer_stack.py
 // _attention / _mlp), so the results are the same bits (fused.py checks that on the machine at hand before it is
 // used). What it removes is the Python around each op: on a 2-core CPU that is ~100 µs per layer, more than the
-// matmuls of a small model's layer take. Bias-free Llama layers on one device only (fused.py says why not otherwise).
+// matmuls of a small model's layer take. The layer of every described family (models/families.py: Llama's, plus the
+// family's biases, q/k norms, Gemma's norms, sandwich norms, activation, soft cap, windows and rotary tables), on one
+// device only (fused.py says why not otherwise).
 #include <torch/extension.h>
 
+#include <limits>
+#include <utility>
 #include <vector>
 
 using torch::Tensor;
@@ -20,6 +24,15 @@ Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) {
   }
   if (x.is_cpu()) return at::rms_norm(x, {x.size(-1)}, weight, eps);
   return weight * (x * at::rsqrt(x.pow(2).mean(-1, true) + eps));
+}
+
+// layer_stack.gemma_rms_norm (Gemma2RMSNorm's bits): everything in float32 — a float64 model's states go down to
+// float32 and back — with `one_plus_w` = 1 + w.float() [D] (or [hd]), computed once at load
+Tensor gemma_norm(const Tensor& x, const Tensor& one_plus_w, double eps) {
+  Tensor x32 = x.to(at::kFloat);
+  Tensor normed = x.is_cpu() ? at::rms_norm(x32, {x.size(-1)}, c10::nullopt, eps)
+                             : x32 * at::rsqrt(x32.pow(2).mean(-1, true) + eps);
+  return (normed * one_plus_w).to(x.scalar_type());
 }
 
 // layer_stack._linear without a bias: x [T, in] times weight [out, in]ᵀ (+ residual [T, out]) → [T, out]. On CPU
@@ -63,37 +76,171 @@ Tensor attend(const Tensor& q, const Tensor& k, const Tensor& v, const c10::opti
   return at::scaled_dot_product_attention(q, k, v, mask, 0.0, !mask && T > 1, scale, gqa);
 }
 
-// h: [T, D] the states of positions pos .. pos+T-1. weights: 6 per layer, in order (matrices [out, in], HF's layout)
-//   in_norm [D], qkv [(H+2·KV)·hd, D], o [D, H·hd], post_norm [D], gate_up [2·I, D], down [D, I].
+// A family's optional tensors per layer (LayerStack._fused_family), in this order; an empty tensor where the layer has
+// none. A model with none of them (Llama) passes no extras at all and runs the Llama ops, unchanged.
+enum Extra { QKV_BIAS, Q_NORM, K_NORM, O_BIAS, ATTN_OUT_NORM, GATE_UP_BIAS, DOWN_BIAS, MLP_OUT_NORM, EXTRAS };
+
+bool has(const Tensor* e, Extra which) { return e != nullptr && e[which].numel() > 0; }
+
+// What a family changes in the layer's math beyond its tensors (all false / 0: Llama's)
+struct Family {
+  bool gemma_norm;  // every norm (the q/k norms too) is gemma_norm, its weights 1 + w in float32
+  bool gelu_tanh;   // the MLP's activation is gelu_pytorch_tanh, not silu
+  double softcap;   // attention logits soft-capped, tanh(s / cap) · cap, in HF's eager attention (Gemma 2); 0: none
+};
+
+Tensor norm(const Tensor& x, const Tensor& weight, double eps, const Family& f) {
+  return f.gemma_norm ? gemma_norm(x, weight, eps) : rms_norm(x, weight, eps);
+}
+
+// layer_stack._causal: [T, S] bool, query i (position pos + i) sees keys 0 .. pos + i
+Tensor causal(int64_t pos, int64_t T, int64_t S, const at::Device& device) {
+  auto longs = at::TensorOptions().dtype(at::kLong).device(device);
+  return at::arange(S, longs).unsqueeze(0) <= (at::arange(T, longs) + pos).unsqueeze(1);
+}
+
+// layer_stack._windowed: the mask of T queries from slot pos over S keys (none: a causal chain) restricted to a sliding
+// window, keys at positions p − window < k ≤ p for the query at position p; a query's position is pos + the keys it
+// sees among slots pos.. − 1 (a tree node's depth), a slot before pos holds its own
+Tensor windowed(const c10::optional<Tensor>& mask, int64_t pos, int64_t T, int64_t S, int64_t window,
+                const at::Device& device) {
+  Tensor m = mask ? *mask : causal(pos, T, S, device);
+  Tensor query_pos = m.narrow(1, pos, S - pos).sum(-1) + (pos - 1);                   // [T]
+  Tensor key_pos = at::cat({at::arange(pos, query_pos.options()), query_pos});         // [S]
+  return m & (key_pos.unsqueeze(0) > (query_pos - window).unsqueeze(1));
+}
+
+// layer_stack._attend_softcapped (HF's eager attention with Gemma 2's logit soft cap): q [1, H, T, hd] over k, v
+// [1, KV, S, hd]: softmax(cap · tanh(q kᵀ · scale / cap), masked) in float32, cast back, times v
+Tensor attend_softcapped(const Tensor& q, const Tensor& k, const Tensor& v, c10::optional<Tensor> mask, int64_t pos,
+                         double scale, double cap) {
+  const int64_t T = q.size(2), S = k.size(2), groups = q.size(1) / k.size(1);
+  Tensor keys = k.repeat_interleave(groups, 1), values = v.repeat_interleave(groups, 1);  // repeat_kv: [1, H, S, hd]
+  Tensor weights = at::matmul(q, keys.transpose(2, 3)) * scale;                            // [1, H, T, S]
+  weights = at::tanh(weights / cap) * cap;
+  if (!mask && T > 1) mask = causal(pos, T, S, q.device());
+  if (mask) weights = weights.masked_fill(mask->logical_not(), -std::numeric_limits<double>::infinity());
+  return at::matmul(at::softmax(weights, -1, at::kFloat).to(q.scalar_type()), values);
+}
+
+// The windowed masks of one forward_layers call, one per window size: its layers share the mask, pos and T
+struct WindowMasks {
+  std::vector<std::pair<int64_t, Tensor>> made;
+
+  Tensor get(const c10::optional<Tensor>& mask, int64_t pos, int64_t T, int64_t S, int64_t window,
+             const at::Device& device) {
+    for (const auto& [w, m] : made)
+      if (w == window) return m;
+    made.emplace_back(window, windowed(mask, pos, T, S, window, device));
+    return made.back().second;
+  }
+};
+
+// layer_stack.FamilyLayerStack._attend_layer: the layer's window (where it reaches back past key 0: one query reads
+// the last `window` keys, several get a windowed mask), then SDPA (attend) or the soft-capped attention
+Tensor attend_layer(const Tensor& q, Tensor k, Tensor v, c10::optional<Tensor> mask, int64_t pos, double scale,
+                    bool gqa, bool exact, int64_t window, WindowMasks& masks, const Family& f) {
+  const int64_t T = q.size(2), S = k.size(2);
+  if (window > 0 && pos + T > window) {
+    if (T == 1) {
+      k = k.narrow(2, S - window, window);
+      v = v.narrow(2, S - window, window);
+      if (mask) mask = mask->narrow(1, S - window, window);
+    } else {
+      mask = masks.get(mask, pos, T, S, window, q.device());
+    }
+  }
+  if (f.softcap > 0) return attend_softcapped(q, k, v, mask, pos, scale, f.softcap);
+  return attend(q, k, v, mask, pos, scale, gqa, exact);
+}
+
+// product (+ bias) (+ residual): layer_stack._linear, the bias added as its own op, then the residual
+Tensor biased_product(const Tensor& x, const Tensor& weight, const Tensor* e, Extra bias,
+                      const c10::optional<Tensor>& residual) {
+  if (!has(e, bias)) return product(x, weight, residual);
+  Tensor y = product(x, weight, c10::nullopt) + e[bias];
+  return residual ? *residual + y : y;
+}
+
+// An output projection joined to the residual h: in one product (Llama), or after its bias and the family's
+// sandwich norm (Gemma 2/3: h + norm(o(x)))
+Tensor residual_product(const Tensor& h, const Tensor& x, const Tensor& weight, const Tensor* e, Extra bias,
+                        Extra out_norm, double eps, const Family& f) {
+  if (!has(e, out_norm)) return biased_product(x, weight, e, bias, h);
+  return h + norm(biased_product(x, weight, e, bias, c10::nullopt), e[out_norm], eps, f);
+}
+
+// One layer's attention inputs and settings that do not change along the loop
+struct Attention {
+  int64_t pos, H, KV, hd;
+  double eps, scale;
+  bool exact;
+  const c10::optional<Tensor>& mask;
+};
+
+// h + attention(norm(h)) of one layer: q|k|v from one matmul (+ bias), q/k norms over each head (Qwen3, Gemma 3), RoPE
+// on q and k together (cos, sin [T, 1, hd]: the layer's table), its keys and values written into its cache k, v at
+// pos .. pos+T-1, attention over the cache within its window (0: none)
+Tensor attention_sublayer(const Tensor& h, const Tensor* w, const Tensor* e, const Tensor& k, const Tensor& v,
+                          const Tensor& cos, const Tensor& sin, int64_t window, const Attention& a,
+                          WindowMasks& masks, const Family& f) {
+  const int64_t T = h.size(0), H = a.H, KV = a.KV, hd = a.hd;
+  Tensor qkv = biased_product(norm(h, w[0], a.eps, f), w[1], e, QKV_BIAS, c10::nullopt).view({T, H + 2 * KV, hd});
+  Tensor qk = qkv.narrow(1, 0, H + KV);
+  if (has(e, Q_NORM))  // [T, H, hd] and [T, KV, hd], each head normed over hd
+    qk = at::cat({norm(qk.narrow(1, 0, H), e[Q_NORM], a.eps, f), norm(qk.narrow(1, H, KV), e[K_NORM], a.eps, f)}, 1);
+  qk = qk * cos + at::roll(qk, {hd / 2}, {-1}) * sin;                                         // [T, H+KV, hd]
+  k.narrow(2, a.pos, T).copy_(qk.narrow(1, H, KV).transpose(0, 1).unsqueeze(0));             // [1, KV, T, hd]
+  v.narrow(2, a.pos, T).copy_(qkv.narrow(1, H + KV, KV).transpose(0, 1).unsqueeze(0));
+  Tensor q = qk.narrow(1, 0, H).transpose(0, 1).unsqueeze(0);                                // [1, H, T, hd]
+  Tensor keys = k.narrow(2, 0, a.pos + T), values = v.narrow(2, 0, a.pos + T);
+  Tensor attn = window == 0 && f.softcap == 0
+                    ? attend(q, keys, values, a.mask, a.pos, a.scale, KV != H, a.exact)
+                    : attend_layer(q, keys, values, a.mask, a.pos, a.scale, KV != H, a.exact, window, masks, f);
+  return residual_product(h, attn[0].transpose(0, 1).reshape({T, H * hd}), w[2], e, O_BIAS, ATTN_OUT_NORM, a.eps,
+                          f);
+}
+
+// h + MLP(norm(h)) of one layer: down(act(gate) · up), gate|up from one matmul
+Tensor mlp_sublayer(const Tensor& h, const Tensor* w, const Tensor* e, double eps, const Family& f) {
+  Tensor gate_up = biased_product(norm(h, w[3], eps, f), w[4], e, GATE_UP_BIAS, c10::nullopt);  // [T, 2·I]
+  const int64_t I = gate_up.size(1) / 2;
+  Tensor gate = gate_up.narrow(1, 0, I);
+  Tensor act = f.gelu_tanh ? at::gelu(gate, "tanh") : at::silu(gate);
+  return residual_product(h, act * gate_up.narrow(1, I, I), w[5], e, DOWN_BIAS, MLP_OUT_NORM, eps, f);
+}
+
+// h: [T, D] the states of positions pos .. pos+T-1. weights: 6 per layer, in order (matrices in their product layout)
+//   in_norm [D], qkv [(H+2·KV)·hd, D], o [D, H·hd], post_norm (the MLP's input norm) [D], gate_up [2·I, D],
+//   down [D, I].
 // k, v: every layer's cache [1, KV, max_len, hd], written at pos .. pos+T-1 in place.
-// cos, sin: [T, 1, hd] (sin signed: rotate_half(x)·sin == roll(x, hd/2)·(sign·sin)); mask: [T, pos+T] bool, or none
-// (one query, a causal chain from an empty cache, or a chain attended row by row: see attend).
+// cos, sin: [R, T, 1, hd], one table per rotary kind (sin signed: rotate_half(x)·sin == roll(x, hd/2)·(sign·sin));
+// mask: [T, pos+T] bool, or none (one query, a causal chain from an empty cache, or a chain attended row by row: see
+// attend).
+// The family's (LayerStack._fused_family; all empty / false / 0 for Llama's layer): extras, none or EXTRAS per layer
+// (see Extra: qkv bias [(H+2·KV)·hd], q/k norms [hd], o bias [D], the attention output's norm [D], gate|up bias
+// [2·I], down bias [D], the MLP output's norm [D]); windows, per layer W (0: none) or none; ropes, per layer its
+// table in cos, sin, or none (all the first); gemma_norm, gelu_tanh, softcap (see Family).
 // Returns the last layer's output [T, D], or with `collect` every layer's output (end - start of them).
 std::vector<Tensor> forward_layers(Tensor h, const std::vector<Tensor>& weights, const std::vector<Tensor>& k,
                                    const std::vector<Tensor>& v, int64_t start, int64_t end, int64_t pos,
                                    const Tensor& cos, const Tensor& sin, const c10::optional<Tensor>& mask,
                                    int64_t H, int64_t KV, int64_t hd, double eps, double scale, bool collect,
-                                   bool exact) {
-  const int64_t T = h.size(0);
+                                   bool exact, const std::vector<Tensor>& extras, const std::vector<int64_t>& windows,
+                                   const std::vector<int64_t>& ropes, bool gemma_norm, bool gelu_tanh,
+                                   double softcap) {
+  const Family family{gemma_norm, gelu_tanh, softcap};
+  const Attention attention{pos, H, KV, hd, eps, scale, exact, mask};
+  const std::vector<Tensor> cos_of = cos.unbind(0), sin_of = sin.unbind(0);  // [T, 1, hd] per table
+  WindowMasks masks;
   std::vector<Tensor> outputs;
   for (int64_t i = start; i < end; ++i) {
     const Tensor* w = &weights[6 * i];
-    // attention: h + o(attend(rope(q), rope(k), v)), q|k|v from one matmul
-    Tensor x = rms_norm(h, w[0], eps);
-    Tensor qkv = product(x, w[1], c10::nullopt).view({T, H + 2 * KV, hd});
-    Tensor qk = qkv.narrow(1, 0, H + KV);
-    qk = qk * cos + at::roll(qk, {hd / 2}, {-1}) * sin;                                       // [T, H+KV, hd]
-    k[i].narrow(2, pos, T).copy_(qk.narrow(1, H, KV).transpose(0, 1).unsqueeze(0));        // [1, KV, T, hd]
-    v[i].narrow(2, pos, T).copy_(qkv.narrow(1, H + KV, KV).transpose(0, 1).unsqueeze(0));
-    Tensor q = qk.narrow(1, 0, H).transpose(0, 1).unsqueeze(0);                             // [1, H, T, hd]
-    Tensor attn = attend(q, k[i].narrow(2, 0, pos + T), v[i].narrow(2, 0, pos + T), mask, pos, scale, KV != H,
-                         exact);
-    h = product(attn[0].transpose(0, 1).reshape({T, H * hd}), w[2], h);
-    // MLP: h + down(silu(gate) · up), gate|up from one matmul
-    x = rms_norm(h, w[3], eps);
-    Tensor gate_up = product(x, w[4], c10::nullopt);                                       // [T, 2·I]
-    const int64_t I = gate_up.size(1) / 2;
-    h = product(at::silu(gate_up.narrow(1, 0, I)) * gate_up.narrow(1, I, I), w[5], h);
+    const Tensor* e = extras.empty() ? nullptr : &extras[EXTRAS * i];
+    const int64_t rope = ropes.empty() ? 0 : ropes[i];
+    h = attention_sublayer(h, w, e, k[i], v[i], cos_of[rope], sin_of[rope], windows.empty() ? 0 : windows[i],
+                           attention, masks, family);
+    h = mlp_sublayer(h, w, e, eps, family);
     if (collect) outputs.push_back(h);
   }
   if (!collect) outputs.push_back(h);

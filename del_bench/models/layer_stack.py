@@ -292,7 +292,23 @@ class LayerStack:
         # the fused loop's arguments: 6 tensors per layer (fused_layers.cpp), in one flat list built once
         self._fused_weights = [t for lay in self.layers for t in (lay.w_in_norm, lay.w_qkv, lay.w_o, lay.w_post_norm,
                                                                    lay.w_gate_up, lay.w_down)]
+        self._fused_family = self._fused_family_args()
         self.fused, self.layer_path, self.layer_setup_s = fused.choose(self, layers)
+
+    def _fused_family_args(self) -> tuple:
+        """The fused loop's last six arguments, what the family adds to Llama's layer (fused_layers.cpp
+        forward_layers): per layer its optional tensors (an empty tensor where it has none), its window (0: none) and
+        rotary table, then the family's norm, activation and soft cap. Empty lists for Llama's layer, whose loop runs
+        Llama's ops unchanged."""
+        extras = [(lay.b_qkv, lay.w_q_norm, lay.w_k_norm, lay.b_o, lay.w_attn_out_norm, lay.b_gate_up, lay.b_down,
+                   lay.w_mlp_out_norm) for lay in self.layers]
+        none = torch.empty(0)
+        present = any(t is not None for layer in extras for t in layer)
+        flat = [none if t is None else t for layer in extras for t in layer] if present else []
+        windows = [lay.window or 0 for lay in self.layers]
+        ropes = [lay.rope for lay in self.layers]
+        return (flat, windows if any(windows) else [], ropes if any(ropes) else [], self.math.family.norm == "gemma",
+                self.math.activation == "gelu_pytorch_tanh", self.math.attention_softcap or 0.0)
 
     @contextmanager
     def counting(self) -> Iterator[WorkCounter]:
@@ -517,9 +533,9 @@ class LayerStack:
         T = h.shape[1]
         if self.counter is not None:  # the C++ loop runs every layer of [start, end) once, whole
             self.counter.layers += end - start
-        outs = self.fused.forward_layers(h[0], self._fused_weights, cache.k, cache.v, start, end, pos, cos[0],
-                                         sin[0], mask, self.n_heads, self.n_kv_heads, self.head_dim, self.eps,
-                                         self.scale, collect is not None, self.exact_rows)  # each [T, D]
+        outs = self.fused.forward_layers(h[0], self._fused_weights, cache.k, cache.v, start, end, pos, cos, sin,
+                                         mask, self.n_heads, self.n_kv_heads, self.head_dim, self.eps, self.scale,
+                                         collect is not None, self.exact_rows, *self._fused_family)  # each [T, D]
         cache.lengths[start:end] = [pos + T] * (end - start)
         if collect is None:
             return outs[0][None]
