@@ -6,7 +6,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
+
+from del_bench.transfer import to_numpy
 
 # rounds whose shadow scoring a method may defer (Method.can_defer) before the engine scores them anyway
 MAX_DEFERRED = 16
@@ -65,6 +68,20 @@ class Shadow:
     confidence: torch.Tensor  # [L-1, W] its softmax probability
     target: torch.Tensor  # [W] the full model's greedy tokens x^L
     states: torch.Tensor | None = None  # [L-1, W, D] the hidden states they came from (for analysis)
+    # [2, L-1, W] float64 on the host: whether each layer matched the target (0/1) and its confidence, where already
+    # read (a batch of deferred rounds is read in one transfer, engine/shadow.py); else None
+    on_host: np.ndarray | None = None
+
+    def matches_and_confidence(self) -> np.ndarray:
+        """[2, L-1, W] float64 on the host: matches (0/1) and confidences, both exact — in one read if not read yet."""
+        if self.on_host is not None:
+            return self.on_host
+        return to_numpy(matches_and_confidence(self.tokens, self.confidence, self.target))
+
+
+def matches_and_confidence(tokens: torch.Tensor, confidence: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """tokens, confidence [L-1, W], target [W] → [2, L-1, W] float64 on their device: matches (0/1), confidences."""
+    return torch.stack([(tokens == target[None, :]).double(), confidence.double()])
 
 
 @dataclass(frozen=True)

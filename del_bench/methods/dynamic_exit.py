@@ -44,10 +44,8 @@ from __future__ import annotations
 from functools import lru_cache
 
 import numpy as np
-import torch
 
 from del_bench.methods.base import MAX_DEFERRED, Method, Plan, RoundEvidence, Shadow, check_exit_layer, check_gamma
-from del_bench.transfer import to_numpy
 
 
 def tpl_table(alpha, num_layers: int, d_max: int, head_cost: float = 0.0, stop_head: bool = False,
@@ -207,8 +205,7 @@ class DEL(Method):
         """One round's evidence into the decayed sums (shadow covers exactly the valid window)."""
         L1, W = shadow.tokens.shape
         terms = np.empty((3, L1, W))  # [match, conf·match, conf·(1 − match)]: S ← ω·S + Σ_positions terms
-        # one host read: matches (0/1) and confidences, both exact in float64
-        read = to_numpy(torch.stack([(shadow.tokens == shadow.target[None, :]).double(), shadow.confidence.double()]))
+        read = shadow.matches_and_confidence()  # [2, L-1, W]: one host read, or none if the engine batched it
         terms[0] = read[0]
         conf = read[1]
         np.multiply(conf, terms[0], out=terms[1])
