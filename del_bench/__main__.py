@@ -120,18 +120,19 @@ def format_table(summaries: list[dict], keys: list | None = None) -> str:
         base = vanilla_baseline(key, runs)
         loaded = _busy(s)
         speedup = f"{s['tokens_per_s'] / base:.2f}x" if base and s["tokens_per_s"] else "n/a"
-        alpha = f"{s['acceptance_rate']:.2f}" if s["acceptance_rate"] is not None else "-"
         speedup += "*" if loaded or any(map(_busy, vanilla_partners(key, runs))) else " "  # either side busy
+        alpha = f"{s['acceptance_rate']:.2f}" if s["acceptance_rate"] is not None else "-"
         quality = " ".join(f"{k}={v:.3g}" for k, v in s.get("quality", {}).items() if not k.startswith("bleu_"))
         loop = s.get("provenance", {}).get("layer_path") or "eager"  # records from before the fused loop: eager
         lines.append(f"{s['model']:<14} {s['task']:<10} {label:<{width}} {s['n_samples']:>3} "
                      f"{s['tokens_per_s'] or 0:>7.2f}{'*' if loaded else ' '} {speedup:>9} {s['etpl'] or 0:>6.3f} "
                      f"{alpha:>5} {loop:<6}  {quality}")
         if loaded:
-            notes.append(f"* {label} on {s['model']}/{s['task']}: timed on a busy machine — other processes kept up to "
-                         f"{loaded['max_other_cores']:.1f} CPUs busy around {loaded['overloaded']} of "
-                         f"{loaded['samples']} samples, with {loaded['free_cores']} cores free of torch's threads; its "
-                         "speed and the speedups against it are not to be trusted (rerun on a quiet machine).")
+            notes.append(f"* {label} on {s['model']}/{s['task']}: timed on a busy machine — around "
+                         f"{loaded['overloaded']} of {loaded['samples']} samples other processes ran on (or waited "
+                         f"for) up to {loaded['max_other_cores']:.1f} CPUs where torch's threads left "
+                         f"{loaded['free_cores']} free; its speed and the speedups against it are not to be trusted "
+                         "(rerun on a quiet machine).")
         if s["method"] != "vanilla" and s["method"] not in PEER_LABELS and not s.get("drafted"):
             notes.append(f"{label} drafted no token on {s['model']}: its policy never expected an early "
                          "exit to pay on this model, so every round was a full pass (eTPL = 1/L, α '-'), as Vanilla's.")

@@ -199,7 +199,8 @@ def test_show_labels_methods_as_the_tables_do_and_marks_busy_runs():
     assert "LS(E1-γ2)" in lines[3] and " 2.00x*" in lines[3]  # its speedup is against a busy Vanilla
     assert "DEL [1]" in lines[4] and "0.50x" in lines[4] and "DEL [2]" in lines[5] and "1.50x" in lines[5]
     assert "[1] = del-w0.95-layers-vnull" in text and "[2] = del-w0.95-measured-v1024-deferred" in text
-    assert "* Vanilla on m/t: timed on a busy machine" in text and "3.0 CPUs busy around 1 of 1 samples" in text
+    assert "* Vanilla on m/t: timed on a busy machine — around 1 of 1 samples" in text
+    assert "up to 3.0 CPUs where torch's threads left 2 free" in text
     assert "ls-E1-g2" not in text and len({len(line) for line in lines[:2]}) == 1  # one column layout
     assert "*" not in format_table([_summary(VANILLA, 10.0), _summary(KEY, 20.0)])
 
