@@ -190,17 +190,23 @@ class _Rules:
         return []
 
 
+def _frame_name(frame) -> str:
+    path = frame.f_code.co_filename
+    rel = os.path.relpath(path)
+    return f"{path if rel.startswith('..') else rel}:{frame.f_lineno} {frame.f_code.co_name}"
+
+
 def _call_site() -> str:
-    """The innermost frame outside torch and this file: `path:line function` (path relative to the working
-    directory where it lies below it)."""
+    """The innermost frame outside torch and this file, and its caller (a read often goes through a helper, like the
+    engine's transfer functions): `path:line function ← path:line function`, paths relative to the working directory
+    where they lie below it."""
     frame = sys._getframe(2)
-    while frame is not None:
-        path = frame.f_code.co_filename
-        if not path.startswith(_TORCH_DIR) and os.path.abspath(path) != _HERE:
-            rel = os.path.relpath(path)
-            return f"{path if rel.startswith('..') else rel}:{frame.f_lineno} {frame.f_code.co_name}"
+    while frame is not None and (frame.f_code.co_filename.startswith(_TORCH_DIR)
+                                 or os.path.abspath(frame.f_code.co_filename) == _HERE):
         frame = frame.f_back
-    return "?"
+    if frame is None:
+        return "?"
+    return _frame_name(frame) + (f" ← {_frame_name(frame.f_back)}" if frame.f_back is not None else "")
 
 
 class _Mode(TorchFunctionMode):
@@ -226,7 +232,7 @@ class _Mode(TorchFunctionMode):
 class SyncCounter:
     """Host synchronisations seen while `count_syncs` was open. total: sync debug mode's count on CUDA, else the
     classified one (observed); kinds: per kind (KINDS); ops: per torch call; sites: per `path:line function` of the
-    code that made them; segments: the counts between successive cut() calls (one a round, see measure)."""
+    code that made them (← its caller); segments: the counts between successive cut() calls (a round each: measure)."""
 
     device: torch.device
     kinds: Counter = field(default_factory=Counter)
