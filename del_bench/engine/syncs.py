@@ -22,7 +22,9 @@ Kinds (one count each, unless said otherwise):
   synchronisation: sync debug mode reports them);
 - shape: ops whose output shape depends on the data, so CUDA must read a count back before it can allocate —
   nonzero, argwhere, masked_select, unique, unique_consecutive, bincount, torch.where with only a condition,
-  repeat_interleave with tensor repeats and no output_size, and indexing (or index assignment) with a boolean mask;
+  repeat_interleave with tensor repeats and no output_size, and indexing (or index assignment) with a boolean mask
+  (one each: the least they cost on CUDA; some read more there, e.g. bincount its min and max, which the CUDA count
+  sees);
 - check: torch.multinomial with one sample or without replacement counts 2 — its validity checks read two values
   (`(max < inf & min >= 0).item()`, `(sum == 0).item()`, ATen's Distributions.cpp) before the Gumbel-max draw.
 Not counted: sorting, topk, argmax, cumsum, random draws (the values stay on the device); torch.cuda.synchronize()
