@@ -14,7 +14,7 @@ from del_bench.engine.sampling import Sampling
 from del_bench.errors import ConfigError
 from del_bench.models import exit_adapters
 from del_bench.models.fused import LAYER_PATHS
-from del_bench.models.loading import weights_digest
+from del_bench.models.loading import local_layers, local_name, weights_digest
 from del_bench.records import decoding_tag
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -59,6 +59,10 @@ if not OmegaConf.has_resolver("model_variant"):  # out_dir: `<model>+exits-<dige
     OmegaConf.register_new_resolver("model_variant", exit_adapters.model_variant)
 if not OmegaConf.has_resolver("weights_digest"):  # cached: a config resolved twice hashes the weights once
     OmegaConf.register_new_resolver("weights_digest", weights_digest, use_cache=True)
+if not OmegaConf.has_resolver("local_layers"):  # model=local: the layer count read from DIR/config.json
+    OmegaConf.register_new_resolver("local_layers", local_layers, use_cache=True)
+if not OmegaConf.has_resolver("local_name"):
+    OmegaConf.register_new_resolver("local_name", local_name)
 
 
 def choices(group: str) -> list[str]:

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from del_bench.errors import ConfigError
+from del_bench.models.families import decoder_of, family_of
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -46,10 +47,12 @@ def load(cfg) -> Loaded:
         raise ValueError(f"model.source must be hub, local, gguf_package or tiny_random, not {cfg.source!r}")
     model.eval()
     check_resident(model)
-    if model.config.num_hidden_layers != cfg.num_layers:
+    text_config = decoder_of(model)[0]
+    family_of(text_config)  # a family the engine does not describe is refused here, before any decoding
+    if text_config.num_hidden_layers != cfg.num_layers:
         raise ValueError(f"model {cfg.name}: config says num_layers={cfg.num_layers} but the checkpoint "
-                         f"has {model.config.num_hidden_layers}; fix configs/model/{cfg.name}.yaml")
-    return Loaded(model, tokenizer, model.config.num_hidden_layers, str(next(model.parameters()).device))
+                         f"has {text_config.num_hidden_layers}; fix configs/model/{cfg.name}.yaml")
+    return Loaded(model, tokenizer, text_config.num_hidden_layers, str(next(model.parameters()).device))
 
 
 OFFLOAD_TARGETS = {"cpu", "disk"}  # hf_device_map values that mean offloaded when beside an accelerator
@@ -135,6 +138,32 @@ def weights_digest(path: str) -> str:
     return digest.hexdigest()[:16]
 
 
+def local_text_config(path: str):
+    """The text decoder's HF config of a local model directory (config.json; Gemma 3's multimodal: its text_config),
+    read without loading weights; ConfigError when there is none."""
+    from transformers import AutoConfig
+
+    directory = _under_repo(path)
+    if not (directory / "config.json").is_file():
+        raise ConfigError(f"no HF model directory at {directory} (config.json missing): model.path=DIR names a "
+                          "directory written by save_pretrained")
+    return AutoConfig.from_pretrained(directory).get_text_config()
+
+
+def local_layers(path: str, fraction: float = 1.0) -> int:
+    """`${local_layers:DIR}`: the decoder layers of a local HF directory (configs/model/local.yaml's num_layers);
+    `${local_layers:DIR,0.25}`: a quarter of them, at least 1 (its default exit layer). Refuses a model_type no
+    family describes, so that fails as the config resolves, before any weights load."""
+    config = local_text_config(path)
+    family_of(config)
+    return max(1, round(config.num_hidden_layers * float(fraction)))
+
+
+def local_name(path: str) -> str:
+    """`${local_name:DIR}`: a local model's default name, its directory's (records, out_dir)."""
+    return _under_repo(path).resolve().name
+
+
 def _load_local(cfg, dtype):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -142,6 +171,7 @@ def _load_local(cfg, dtype):
     if not (path / "config.json").is_file():
         how = f"create it with `{cfg.build_with}`" if cfg.get("build_with") else "train or copy a model there first"
         raise ConfigError(f"model {cfg.name}: no HF model directory at {path} (config.json missing); {how}")
+    family_of(local_text_config(cfg.path))  # before the weights load
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     model.to(cfg.get("device") or "cpu")
