@@ -779,7 +779,8 @@ def _windowed(mask: torch.Tensor | None, pos: int, T: int, S: int, window: int, 
 class FamilyLayerStack(LayerStack):
     """A LayerStack of a family whose layer math is not Llama's (families.py; LayerStack.__new__ chooses it): each
     method below is Llama's plus what the family's LayerMath switches on, per layer where it varies (the q/k norms,
-    sandwich norms, window, rotary table live on _Layer). The eager loop only: fused.unsupported refuses these."""
+    sandwich norms, window, rotary table live on _Layer). The reference for the fused loop, which takes the same
+    per-layer extras (_fused_family_args)."""
 
     def __init__(self, model: nn.Module, layers: str = "eager"):
         from transformers.activations import ACT2FN  # the MLP activation HF's own modules use
