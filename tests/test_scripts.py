@@ -15,11 +15,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from del_bench import bench, runner
 from del_bench.__main__ import cmd_show
+from del_bench.bench import harness
 from del_bench.bench.peers import cut
-from del_bench.records import PEER_NOTE, method_label, read_jsonl
+from del_bench.records import PEER_NOTE, RunKey, method_label, read_jsonl
 from del_bench.report import tables
 from del_bench.report.tables import Row, Table
 from tests.conftest import compose_run
@@ -121,6 +123,10 @@ def test_bench_runs_on_the_tiny_model(name, tmp_path, capsys):
     assert result["bench"] == name and result["provenance"]
     if name == "specbench-speed":  # method 8 tokens/s, baseline 4: speedup 2 on every selection it has
         assert "2.0000" in out and "(no questions)" in out
+    if name == "engine":  # host syncs per row, counted independently after the timed rows (engine/syncs.py)
+        syncs = result["models"][0]["host_syncs"]
+        assert [r["row"] for r in syncs] == [r["row"] for r in result["models"][0]["rows"]]
+        assert all(r["total"] >= r["rounds"] > 0 for r in syncs) and "host syncs" in out
     if name in ("del", "peer"):
         check_recomputable(result["rows"], out)
         check_interleaved(result["rows"], limit=2)
@@ -130,6 +136,34 @@ def test_bench_runs_on_the_tiny_model(name, tmp_path, capsys):
         shown = capsys.readouterr().out
         assert "HF generate†" in shown and "HF assistant_early_exit(E1-γ2)†" in shown and PEER_NOTE in shown
         assert "HF generate† drafted no token" not in shown  # a peer has no policy to explain
+
+
+def test_a_bench_table_marks_a_row_timed_on_a_busy_machine(capsys):
+    rows = [{"row": "Vanilla", "tokens_per_s": 10.0, "busy_samples": 0},
+            {"row": "DEL", "tokens_per_s": 12.0, "busy_samples": 1}]
+    harness.print_table(rows, ["row", "tok/s"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].split() == ["Vanilla", "10.00"] and lines[2].split() == ["DEL", "*", "12.00"]
+    assert lines[3].startswith("* timed on a busy machine")
+    harness.print_table(rows[:1], ["row", "tok/s"])
+    assert "busy" not in capsys.readouterr().out
+
+
+def test_a_bench_row_is_its_summary_paired_with_its_vanilla():
+    """table(): a row's numbers from its summary.json alone, its speedup against the Vanilla it pairs with, and how
+    many of its samples were timed on a busy machine (the summary's load)."""
+    def finished(method: str, speed: float, busy: int) -> harness.Row:
+        key = RunKey(model="m", weights="", task="t", task_version="1", method=method, method_tag=method,
+                     hyperparameters=(), decoding="greedy", max_new_tokens=8, prompts="p", machine="cpu")
+        summary = {"method": method, "method_tag": method, "model": "m", "task": "t", "n_samples": 2,
+                   "tokens_per_s": speed, "etpl": 0.5, "generated_tokens": 8, "loaded_layers": 16, "wall_s": 2.0,
+                   "acceptance_rate": None, "time_split": {"policy": 0.1}, "load": {"overloaded": busy},
+                   "run_key": key.as_dict()}
+        return harness.Row(method, OmegaConf.create({"model": {"num_layers": 4}, "out_dir": method}), None, summary)
+
+    vanilla, ls = harness.table([finished("vanilla", 4.0, 0), finished("ls", 6.0, 1)])
+    assert (vanilla["speedup"], ls["speedup"], ls["predicted_speedup"]) == (1.0, 1.5, 2.0)
+    assert (vanilla["busy_samples"], ls["busy_samples"]) == (0, 1) and ls["pooled_tokens_per_s"] == 4.0
 
 
 def test_tables_mark_a_peer_and_say_why():
@@ -149,7 +183,8 @@ def check_recomputable(rows: list[dict], printed: str) -> None:
         assert r["tokens_per_s"] == pytest.approx(speed, rel=1e-9)
         speedup = speed / statistics.fmean(map(mean_speed, vanilla))  # one model × task × length here
         assert r["speedup"] == pytest.approx(speedup, rel=1e-9)
-        assert re.search(rf"{re.escape(r['row'])}\s+{speed:.2f}\s+{speedup:.2f}x", printed), r["row"]
+        busy = r" \*" if r["busy_samples"] else ""  # timed on a busy machine: marked
+        assert re.search(rf"{re.escape(r['row'])}{busy}\s+{speed:.2f}\s+{speedup:.2f}x", printed), r["row"]
 
 
 def check_interleaved(rows: list[dict], limit: int) -> None:

@@ -23,12 +23,10 @@ COLUMNS = ["row", "tok/s", "speedup", "eTPL", "pooled", "α", "ctrl"]
 
 
 def parse(argv):
-    ap = h.parser("adapters", __doc__)
+    ap = h.parser("adapters", __doc__, limit=4, max_new_tokens=96)
     ap.add_argument("--adapters", required=True, help="a train-exits directory")
     ap.add_argument("--task", default="humaneval")
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--limit", type=int, default=4)
-    ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--seed", type=int, default=0, help="draw of the HumanEval 100+ prompts")
     ap.add_argument("--head-cost", type=float, default=5.0, help="LM-head row in layers, for the LS prediction")
     ap.add_argument("--ls", default=None, help="E:γ for both heads instead of the prediction")

@@ -26,11 +26,9 @@ COLUMNS = ["row", "tok/s", "speedup", "eTPL", "α", "ctrl", ("= Vanilla", "equal
 
 
 def parse(argv):
-    ap = h.parser("controller", __doc__)
+    ap = h.parser("controller", __doc__, limit=3, max_new_tokens=96)
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--task", default="humaneval")
-    ap.add_argument("--limit", type=int, default=3, help="prompts")
-    ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--vocab", type=int, default=1024)
     ap.add_argument("--every", default="2,4", help="shadow_every values whose decision agreement to measure")
     return ap.parse_args(argv)

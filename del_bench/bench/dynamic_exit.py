@@ -19,10 +19,8 @@ COLUMNS = ["task", "row", "tok/s", "speedup", "eTPL", "pred.", "meas/pred", "poo
 
 
 def parse(argv):
-    ap = h.parser("del", __doc__)
+    ap = h.parser("del", __doc__, limit=3, max_new_tokens=96)
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--limit", type=int, default=3)
-    ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--tasks", default="humaneval,gsm8k,wmt14_de_en")
     ap.add_argument("--grid", default=None, help="LS (E:γ) pairs (default: the model's calibration grid)")
     ap.add_argument("--del-methods", default="del,del_e,del_gamma,del_e_lim", help="DEL-family method configs")

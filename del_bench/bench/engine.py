@@ -21,6 +21,7 @@ import statistics
 import torch
 
 from del_bench.bench import harness as h
+from del_bench.engine.syncs import bench_syncs, print_syncs
 from del_bench.models.layer_stack import _linear
 
 COLUMNS = ["row", "tok/s", "speedup", "pred.", "meas/pred", "ctrl", ("ms/tok", "decode_ms_per_token", ".2f", 7),
@@ -28,11 +29,9 @@ COLUMNS = ["row", "tok/s", "speedup", "pred.", "meas/pred", "ctrl", ("ms/tok", "
 
 
 def parse(argv):
-    ap = h.parser("engine", __doc__)
+    ap = h.parser("engine", __doc__, limit=6, max_new_tokens=128)
     ap.add_argument("--models", default="smollm2-135m,testbed")
     ap.add_argument("--task", default="humaneval")
-    ap.add_argument("--limit", type=int, default=6, help="prompts per row")
-    ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--probe-mb", type=int, default=512, help="size of the bandwidth probe's matrix")
     ap.add_argument("--layers", default="eager,fused", help="layer loops to compare (each row runs under each)")
     ap.add_argument("--methods", default="", help="more method configs as rows (e.g. clasp,knapspec,del_knapspec)")
@@ -103,7 +102,8 @@ def bench_model(model: str, args) -> dict:
     def stack():
         return next(iter(loads.values()))()[1]
 
-    table = h.table(h.run_rows(rows, args.limit, before_prompt=measure_floor))
+    done = h.run_rows(rows, args.limit, before_prompt=measure_floor)
+    table = h.table(done)
     gbps = statistics.median(probe["probe_bytes"] / statistics.median(s) for s in probe["probe_s"]) / 1e9
     floor_ms = 1000 * probe["token_bytes"] / (gbps * 1e9)
     gemv_ms = statistics.median(h.median_ms(s) for s in probe["gemv_s"])
@@ -113,7 +113,7 @@ def bench_model(model: str, args) -> dict:
         r["floor_fraction"] = floor_ms / r["decode_ms_per_token"] if vanilla else None
         r["gemv_fraction"] = gemv_ms / r["decode_ms_per_token"] if vanilla else None
     return {"model": model, "rows": table, "gbps": gbps, "floor_ms_per_token": floor_ms, "gemv_ms_per_token": gemv_ms,
-            **probe}
+            **probe, "host_syncs": bench_syncs(done)}  # counted after the timed rows, untimed
 
 
 def main(argv: list[str]) -> int:
@@ -127,5 +127,6 @@ def main(argv: list[str]) -> int:
                       f"{args.max_new_tokens} new tokens: probe {res['gbps']:.1f} GB/s, one token reads "
                       f"{res['token_bytes'] / 1e6:.0f} MB → floor {res['floor_ms_per_token']:.2f} ms/token; its "
                       f"matrix products alone {res['gemv_ms_per_token']:.2f} ms")
+        print_syncs(res["host_syncs"])
     h.write_result(args.out, "engine", vars(args), models=results)
     return 0

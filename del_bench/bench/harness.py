@@ -60,13 +60,18 @@ def shared_load(cfg: DictConfig) -> Callable:
     return load
 
 
-def parser(name: str, doc: str, runs: bool = True) -> argparse.ArgumentParser:
+def parser(name: str, doc: str, runs: bool = True, limit: int | None = None,
+           max_new_tokens: int | None = None) -> argparse.ArgumentParser:
     """A bench's argument parser with the options every bench shares: --out (its result file) and, for a bench
     of runs, --root (their directories), --experiment (recorded in their run keys) and --set (overrides for every
-    row, e.g. layers=eager threads=1)."""
+    row, e.g. layers=eager threads=1); --limit (prompts per row) and --max-new-tokens where given a default."""
     ap = argparse.ArgumentParser(prog=f"python -m del_bench bench {name}", description=doc,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=f"{RESULTS}/{name}.json", help="the result file")
+    if limit is not None:
+        ap.add_argument("--limit", type=int, default=limit, help="prompts per row")
+    if max_new_tokens is not None:
+        ap.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
     if runs:
         ap.add_argument("--root", default=f"{RESULTS}/{name}_runs", help="the rows' run directories")
         ap.add_argument("--experiment", default=f"bench-{name}", help="recorded in every row's run_key.experiments")
@@ -151,7 +156,7 @@ def table(rows: list[Row]) -> list[dict]:
                     "pooled_tokens_per_s": _ratio(s["generated_tokens"], s["wall_s"]), "pooled_etpl": pooled_etpl,
                     "pooled_predicted_speedup": pooled_etpl * L if pooled_etpl is not None else None,
                     "acceptance": s["acceptance_rate"], "controller_share": s["time_split"]["policy"],
-                    "out_dir": r.cfg.out_dir})
+                    "busy_samples": (s.get("load") or {}).get("overloaded", 0), "out_dir": r.cfg.out_dir})
     keys = [run_key_of(r.summary) for r in rows]
     runs = list(zip(keys, out))
     for key, t in runs:
@@ -200,7 +205,9 @@ COLUMNS = {
 
 
 def print_table(rows: list[dict], columns: list, title: str = "") -> None:
-    """rows under `columns` (names of COLUMNS, or (header, key, spec, width) tuples); text left, numbers right."""
+    """rows under `columns` (names of COLUMNS, or (header, key, spec, width) tuples); text left, numbers right; a row
+    timed on a busy machine (records.overloaded around some sample) marked * with a note."""
+    rows = [{**r, "row": f"{r['row']} *"} if r.get("busy_samples") and "row" in r else r for r in rows]
     cols = [COLUMNS[c] if isinstance(c, str) else c for c in columns]
     cols = [(hd, k, spec, w if spec else max([w, *(len(str(r.get(k, ""))) for r in rows)])) for hd, k, spec, w in cols]
     if title:
@@ -209,6 +216,9 @@ def print_table(rows: list[dict], columns: list, title: str = "") -> None:
     for r in rows:
         print(" ".join(f"{str(r.get(k, '')):<{w}}" if not spec else f"{fmt(r.get(k), spec):>{w}}"
                        for _, k, spec, w in cols))
+    if any(r.get("busy_samples") for r in rows):
+        print("* timed on a busy machine: other processes kept more CPUs busy than torch's threads left free around "
+              "some of its samples (records.overloaded); its speed and speedups are not to be trusted")
 
 
 def write_result(path: str | Path, bench: str, settings: dict, **payload) -> Path:

@@ -18,11 +18,9 @@ COLUMNS = ["row", "tok/s", "speedup", "eTPL", "α", ("= generate", "equal_genera
 
 
 def parse(argv):
-    ap = h.parser("peer", __doc__)
+    ap = h.parser("peer", __doc__, limit=4, max_new_tokens=96)
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--task", default="humaneval")
-    ap.add_argument("--limit", type=int, default=4, help="prompts per row")
-    ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--configs", default=None, help="comma-separated E:γ pairs (default: the model's own LS)")
     return ap.parse_args(argv)
 

@@ -27,11 +27,9 @@ COLUMNS = ["model", "task", "row", "tok/s", "speedup", "eTPL", "pred.", "meas/pr
 
 
 def parse(argv):
-    ap = h.parser("swift", __doc__)
+    ap = h.parser("swift", __doc__, limit=4, max_new_tokens=96)
     ap.add_argument("--models", default="smollm2-135m:0.2,testbed:0.45", help="model:skip_ratio pairs")
     ap.add_argument("--tasks", default=None, help="tasks for every model (default: per model, see TASKS)")
-    ap.add_argument("--limit", type=int, default=4)
-    ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--grid", default=None, help="LS (E:γ) pairs for every model (default: the model's own)")
     ap.add_argument("--swift-overrides", nargs="*", default=[], help="extra overrides for the SWIFT rows")
     return ap.parse_args(argv)
