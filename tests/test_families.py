@@ -172,6 +172,27 @@ def test_shadow_confidences_read_the_capped_logits():
     torch.testing.assert_close(confidence, expected_conf, rtol=1e-9, atol=0)
 
 
+def test_gemma3_multimodal_decodes_through_its_text_decoder():
+    """gemma-3-4b/12b-it load as Gemma3ForConditionalGeneration: the stack reads its text decoder and text config
+    (families.decoder_of) and decodes text-only prompts as its `generate` does."""
+    text = tf.Gemma3TextConfig(**SHAPE, **FAMILIES["gemma3"][2], vocab_size=300, bos_token_id=1, eos_token_id=2,
+                               pad_token_id=0)
+    vision = tf.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                   image_size=28, patch_size=14)
+    torch.manual_seed(0)
+    model = tf.Gemma3ForConditionalGeneration(tf.Gemma3Config(
+        text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4, image_token_index=299,
+        boi_token_index=297, eoi_token_index=298)).double().eval()
+    with torch.no_grad():
+        for param_name, param in model.named_parameters():
+            if "language_model" in param_name and "norm" in param_name:
+                param.normal_(0.0, 0.2)
+    ref = hf_greedy(model, PROMPTS[0], 12)
+    stack = LayerStack(model)
+    assert (stack.math.family.name, stack.num_layers) == ("gemma3", L)
+    assert Engine(stack, Sampling(), set()).generate(PROMPTS[0], LayerSkip(1, 3), 12, seed=0).output_ids == ref
+
+
 def test_llama_math_keeps_the_llama_loop():
     """Families whose math is Llama's exactly keep LayerStack's own layer methods (the Llama path's speed); the
     others get FamilyLayerStack's."""
