@@ -66,8 +66,12 @@ figures: setup ## the paper's figures from the reference records → results/fig
 bench: setup ## list the benchmarks (python -m del_bench bench NAME --help: a bench's options; the bench-* targets run them)
 	$(PY) -m del_bench bench
 
-bench-peer: setup ## our Vanilla/LS vs HF generate and assistant_early_exit (peers as rows, with records) on SmolLM2 → $(RECORDS)/bench/peer.json
-	$(PY) -m del_bench bench peer --root $(RECORDS)/bench/peer_runs --out $(RECORDS)/bench/peer.json
+# THREADS=1 (or 2, run.yaml's default) and PRODUCTS=auto|wt_x|x_wt (our products' layout) go to every row's run, each
+# setting in runs and a result of its own (threads and products may change on resume: another root keeps them apart)
+PEER_TAG = $(if $(THREADS),-threads$(THREADS))$(if $(PRODUCTS),-$(PRODUCTS))
+bench-peer: setup ## our Vanilla/LS vs HF generate and assistant_early_exit (peers as rows, with records) on SmolLM2 (THREADS=1: at one thread) → $(RECORDS)/bench/peer$(PEER_TAG).json
+	$(PY) -m del_bench bench peer --root $(RECORDS)/bench/peer_runs$(PEER_TAG) --out $(RECORDS)/bench/peer$(PEER_TAG).json \
+		$(if $(THREADS)$(PRODUCTS),--set $(if $(THREADS),threads=$(THREADS)) $(if $(PRODUCTS),products=$(PRODUCTS)))
 
 # bench-gpu runs in your CUDA environment's python (README "GPU": del-bench installed there, its torch kept), not in
 # .venv's CPU stack: GPU_PYTHON=/path/to/python to choose it, BENCH_GPU_ARGS="--layers 4 …" for other shapes.

@@ -77,7 +77,8 @@ def calibrate(cfg: DictConfig) -> dict:
     points = point_configs(cfg)
     for _, point in points:  # every point is checked before any weights load
         validate(point)
-    load = functools.cache(lambda: load_model(cfg.model, cfg.layers))  # at most once, only if a point needs decoding
+    # at most once, only if a point needs decoding
+    load = functools.cache(lambda: load_model(cfg.model, cfg.layers, cfg.products))
     results, failed = {}, []
     for name, point in points:
         try:

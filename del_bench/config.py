@@ -15,6 +15,7 @@ from del_bench.errors import ConfigError
 from del_bench.models import exit_adapters
 from del_bench.models.fused import LAYER_PATHS
 from del_bench.models.loading import local_layers, local_name, weights_digest
+from del_bench.models.products import SETTINGS as PRODUCT_SETTINGS
 from del_bench.records import decoding_tag
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -170,6 +171,10 @@ def validate(cfg: DictConfig) -> None:
     if layers not in LAYER_PATHS:
         raise ConfigError(f"layers={layers!r} is not a decoder-layer loop.{did_you_mean(str(layers), LAYER_PATHS)} "
                           f"Options: {', '.join(LAYER_PATHS)}")
+    products = cfg.get("products", "auto")
+    if products not in PRODUCT_SETTINGS:
+        raise ConfigError(f"products={products!r} is not a product layout."
+                          f"{did_you_mean(str(products), PRODUCT_SETTINGS)} Options: {', '.join(PRODUCT_SETTINGS)}")
     if cfg.limit is not None and (not isinstance(cfg.limit, int) or cfg.limit < 1):
         raise ConfigError(f"limit={cfg.limit!r} must be a positive integer or null (all samples)")
     if not isinstance(cfg.max_new_tokens, int) or cfg.max_new_tokens < 1:

@@ -73,10 +73,11 @@ def stop_strings(strings: list[str], tokenizer, tail_tokens: int = 16):
     return stop
 
 
-def load_model(model_cfg, layers: str = "auto") -> tuple[loading.Loaded, LayerStack]:
-    """The model and its LayerStack; layers: the decoder-layer loop (auto | fused | eager: models/fused.py)."""
+def load_model(model_cfg, layers: str = "auto", products: str = "auto") -> tuple[loading.Loaded, LayerStack]:
+    """The model and its LayerStack; layers: the decoder-layer loop (auto | fused | eager: models/fused.py); products:
+    the matrix products' layout (auto | wt_x | x_wt: models/products.py)."""
     loaded = loading.load(model_cfg)
-    stack = LayerStack(loaded.model, layers=layers)
+    stack = LayerStack(loaded.model, layers=layers, products=products)
     exit_adapters.attach(stack, model_cfg)  # model.exit_adapters=D: the early-exit heads (else the own head)
     return loaded, stack
 
@@ -108,7 +109,8 @@ def run(cfg: DictConfig, load=None) -> dict:
     info = task.scoring_info() if scoring else {}
 
     if todo:
-        decode_all(cfg, todo, task, method, sampling, run_dir, load or (lambda: load_model(cfg.model, cfg.layers)))
+        load = load or (lambda: load_model(cfg.model, cfg.layers, cfg.products))
+        decode_all(cfg, todo, task, method, sampling, run_dir, load)
     if scoring:
         score_pending(task, samples, run_dir, info)
 
@@ -148,8 +150,11 @@ def decode_all(cfg, todo, task, method, sampling, run_dir: RunDir, load) -> None
     """Generate every (sample, repeat) in `todo`, appending its records (and its peak memory) as it finishes."""
     t0 = time.perf_counter()
     loaded, stack = load()
-    setup = {"layer_path": stack.layer_path, "load_s": time.perf_counter() - t0, "layer_setup_s": stack.layer_setup_s}
+    setup = {"layer_path": stack.layer_path, "load_s": time.perf_counter() - t0, "layer_setup_s": stack.layer_setup_s,
+             "products": stack.products.as_dict()}  # the layouts chosen, and under auto the timings behind them
     log.info("decoder layers: %s (built and checked in %.1f s)", stack.layer_path, stack.layer_setup_s)
+    log.info("matrix products: %s (products=%s, timed in %.1f s)", stack.products.summary(), stack.products.setting,
+             stack.products.setup_s)
     tokenizer = loaded.tokenizer
     task.bind_tokenizer(tokenizer)  # multi-turn tasks render chat turns with it
     eos, stop = eos_ids(loaded.model, tokenizer), stop_strings(task.stop_strings, tokenizer)

@@ -20,6 +20,7 @@ from del_bench.models.layer_stack import LayerStack
 from tests.conftest import DEVICES, tiny_model
 
 PROMPTS = ["def add(a, b):\n", "The quick brown fox", "x"]
+PRODUCTS = ["wt_x", "x_wt"]  # the forced product layouts (models/products.py): each keeps the tokens
 L = 4
 METHODS = (
     [Vanilla()]
@@ -45,16 +46,22 @@ def stack_and_ref():
     return LayerStack(model), model, prompts, refs
 
 
+@pytest.fixture(scope="module", params=PRODUCTS)
+def products(request):
+    return request.param
+
+
 @pytest.fixture(scope="module", params=DEVICES)
-def stack_and_ref_on(request):
-    """stack_and_ref on each of DEVICES (the float64 tiny model moved there before LayerStack lays it out)."""
-    if request.param == "cpu":
+def stack_and_ref_on(request, products):
+    """stack_and_ref on each of DEVICES (the float64 tiny model moved there before LayerStack lays it out), under each
+    forced product layout."""
+    if request.param == "cpu" and products == "wt_x":  # LayerStack's default
         return request.getfixturevalue("stack_and_ref")
     model, tok = tiny_model()
     model.to(request.param)
     prompts = [tok(p)["input_ids"] for p in PROMPTS]
     refs = [hf_greedy(model, p, 40) for p in prompts]
-    return LayerStack(model), model, prompts, refs
+    return LayerStack(model, products=products), model, prompts, refs
 
 
 def assert_greedy_equals_reference(stack_and_ref, method) -> None:

@@ -22,21 +22,22 @@ from del_bench.models import fused
 from del_bench.models.layer_stack import LayerStack, TreeMask
 from del_bench.records import RunDir, run_key_of
 from tests.conftest import tiny_model
-from tests.test_engine import METHODS, PROMPTS, hf_greedy
+from tests.test_engine import METHODS, PRODUCTS, PROMPTS, hf_greedy
 
 SWIFT = [Swift(skip_set={"attn": [1], "mlp": [2]}), Swift(skip_set={"attn": [1, 2], "mlp": [1, 2]}, confidence=0.0,
                                                           d_max=4, tree=True)]
 
 
-@pytest.fixture(scope="module")
-def stacks():
-    """(eager stack, fused stack, prompts, HF's greedy references) on two copies of one float64 tiny model."""
+@pytest.fixture(scope="module", params=PRODUCTS)
+def stacks(request):
+    """(eager stack, fused stack, prompts, HF's greedy references) on two copies of one float64 tiny model, under each
+    forced product layout (the fused loop reads it from the matrices it is given)."""
     model, tok = tiny_model()
     prompts = [tok(p)["input_ids"] for p in PROMPTS]
     refs = [hf_greedy(model, p, 40) for p in prompts]
-    fused_stack = LayerStack(tiny_model()[0], layers="fused")
+    fused_stack = LayerStack(tiny_model()[0], layers="fused", products=request.param)
     assert fused_stack.layer_path == "fused"
-    return LayerStack(model), fused_stack, prompts, refs
+    return LayerStack(model, products=request.param), fused_stack, prompts, refs
 
 
 def decisions(gen) -> list[tuple]:

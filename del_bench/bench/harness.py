@@ -54,7 +54,7 @@ def shared_load(cfg: DictConfig) -> Callable:
 
     def load():
         if not loaded:
-            loaded.append(load_model(cfg.model, cfg.layers))
+            loaded.append(load_model(cfg.model, cfg.layers, cfg.products))
         return loaded[0]
 
     return load

@@ -35,13 +35,17 @@ Tensor gemma_norm(const Tensor& x, const Tensor& one_plus_w, double eps) {
   return (normed * one_plus_w).to(x.scalar_type());
 }
 
-// layer_stack._linear without a bias: x [T, in] times weight [out, in]ᵀ (+ residual [T, out]) → [T, out]. On CPU
-// as weight @ Xᵀ with X at least two rows (MKL's few-column GEMM streams these matrices fastest: see _linear) and the
-// residual joined in one addmm; in half precision HF's x @ Wᵀ and a separate add, which round as HF does.
+// layer_stack._linear without a bias (models/products.product): x [T, in] times a matrix (+ residual [T, out]) →
+// [T, out], in the layout LayerStack chose for this product at this row count, which the matrix carries:
+// - HF's [out, in] as stored: wt_x, W @ Xᵀ with X at least two rows (MKL's few-column GEMM), the residual joined in
+//   one addmm;
+// - its transposed view [in, out] (strides (1, in)): x_wt, HF's x @ Wᵀ, the residual joined in one addmm, but in half
+//   precision (always x_wt) added as its own op, which rounds as HF does.
 Tensor product(const Tensor& x, const Tensor& weight, const c10::optional<Tensor>& residual) {
-  const bool half = x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf;
-  if (!x.is_cpu() || half) {
-    Tensor y = at::mm(x, weight.t());
+  if (weight.stride(1) != 1) {  // x_wt: weight is Wᵀ, a view
+    const bool half = x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf;
+    if (residual && !half) return at::addmm(*residual, x, weight);
+    Tensor y = at::mm(x, weight);
     return residual ? *residual + y : y;
   }
   const int64_t T = x.size(0);

@@ -24,6 +24,8 @@ from torch import nn
 from del_bench.models import fused
 from del_bench.models.families import LayerMath, decoder_of, resolve
 from del_bench.models.loading import check_resident
+from del_bench.models.products import TUNED, X_WT, X_WT_COPY, Layout, Products, product, time_products
+from del_bench.models.products import choose as choose_products
 from del_bench.numerics import HALF_DTYPES, widened
 
 
@@ -111,31 +113,20 @@ def _fuse_rows(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | N
     return weight, bias
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual=None) -> torch.Tensor:
-    """x: [1, T, in] @ weight: [out, in]ᵀ (+ bias) (+ residual [1, T, out]) → [1, T, out]; fused_layers.cpp's
-    `product` does the same ops.
-
-    On CPU it is computed as weight @ Xᵀ with X at least two rows (one row is repeated): MKL's GEMM kernel for a few
-    columns streams these [out, in] matrices faster than its GEMV does and far faster than x @ Wᵀ's GEMM for a few
-    rows. Measured on SmolLM2 / the testbed (the fused loop, 2 threads; the layers were stored [in, out] for x @ W
-    before): a whole token's layers at one position take 0.96× / 1.03× the time, at 2 positions 0.63× / 0.73× and at
-    5 positions 0.72× / 0.86× — a verification batch of 2 now costs ~1.1 single positions, not ~1.5. The LM head
-    likewise from 2 rows (SmolLM2: 2 rows 5.2 vs 8.5 ms, 5 rows 7.0 vs 20 ms; one row: see LayerStack.head). Elsewhere
-    (CUDA) it is x @ Wᵀ, and so it is in half precision on CPU: HF's own product, which rounds as HF's nn.Linear does
-    (float16's CPU GEMM gives other bits as W @ Xᵀ; bfloat16's the same), with the residual added as its own op, as
-    in LlamaDecoderLayer (addmm would round once where HF rounds the product and then the sum)."""
-    T = x.shape[1]
-    if x.device.type != "cpu" or x.dtype in HALF_DTYPES:
-        y = x[0] @ weight.t()  # [T, out]
-    else:
-        rows = x[0] if T > 1 else x[0].expand(2, -1).contiguous()  # [T', in], T' ≥ 2
-        if residual is not None and bias is None:
-            # one kernel: residual + W @ Xᵀ (residual broadcast over the rows); float32/float64 keep it (the
-            # exactness tests hold their tokens)
-            y = torch.addmm(residual[0].t(), weight, rows.t())  # [out, T']
-            return y[:, :T].t().contiguous()[None]  # [1, T, out]
-        y = (weight @ rows.t())[:, :T].t().contiguous()  # [T, out]
-    y = y if bias is None else y + bias
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual=None,
+            layout: Layout = TUNED) -> torch.Tensor:
+    """x: [1, T, in] @ weight: [out, in]ᵀ (+ bias) (+ residual [1, T, out]) → [1, T, out], in the layout chosen for
+    this shape class at T rows (LayerStack.products; models/products.py: x_wt = x @ Wᵀ, HF's; wt_x = W @ Xᵀ with X at
+    least two rows, MKL's few-column GEMM); fused_layers.cpp's `product` does the same ops. wt_x, measured on SmolLM2 /
+    the testbed at 2 threads on the AMD host it was tuned on (the fused loop; the layers were stored [in, out] for
+    x @ W before): a token's layers at one position 0.96× / 1.03× the time, at 2 positions 0.63× / 0.73×, at 5
+    0.72× / 0.86×; the LM head at 2 rows 5.2 vs 8.5 ms, at 5 rows 7.0 vs 20 ms. Half precision always x_wt, HF's own
+    product, which rounds as HF's nn.Linear does (float16's CPU GEMM gives other bits as W @ Xᵀ; bfloat16's the same),
+    the residual added as its own op as in LlamaDecoderLayer (products.product)."""
+    kind = X_WT if x.dtype in HALF_DTYPES else layout.at(x.shape[1])
+    if bias is None:
+        return product(x[0], weight, kind, None if residual is None else residual[0])[None]
+    y = product(x[0], weight, kind) + bias  # [T, out]
     return (y if residual is None else residual[0] + y)[None]
 
 
@@ -235,7 +226,7 @@ class TreeMask:
 
 
 class LayerStack:
-    def __new__(cls, model: nn.Module, layers: str = "eager"):
+    def __new__(cls, model: nn.Module, layers: str = "eager", products: str = "wt_x"):
         """A model of a family whose layer math is not Llama's (families.py) gets a FamilyLayerStack, whose layer
         methods apply its family's math: the choice is made once here, so the Llama loop has no per-op branch. A
         model_type no family describes is refused here (ConfigError naming the described ones)."""
@@ -243,10 +234,12 @@ class LayerStack:
             cls = FamilyLayerStack
         return super().__new__(cls)
 
-    def __init__(self, model: nn.Module, layers: str = "eager"):
+    def __init__(self, model: nn.Module, layers: str = "eager", products: str = "wt_x"):
         """layers: the decoder-layer loop — eager (Python, the reference), fused (fused_layers.cpp) or auto (fused
         where it builds and matches eager bit for bit here; del_bench/models/fused.py). `layer_path` says which
-        runs, `layer_setup_s` what building, loading and checking the fused loop took (apart from any decode)."""
+        runs, `layer_setup_s` what building, loading and checking the fused loop took (apart from any decode).
+        products: the matrix products' layout — wt_x (tuned by hand), x_wt (HF's) or auto (timed here, per shape
+        class: models/products.py); `products` holds the choice and its timings (the run's setup records them)."""
         check_resident(model)  # offloaded or meta weights: one clear error here, not a device mismatch mid-decode
         config, inner = decoder_of(model)  # Gemma 3's multimodal model: its text decoder
         self.model = model
@@ -271,14 +264,9 @@ class LayerStack:
         # the head, shadow states and their scoring, the sampling RNG — on the head's device. One device: all one.
         self.head_device = head.weight.device
         self.norm_weight = self._norm_tensor(inner.norm).to(self.head_device)  # [D]: a copy only if it lived elsewhere
-        # [V, D], HF's own storage (a tied embedding's too): _linear's products read it as they read the layers'. One
-        # row (drafting, Vanilla) streams faster as x @ W_t from a [D, V] copy on this CPU (3.9 vs 5.1 ms on SmolLM2;
-        # make bench-parts), 2+ rows far slower (8.5 vs 5.2 ms at 2 rows): on CPU keep the copy for single rows
+        # [V, D], HF's own storage (a tied embedding's too): _linear's products read it as they read the layers'
         self.head_weight = head.weight.detach()
         self.head_bias = None if head.bias is None else head.bias.detach()
-        # (half precision: HF's own product, see _linear)
-        cpu_layout = self.head_weight.device.type == "cpu" and self.dtype not in HALF_DTYPES
-        self.head_t = self.head_weight.t().contiguous() if cpu_layout else None
         self.embed_weight = inner.embed_tokens.weight.detach()
         # Gemma: HF's own float32 buffer √D in the weights' dtype (float32(√D) in float64: HF's bits, not √D's)
         scale = getattr(inner.embed_tokens, "embed_scale", None) if self.math.family.embed_scale else None
@@ -289,11 +277,33 @@ class LayerStack:
         self._cos = self._sin = torch.empty(0)
         self.adapters = None  # ExitAdapters (del_bench/models/exit_adapters.py): the early-exit heads, or own head
         self.counter: WorkCounter | None = None  # set only while counting (tests); None: no counting at all
-        # the fused loop's arguments: 6 tensors per layer (fused_layers.cpp), in one flat list built once
-        self._fused_weights = [t for lay in self.layers for t in (lay.w_in_norm, lay.w_qkv, lay.w_o, lay.w_post_norm,
-                                                                   lay.w_gate_up, lay.w_down)]
+        self.products: Products = self._choose_products(products)
+        # a single head row as x @ W_t from a [D, V] copy where that layout was chosen (3.9 vs 5.1 ms for wt_x on
+        # SmolLM2 at 2 threads on the AMD host; make bench-parts): a second copy of the head, so only then
+        self.head_t = self.head_weight.t().contiguous() if self.products["head"].one == X_WT_COPY else None
+        # the fused loop's arguments: 6 tensors per layer (fused_layers.cpp), in one flat list per row class (one row,
+        # several), each matrix in that row class's layout: HF's [out, in] for wt_x, its transposed view for x_wt
+        self._fused_weights = {rows: [t for i in range(self.num_layers) for t in self._fused_layer(i, rows)]
+                               for rows in (1, 2)}
         self._fused_family = self._fused_family_args()
         self.fused, self.layer_path, self.layer_setup_s = fused.choose(self, layers)
+
+    def _choose_products(self, setting: str) -> Products:
+        """The products' layout for `setting` (models/products.choose): under auto, timed on this stack's own
+        matrices, at the thread count, dtype and device at hand."""
+        with torch.inference_mode():
+            return choose_products(setting, self.dtype, time_products(self))
+
+    def _fused_layer(self, i: int, rows: int) -> tuple[torch.Tensor, ...]:
+        """Layer i's 6 tensors for the fused loop at `rows` rows (fused_layers.cpp's `product` reads the layout from
+        each matrix: [out, in] as stored computes W @ Xᵀ, the transposed view [in, out] x @ Wᵀ)."""
+        lay = self.layers[i]
+
+        def oriented(weight: torch.Tensor, shape: str) -> torch.Tensor:
+            return weight.t() if self.dtype in HALF_DTYPES or self.products[shape].at(rows) == X_WT else weight
+
+        return (lay.w_in_norm, oriented(lay.w_qkv, "qkv"), oriented(lay.w_o, "o"), lay.w_post_norm,
+                oriented(lay.w_gate_up, "gate_up"), oriented(lay.w_down, "down"))
 
     def _fused_family_args(self) -> tuple:
         """The fused loop's last six arguments, what the family adds to Llama's layer (fused_layers.cpp
@@ -443,7 +453,7 @@ class LayerStack:
         """head, uncounted (shadow_tokens counts its rows as shadow rows)."""
         h_normed = h_normed.to(self.head_weight.device)
         if self.head_t is None or h_normed.shape[1] > 1:
-            return _linear(h_normed, self.head_weight, self.head_bias)
+            return _linear(h_normed, self.head_weight, self.head_bias, layout=self.products["head"])
         logits = h_normed @ self.head_t  # [1, 1, V]
         return logits if self.head_bias is None else logits + self.head_bias
 
@@ -533,7 +543,8 @@ class LayerStack:
         T = h.shape[1]
         if self.counter is not None:  # the C++ loop runs every layer of [start, end) once, whole
             self.counter.layers += end - start
-        outs = self.fused.forward_layers(h[0], self._fused_weights, cache.k, cache.v, start, end, pos, cos, sin,
+        weights = self._fused_weights[min(T, 2)]  # the layouts of one row, or of several
+        outs = self.fused.forward_layers(h[0], weights, cache.k, cache.v, start, end, pos, cos, sin,
                                          mask, self.n_heads, self.n_kv_heads, self.head_dim, self.eps, self.scale,
                                          collect is not None, self.exact_rows, *self._fused_family)  # each [T, D]
         cache.lengths[start:end] = [pos + T] * (end - start)
@@ -714,7 +725,7 @@ class LayerStack:
             mask = None if mask is None else mask.to(w.device)
         T, H, KV, hd = h.shape[1], self.n_heads, self.n_kv_heads, self.head_dim
         x = rms_norm(h, w.w_in_norm, self.eps)
-        qkv = _linear(x, w.w_qkv, w.b_qkv).view(1, T, H + 2 * KV, hd)
+        qkv = _linear(x, w.w_qkv, w.b_qkv, layout=self.products["qkv"]).view(1, T, H + 2 * KV, hd)
         # RoPE on q and k together: [1, T, H+KV, hd]; same elementwise ops as apply_rotary_pos_emb
         qk = qkv[:, :, : H + KV]
         qk = qk * cos + torch.roll(qk, hd // 2, dims=-1) * sin
@@ -728,7 +739,8 @@ class LayerStack:
             k = torch.cat([cache.k[i][:, :, :pos], qk[:, :, H:].transpose(1, 2)], dim=2)
             v = torch.cat([cache.v[i][:, :, :pos], qkv[:, :, H + KV :].transpose(1, 2)], dim=2)
         attn = _attend(q, k, v, mask, pos, self.scale, KV != H, self.exact_rows)  # [1, H, T, hd]
-        return _linear(attn.transpose(1, 2).reshape(1, T, H * hd), w.w_o, w.b_o, residual=h)
+        return _linear(attn.transpose(1, 2).reshape(1, T, H * hd), w.w_o, w.b_o, residual=h,
+                       layout=self.products["o"])
 
     def _mlp(self, i, h) -> torch.Tensor:
         """h + MLP(norm(h)) for layer i."""
@@ -738,8 +750,8 @@ class LayerStack:
         if h.device != w.device:
             h = h.to(w.device)
         x = rms_norm(h, w.w_post_norm, self.eps)
-        gate, up = _linear(x, w.w_gate_up, w.b_gate_up).chunk(2, dim=-1)
-        return _linear(F.silu(gate) * up, w.w_down, w.b_down, residual=h)
+        gate, up = _linear(x, w.w_gate_up, w.b_gate_up, layout=self.products["gate_up"]).chunk(2, dim=-1)
+        return _linear(F.silu(gate) * up, w.w_down, w.b_down, residual=h, layout=self.products["down"])
 
 
 def _attend_softcapped(q, k, v, mask: torch.Tensor | None, pos: int, scale: float, cap: float) -> torch.Tensor:
@@ -782,12 +794,12 @@ class FamilyLayerStack(LayerStack):
     sandwich norms, window, rotary table live on _Layer). The reference for the fused loop, which takes the same
     per-layer extras (_fused_family_args)."""
 
-    def __init__(self, model: nn.Module, layers: str = "eager"):
+    def __init__(self, model: nn.Module, layers: str = "eager", products: str = "wt_x"):
         from transformers.activations import ACT2FN  # the MLP activation HF's own modules use
 
         self._act = ACT2FN[resolve(decoder_of(model)[0]).activation]
         self._window_memo: tuple = ()
-        super().__init__(model, layers)
+        super().__init__(model, layers, products)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """ids: [1, T] → h: [1, T, D], times Gemma's embedding scale (HF: embedding(ids) * embed_scale)."""
@@ -832,7 +844,8 @@ class FamilyLayerStack(LayerStack):
             h, cos, sin = h.to(w.device), cos.to(w.device), sin.to(w.device)
             mask = None if mask is None else mask.to(w.device)
         T, H, KV, hd = h.shape[1], self.n_heads, self.n_kv_heads, self.head_dim
-        qkv = _linear(self._rms(h, w.w_in_norm, self.eps), w.w_qkv, w.b_qkv).view(1, T, H + 2 * KV, hd)
+        qkv = _linear(self._rms(h, w.w_in_norm, self.eps), w.w_qkv, w.b_qkv, layout=self.products["qkv"])
+        qkv = qkv.view(1, T, H + 2 * KV, hd)
         q, k_new, v_new = qkv[:, :, :H], qkv[:, :, H : H + KV], qkv[:, :, H + KV :]
         if w.w_q_norm is not None:  # Qwen3, Gemma 3: per head over head_dim, before RoPE
             q, k_new = self._rms(q, w.w_q_norm, self.eps), self._rms(k_new, w.w_k_norm, self.eps)
@@ -851,8 +864,8 @@ class FamilyLayerStack(LayerStack):
         attn = self._attend_layer(w, q, k, v, mask, pos)  # [1, H, T, hd]
         out = attn.transpose(1, 2).reshape(1, T, H * hd)
         if w.w_attn_out_norm is None:
-            return _linear(out, w.w_o, w.b_o, residual=h)
-        return h + self._rms(_linear(out, w.w_o, w.b_o), w.w_attn_out_norm, self.eps)
+            return _linear(out, w.w_o, w.b_o, residual=h, layout=self.products["o"])
+        return h + self._rms(_linear(out, w.w_o, w.b_o, layout=self.products["o"]), w.w_attn_out_norm, self.eps)
 
     def _attend_layer(self, w: _Layer, q, k, v, mask, pos: int) -> torch.Tensor:
         """q [1, H, T, hd] over k, v [1, KV, S, hd] with the layer's window (where it reaches back past key 0) and the
@@ -890,5 +903,5 @@ class FamilyLayerStack(LayerStack):
         gate, up = _linear(x, w.w_gate_up, w.b_gate_up).chunk(2, dim=-1)
         act = self._act(gate) * up
         if w.w_mlp_out_norm is None:
-            return _linear(act, w.w_down, w.b_down, residual=h)
-        return h + self._rms(_linear(act, w.w_down, w.b_down), w.w_mlp_out_norm, self.eps)
+            return _linear(act, w.w_down, w.b_down, residual=h, layout=self.products["down"])
+        return h + self._rms(_linear(act, w.w_down, w.b_down, layout=self.products["down"]), w.w_mlp_out_norm, self.eps)

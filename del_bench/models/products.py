@@ -1,0 +1,169 @@
+"""The layout of the decoder layers' and the LM head's matrix products, chosen by measurement at load (`products` in
+configs/run.yaml; LayerStack runs them, fused_layers.cpp's `product` the same ops).
+
+Every product reads HF's own [out, in] matrix (q|k|v, o, gate|up, down: one per layer; the head: [V, D]) and runs as
+- x_wt: x @ Wᵀ, HF's own product (nn.Linear's GEMM over the rows);
+- wt_x: W @ Xᵀ with X repeated to at least two rows: MKL's few-column GEMM. Tuned at 2 threads on the AMD host of
+  this machine kind, where it streamed SmolLM2's matrices fastest (a verification batch of 2 cost ~1.1 single
+  positions); at 1 thread the same layer products took 72.9 ms a token against x_wt's 29.8, and on an Intel host at 2
+  threads our Vanilla ran at 0.76–0.86× HF generate with it;
+- x_wt_copy (the LM head at one row only): x @ Wᵀ from a contiguous [D, V] copy of the head (a second copy in memory).
+What is fastest depends on the host, the thread count, the dtype and the shape, so `auto` times the candidates on the
+model's own matrices at load, for each shape class and each row class — one row (drafting, Vanilla) and 2–5 rows
+(verification) — and keeps x_wt, HF's, unless another beats it by MARGIN: never slower than generate's layout by more
+than the timing's noise. wt_x is the layout tuned by hand before (the head's single row from its copy), x_wt HF's.
+Half precision keeps x_wt everywhere whatever the setting: it rounds as HF's nn.Linear does (DESIGN §2).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from del_bench.numerics import HALF_DTYPES
+
+SETTINGS = ("auto", "wt_x", "x_wt")
+X_WT, WT_X, X_WT_COPY = "x_wt", "wt_x", "x_wt_copy"
+LAYER_SHAPES = ("qkv", "o", "gate_up", "down")  # the _Layer matrices: w_qkv, w_o, w_gate_up, w_down
+SHAPES = (*LAYER_SHAPES, "head")
+RESIDUAL_SHAPES = ("o", "down")  # joined to the residual stream: timed with it, as they run
+ONE_ROW, FEW_ROWS = (1,), (2, 3, 4, 5)  # the row classes: drafting and Vanilla; verification batches
+MARGIN = 0.03  # another layout must beat x_wt by this fraction of x_wt's time to be chosen (timing noise)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One shape class's layout at one row and at several."""
+
+    one: str
+    many: str
+
+    def at(self, rows: int) -> str:
+        return self.one if rows == 1 else self.many
+
+
+HF_LAYOUT = Layout(X_WT, X_WT)
+TUNED = Layout(WT_X, WT_X)  # the hand-tuned layout (the LM head's single row: from its copy, TUNED_HEAD)
+TUNED_HEAD = Layout(X_WT_COPY, WT_X)
+
+
+@dataclass
+class Products:
+    """The layouts a LayerStack runs, per shape class, and how they were chosen: `seconds` (auto only) is what each
+    candidate took, shape → rows → layout → seconds (the median of a few passes over every layer's matrix of the
+    class), `setup_s` the time spent measuring."""
+
+    setting: str
+    layouts: dict[str, Layout]
+    seconds: dict = field(default_factory=dict)
+    setup_s: float = 0.0
+
+    def __getitem__(self, shape: str) -> Layout:
+        return self.layouts[shape]
+
+    def summary(self) -> str:
+        """One line for logs: each shape class's layout at one row / at several."""
+        return ", ".join(f"{shape} {lay.one}/{lay.many}" for shape, lay in self.layouts.items())
+
+    def as_dict(self) -> dict:
+        """What a run's setup records: the setting, the choice per shape class and the timings behind it."""
+        return {"setting": self.setting, "setup_s": self.setup_s,
+                "layouts": {shape: {"one": lay.one, "many": lay.many} for shape, lay in self.layouts.items()},
+                "seconds": self.seconds}
+
+
+def fixed(setting: str) -> Products:
+    """A forced setting's layouts (no measuring)."""
+    if setting == X_WT:
+        return Products(setting, dict.fromkeys(SHAPES, HF_LAYOUT))
+    return Products(setting, {**dict.fromkeys(LAYER_SHAPES, TUNED), "head": TUNED_HEAD})
+
+
+def candidates(shape: str, rows: int) -> tuple[str, ...]:
+    """The layouts timed for a shape class at `rows` rows: x_wt (HF's) always first."""
+    return (X_WT, WT_X, X_WT_COPY) if shape == "head" and rows == 1 else (X_WT, WT_X)
+
+
+def pick(seconds: dict[str, float], margin: float = MARGIN) -> str:
+    """The fastest layout of {layout: seconds}; x_wt unless the fastest beats it by `margin` of its time."""
+    fastest = min(seconds, key=seconds.get)
+    return fastest if seconds[fastest] < (1 - margin) * seconds[X_WT] else X_WT
+
+
+def choose(setting: str, dtype: torch.dtype, seconds: Callable[[str, str, int], float]) -> Products:
+    """The layouts for `setting` (auto | wt_x | x_wt) and a model of `dtype`. seconds(shape, layout, rows): what one
+    pass of that product takes (time_products on the model; a test injects its own), called only under auto."""
+    if setting not in SETTINGS:
+        raise ValueError(f"products={setting!r}: choose one of {', '.join(SETTINGS)}")
+    if dtype in HALF_DTYPES:
+        return Products(setting, dict.fromkeys(SHAPES, HF_LAYOUT))
+    if setting != "auto":
+        return fixed(setting)
+    t0 = time.perf_counter()
+    times = {shape: {rows: {layout: seconds(shape, layout, rows) for layout in candidates(shape, rows)}
+                     for rows in ONE_ROW + FEW_ROWS} for shape in SHAPES}
+    layouts = {shape: Layout(pick(summed(times[shape], ONE_ROW)), pick(summed(times[shape], FEW_ROWS)))
+               for shape in SHAPES}
+    return Products(setting, layouts, times, time.perf_counter() - t0)
+
+
+def summed(times: dict[int, dict[str, float]], row_class: tuple[int, ...]) -> dict[str, float]:
+    """{layout: seconds over the row class's row counts}, for the layouts timed at all of them."""
+    layouts = set.intersection(*(set(times[rows]) for rows in row_class))
+    return {layout: sum(times[rows][layout] for rows in row_class) for layout in layouts}
+
+
+def product(x: torch.Tensor, weight: torch.Tensor, layout: str, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [T, in] times weight: [out, in]ᵀ (+ residual [T, out]) → [T, out], computed in `layout` (x_wt or wt_x;
+    x_wt_copy is the head's own path, LayerStack._head). fused_layers.cpp's `product`: the same ops.
+
+    x_wt in half precision adds the residual as its own op, as LlamaDecoderLayer does (addmm would round once where HF
+    rounds the product and then the sum); in float32/float64 either layout joins it in one addmm."""
+    if layout == X_WT:
+        if residual is not None and x.dtype not in HALF_DTYPES:
+            return torch.addmm(residual, x, weight.t())
+        y = x @ weight.t()
+        return y if residual is None else residual + y
+    T = x.shape[0]
+    rows = x if T > 1 else x.expand(2, -1).contiguous()  # [T', in], T' ≥ 2
+    if residual is not None:  # residual + W @ Xᵀ in one kernel (the residual broadcast over the rows)
+        return torch.addmm(residual.t(), weight, rows.t())[:, :T].t().contiguous()  # [T, out]
+    return (weight @ rows.t())[:, :T].t().contiguous()  # [T, out]
+
+
+def matrices(stack, shape: str) -> list[torch.Tensor]:
+    """Every matrix of a shape class in the stack, [out, in] each: one per layer, or the head."""
+    if shape == "head":
+        return [stack.head_weight]
+    return [getattr(layer, f"w_{shape}") for layer in stack.layers]
+
+
+def time_products(stack, reps: int = 3, warmup: int = 1) -> Callable[[str, str, int], float]:
+    """seconds(shape, layout, rows) on the stack's own matrices: the median of `reps` passes (after `warmup`) of the
+    product over every layer's matrix of the class in turn — streamed from memory as a decode step streams them, not
+    one matrix kept hot in cache — on random rows of the model's dtype, on each matrix's device."""
+    generator = torch.Generator().manual_seed(0)
+
+    def seconds(shape: str, layout: str, rows: int) -> float:
+        mats = matrices(stack, shape)
+        if layout == X_WT_COPY:  # the head's [D, V] copy, made for the measurement only
+            mats = [m.t().contiguous() for m in mats]
+        xs = [torch.randn(rows, m.shape[1] if layout != X_WT_COPY else m.shape[0], generator=generator,
+                          dtype=m.dtype).to(m.device) for m in mats]  # [rows, in] each
+        res = [torch.zeros(rows, m.shape[0], dtype=m.dtype, device=m.device) if shape in RESIDUAL_SHAPES else None
+               for m in mats]  # [rows, out] each
+
+        def one_pass():
+            for m, x, r in zip(mats, xs, res):
+                if layout == X_WT_COPY:
+                    x @ m
+                else:
+                    product(x, m, layout, r)
+
+        return statistics.median(stack._seconds(one_pass, reps, warmup))
+
+    return seconds

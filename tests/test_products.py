@@ -1,0 +1,153 @@
+"""The matrix products' layout (del_bench/models/products.py): `auto` keeps what the timings say, per shape class and
+row class, and never a layout that x_wt (HF's) beats; forced settings and half precision time nothing; both layouts
+compute the same product (test_engine and test_fused hold the tokens under each forced one); the fused loop follows a
+mixed choice bit for bit; a run records the choice and the timings behind it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from del_bench import runner
+from del_bench.engine.decode import Engine
+from del_bench.engine.sampling import Sampling
+from del_bench.errors import ConfigError
+from del_bench.methods.ls import LayerSkip
+from del_bench.models import layer_stack, products
+from del_bench.models.layer_stack import LayerStack
+from del_bench.models.products import WT_X, X_WT, X_WT_COPY, choose, product
+from del_bench.records import RunDir
+from tests.conftest import tiny_model
+from tests.test_engine import PROMPTS, hf_greedy
+
+# a winner for every (shape class, row class): each candidate wins somewhere, x_wt_copy where it may (one head row)
+MIXED = {("qkv", "one"): WT_X, ("qkv", "many"): X_WT, ("o", "one"): X_WT, ("o", "many"): WT_X,
+         ("gate_up", "one"): X_WT, ("gate_up", "many"): WT_X, ("down", "one"): WT_X, ("down", "many"): X_WT,
+         ("head", "one"): X_WT_COPY, ("head", "many"): WT_X}
+
+
+def fake_timer(winners: dict, calls: list | None = None):
+    """seconds(shape, layout, rows): 1 ms for every candidate, 0.5 ms for the winner of its shape and row class."""
+
+    def seconds(shape: str, layout: str, rows: int) -> float:
+        if calls is not None:
+            calls.append((shape, layout, rows))
+        return 0.5e-3 if winners[shape, "one" if rows == 1 else "many"] == layout else 1e-3
+
+    return seconds
+
+
+def test_auto_keeps_the_fastest_candidate_of_each_shape_and_row_class():
+    calls = []
+    chosen = choose("auto", torch.float32, fake_timer(MIXED, calls))
+    assert {(shape, rows): getattr(chosen[shape], rows) for shape, rows in MIXED} == MIXED
+    assert chosen.setting == "auto" and chosen.setup_s >= 0
+    # every candidate at 1 row and at 2-5 rows, the head's copy at one row only; the timings are kept
+    assert sorted({rows for _, _, rows in calls}) == [1, 2, 3, 4, 5]
+    assert {layout for shape, layout, rows in calls if layout == X_WT_COPY} == {X_WT_COPY}
+    assert all(shape == "head" and rows == 1 for shape, layout, rows in calls if layout == X_WT_COPY)
+    assert len(calls) == 5 * 2 * 5 + 1
+    assert chosen.seconds["head"][1] == {X_WT: 1e-3, WT_X: 1e-3, X_WT_COPY: 0.5e-3}
+
+
+def test_another_layout_must_beat_hf_by_the_margin():
+    """Never slower than generate's own layout by more than the timing's noise: a near-tie keeps x_wt."""
+    near = {X_WT: 1.0, WT_X: 1.0 - products.MARGIN / 2}
+    assert products.pick(near) == X_WT
+    assert products.pick({X_WT: 1.0, WT_X: 1.0 - 2 * products.MARGIN}) == WT_X
+    assert products.pick({X_WT: 1.0, WT_X: 1.5, X_WT_COPY: 0.9}) == X_WT_COPY
+
+
+def test_several_rows_are_judged_over_2_to_5_rows_together():
+    """wt_x faster at 2 rows but far slower at 4 and 5 (a verification batch of any size): x_wt."""
+
+    def seconds(shape, layout, rows):
+        if layout == X_WT:
+            return 1.0
+        return {1: 0.5, 2: 0.5, 3: 1.0}.get(rows, 2.0)
+
+    chosen = choose("auto", torch.float64, seconds)
+    assert all(chosen[shape].many == X_WT for shape in products.SHAPES)
+    assert all(chosen[shape].one != X_WT for shape in products.SHAPES)
+
+
+def never_timed(*_):
+    raise AssertionError("a setting that fixes the layout must time nothing")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_is_hfs_product_whatever_the_setting(dtype):
+    for setting in products.SETTINGS:
+        assert all(lay == products.HF_LAYOUT for lay in choose(setting, dtype, never_timed).layouts.values())
+
+
+def test_forced_settings_time_nothing():
+    tuned = choose("wt_x", torch.float32, never_timed)
+    assert [tuned[s] for s in products.LAYER_SHAPES] == [products.TUNED] * 4 and tuned["head"] == products.TUNED_HEAD
+    assert all(lay == products.HF_LAYOUT for lay in choose("x_wt", torch.float64, never_timed).layouts.values())
+    with pytest.raises(ValueError, match="choose one of auto, wt_x, x_wt"):
+        choose("xw", torch.float32, never_timed)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5])
+def test_both_layouts_compute_the_product(rows):
+    """float64: the same product to rounding; x_wt is nn.Linear's call bit for bit, and in half precision its residual
+    is added as its own op, as HF rounds it (an addmm would round once)."""
+    g = torch.Generator().manual_seed(rows)
+    x, w, r = (torch.randn(*shape, generator=g, dtype=torch.float64) for shape in ((rows, 48), (80, 48), (rows, 80)))
+    for layout in (X_WT, WT_X):
+        torch.testing.assert_close(product(x, w, layout), F.linear(x, w), rtol=1e-13, atol=1e-13)
+        torch.testing.assert_close(product(x, w, layout, r), r + F.linear(x, w), rtol=1e-13, atol=1e-13)
+        assert product(x, w, layout).shape == (rows, 80)
+    assert torch.equal(product(x, w, X_WT), F.linear(x, w))
+    xb, wb, rb = (t.to(torch.bfloat16) for t in (x, w, 8 * r))
+    assert torch.equal(product(xb, wb, X_WT, rb), rb + F.linear(xb, wb))
+
+
+@pytest.fixture
+def mixed_timings(monkeypatch):
+    """LayerStack's `auto` sees the MIXED timings (no clock read)."""
+    monkeypatch.setattr(layer_stack, "time_products", lambda stack: fake_timer(MIXED))
+
+
+def test_the_fused_loop_follows_a_mixed_choice_bit_for_bit(mixed_timings):
+    """Each shape class in its own layout, another at one row than at several: `layers=fused` builds only if the
+    C++ loop gives the eager loop's bits (fused.check), and both decode HF's greedy tokens."""
+    model, tok = tiny_model()
+    prompt = tok(PROMPTS[0])["input_ids"]
+    ref = hf_greedy(model, prompt, 30)
+    eager = LayerStack(model, products="auto")
+    fused_stack = LayerStack(tiny_model()[0], layers="fused", products="auto")
+    assert fused_stack.layer_path == "fused" and fused_stack.products.layouts == eager.products.layouts
+    assert fused_stack.head_t is not None  # the head's one-row copy, kept only where it was chosen
+    for stack in (eager, fused_stack):
+        assert Engine(stack, Sampling(), set()).generate(prompt, LayerSkip(2, 3), 30, seed=0).output_ids == ref
+
+
+def test_the_head_runs_in_the_layout_chosen_for_its_rows():
+    """x_wt: HF's lm_head call bit for bit, at one row and at several, and no copy of the head; wt_x: one row from its
+    [D, V] copy, several as W @ Xᵀ."""
+    hn = torch.randn(1, 3, 64, generator=torch.Generator().manual_seed(0), dtype=torch.float64)  # [1, T, D]
+    hf = LayerStack(tiny_model()[0], products="x_wt")
+    assert hf.head_t is None
+    for rows in (1, 3):
+        assert torch.equal(hf.head(hn[:, :rows]), F.linear(hn[:, :rows], hf.head_weight))
+    tuned = LayerStack(tiny_model()[0], products="wt_x")
+    assert torch.equal(tuned.head(hn[:, :1]), hn[:, :1] @ tuned.head_t)
+    assert torch.equal(tuned.head(hn), product(hn[0], tuned.head_weight, WT_X)[None])
+
+
+def test_a_run_records_the_layouts_and_the_timings_behind_them(run_cfg):
+    """setup.jsonl (and the summary's setup) keeps each decoding session's choice; `products` may change on resume."""
+    runner.run(run_cfg("method=vanilla", "limit=1"))  # run.yaml's default: auto, timed on the model
+    resumed = runner.run(run_cfg("method=vanilla", "limit=2", "products=x_wt"))
+    auto, forced = (s["products"] for s in RunDir(resumed["config"]["out_dir"]).setup())
+    assert resumed["setup"][1]["products"] == forced
+    assert auto["setting"] == "auto" and set(auto["layouts"]) == set(products.SHAPES)
+    assert set(auto["seconds"]["head"]["1"]) == {X_WT, WT_X, X_WT_COPY}  # (JSON keys: rows as text)
+    assert all(t > 0 for shape in auto["seconds"].values() for by_rows in shape.values() for t in by_rows.values())
+    assert forced == {"setting": "x_wt", "setup_s": 0.0, "seconds": {},
+                      "layouts": {shape: {"one": X_WT, "many": X_WT} for shape in products.SHAPES}}
+    with pytest.raises(ConfigError, match="products='xwt'.*Did you mean 'x_wt'"):
+        runner.run(run_cfg("method=vanilla", "products=xwt"))
