@@ -10,6 +10,7 @@ from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 
 from del_bench import calibration_store
+from del_bench.engine.compiled import COMPILE_CHOICES, compile_setting
 from del_bench.engine.sampling import Sampling
 from del_bench.errors import ConfigError
 from del_bench.models import exit_adapters
@@ -175,6 +176,10 @@ def validate(cfg: DictConfig) -> None:
     if products not in PRODUCT_SETTINGS:
         raise ConfigError(f"products={products!r} is not a product layout."
                           f"{did_you_mean(str(products), PRODUCT_SETTINGS)} Options: {', '.join(PRODUCT_SETTINGS)}")
+    setting = compile_setting(cfg.get("compile", "off"))
+    if setting not in COMPILE_CHOICES:
+        raise ConfigError(f"compile={setting!r} is not a choice.{did_you_mean(str(setting), COMPILE_CHOICES)} Options: "
+                          f"{', '.join(COMPILE_CHOICES)}")
     if cfg.limit is not None and (not isinstance(cfg.limit, int) or cfg.limit < 1):
         raise ConfigError(f"limit={cfg.limit!r} must be a positive integer or null (all samples)")
     if not isinstance(cfg.max_new_tokens, int) or cfg.max_new_tokens < 1:

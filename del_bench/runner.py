@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from del_bench import memory, tracking
 from del_bench.config import validate
+from del_bench.engine import compiled
 from del_bench.engine.decode import Engine
 from del_bench.engine.sampling import Sampling
 from del_bench.machine_load import LoadProbe
@@ -168,6 +169,8 @@ def decode_all(cfg, todo, task, method, sampling, run_dir: RunDir, load) -> None
         run_dir.write_costs(costs)
         method.set_costs(**costs)
     setup["costs_s"] = time.perf_counter() - t0
+    if not peer:  # the static-shape compiled steps (compile: off | auto | on): compiled and checked here, untimed
+        setup.update(compiled.choose(stack, cfg.get("compile", "off"), method, int(cfg.max_new_tokens)))
     finished = restore_method_state(method, run_dir)
     t0 = time.perf_counter()
     if cfg.warmup_tokens:  # untimed: first-call allocations and kernel selection
@@ -181,7 +184,8 @@ def decode_all(cfg, todo, task, method, sampling, run_dir: RunDir, load) -> None
         decode = decode_one if sample.turns is None else decode_turns
         record, rounds = decode(cfg, engine, tokenizer, task, method, sample, repeat, loaded)
         record.model_bytes, record.kv_cache_bytes = weights, memory.cache_bytes(engine.cache)
-        record.layer_path = stack.layer_path
+        # the compiled steps round otherwise than either loop (tokens equal where checked): kept apart like them
+        record.layer_path = stack.layer_path + ("+compiled" if stack.compiled is not None else "")
         finished += 1
         run_dir.write_method_state(method.state(), finished)  # first: the sample line commits it (RunDir)
         run_dir.append(record.as_dict(), rounds)

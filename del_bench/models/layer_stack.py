@@ -286,6 +286,10 @@ class LayerStack:
         self._fused_weights = {rows: [t for i in range(self.num_layers) for t in self._fused_layer(i, rows)]
                                for rows in (1, 2)}
         self._fused_family = self._fused_family_args()
+        # engine/compiled.py's static-shape graphs (`compile`: off | auto | on), set by compiled.choose after loading:
+        # they take the chain calls of the widths they were compiled for; every other call runs the loop above. None
+        # before fused.choose, whose check runs forward_layers
+        self.compiled = None
         self.fused, self.layer_path, self.layer_setup_s = fused.choose(self, layers)
 
     def _choose_products(self, setting: str) -> Products:
@@ -513,6 +517,10 @@ class LayerStack:
         its last `keep` positions [1, keep, D], copied, so no layer's whole output outlives the next layer (DEL's
         prefill: (L−1)·w·D kept of a P-token prompt, not (L−1)·P·D). With `tree`, the T tokens are a token tree:
         slots pos .. pos+T-1 still, but RoPE positions and the mask from the tree."""
+        if self.compiled is not None and collect is None and tree is None:  # a static-shape graph, where one fits
+            out = self.compiled.forward_layers(h, start, end, pos, cache)
+            if out is not None:
+                return out
         T = h.shape[1]
         cos, sin, mask = self._rope_and_mask(pos, T, h.device, tree)
         trim = collect is not None and keep is not None and keep < T
@@ -712,6 +720,11 @@ class LayerStack:
             mask = torch.cat([prefix, tree.ancestors.to(device)], dim=1)
         return cos[None, :, None, :], sin[None, :, None, :], mask
 
+    def rope_at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [1, T, 1, hd] at positions [T] given as a device tensor (no host read): the tables of
+        _rope_and_mask for a static-shape step (engine/compiled.py); the tables must cover them (new_cache)."""
+        return self._cos[positions][None, :, None, :], self._sin[positions][None, :, None, :]
+
     def _layer(self, i, h, pos, cos, sin, mask, cache: KVCache) -> torch.Tensor:
         return self._mlp(i, self._attention(i, h, pos, cos, sin, mask, cache))
 
@@ -723,23 +736,34 @@ class LayerStack:
         if h.device != w.device:  # multi-device (device_map) models only
             h, cos, sin = h.to(w.device), cos.to(w.device), sin.to(w.device)
             mask = None if mask is None else mask.to(w.device)
+        q, k_new, v_new = self._project_qkv(w, h, cos, sin)
+        end = pos + h.shape[1]
+        if write:
+            cache.k[i][:, :, pos:end] = k_new
+            cache.v[i][:, :, pos:end] = v_new
+            k, v = cache.k[i][:, :, :end], cache.v[i][:, :, :end]  # [1, KV, end, hd]
+        else:  # the cached prefix [0, pos) and this pass's own keys, [1, KV, end, hd]
+            k = torch.cat([cache.k[i][:, :, :pos], k_new], dim=2)
+            v = torch.cat([cache.v[i][:, :, :pos], v_new], dim=2)
+        attn = _attend(q, k, v, mask, pos, self.scale, self.n_kv_heads != self.n_heads, self.exact_rows)
+        return self._attention_out(w, attn, h)
+
+    def _project_qkv(self, w: _Layer, h, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Attention's inputs for h [1, T, D]: q [1, H, T, hd] and the new keys, values [1, KV, T, hd], RoPE applied
+        (cos, sin [1, T, 1, hd]). Apart from the cache write and SDPA so that a static-shape step (engine/compiled.py,
+        positions as a tensor) runs these same ops."""
         T, H, KV, hd = h.shape[1], self.n_heads, self.n_kv_heads, self.head_dim
         x = rms_norm(h, w.w_in_norm, self.eps)
         qkv = _linear(x, w.w_qkv, w.b_qkv, layout=self.products["qkv"]).view(1, T, H + 2 * KV, hd)
         # RoPE on q and k together: [1, T, H+KV, hd]; same elementwise ops as apply_rotary_pos_emb
         qk = qkv[:, :, : H + KV]
         qk = qk * cos + torch.roll(qk, hd // 2, dims=-1) * sin
-        q = qk[:, :, :H].transpose(1, 2)  # [1, H, T, hd]
-        end = pos + T
-        if write:
-            cache.k[i][:, :, pos:end] = qk[:, :, H:].transpose(1, 2)
-            cache.v[i][:, :, pos:end] = qkv[:, :, H + KV :].transpose(1, 2)
-            k, v = cache.k[i][:, :, :end], cache.v[i][:, :, :end]  # [1, KV, end, hd]
-        else:  # the cached prefix [0, pos) and this pass's own keys, [1, KV, end, hd]
-            k = torch.cat([cache.k[i][:, :, :pos], qk[:, :, H:].transpose(1, 2)], dim=2)
-            v = torch.cat([cache.v[i][:, :, :pos], qkv[:, :, H + KV :].transpose(1, 2)], dim=2)
-        attn = _attend(q, k, v, mask, pos, self.scale, KV != H, self.exact_rows)  # [1, H, T, hd]
-        return _linear(attn.transpose(1, 2).reshape(1, T, H * hd), w.w_o, w.b_o, residual=h,
+        return qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2), qkv[:, :, H + KV :].transpose(1, 2)
+
+    def _attention_out(self, w: _Layer, attn: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """h + o_proj(attn): attn [1, H, T, hd] → [1, T, D]."""
+        T = h.shape[1]
+        return _linear(attn.transpose(1, 2).reshape(1, T, self.n_heads * self.head_dim), w.w_o, w.b_o, residual=h,
                        layout=self.products["o"])
 
     def _mlp(self, i, h) -> torch.Tensor:
