@@ -416,7 +416,7 @@ def config_syncs(cfg, load, prompt_ids: list[list[int]]) -> SyncReport:
     if load is None:  # as the runner: the model of the run's config, on its layer loop
         from del_bench.runner import load_model
 
-        loaded, stack = load_model(cfg.model, cfg.layers)
+        loaded, stack = load_model(cfg.model, cfg.layers, cfg.get("products", "auto"))
     else:
         loaded, stack = load()
     method = instantiate(cfg.method)
