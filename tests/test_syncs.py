@@ -179,7 +179,8 @@ def test_print_syncs(capsys):
 
 
 # ---- the engine's greedy rounds ----------------------------------------------------------------------------------
-METHODS = {"vanilla": Vanilla, "ls": lambda: LayerSkip(2, 4), "del": DEL}
+METHODS = {"vanilla": Vanilla, "ls": lambda: LayerSkip(2, 4), "del": DEL,
+           "del_deferred": lambda: DEL(defer_shadow=True, shadow_every=3)}
 
 
 @pytest.fixture(scope="module")
@@ -206,12 +207,37 @@ def test_greedy_rounds_are_counted(reports, name):
         assert report.total >= sum(report.engine_syncs)
 
 
-@pytest.mark.xfail(strict=False, reason="device-resident rounds in progress")
-@pytest.mark.parametrize("name", ["ls", "del"])
-def test_at_most_three_syncs_a_round(reports, name):
-    report = reports[name]
-    assert report.per_round <= 3, report.sites
-    assert report.worst_round is None or report.worst_round <= 3, report.rounds_syncs
+@pytest.fixture(scope="module")
+def rounds(engine_and_prompts):
+    """name → every Round of a greedy decode of each prompt."""
+    engine, prompts = engine_and_prompts
+    return {name: [r for p in prompts for r in engine.generate(p, make(), 24, seed=0).rounds]
+            for name, make in METHODS.items()}
+
+
+@pytest.mark.parametrize("name", ["vanilla", "ls"])
+def test_a_greedy_early_exit_round_syncs_once(reports, rounds, name):
+    """Greedy early exit without a confidence stop: the prefill uploads the prompt and reads the first token, then
+    every round makes one read (its drafts and the verifier's targets together) — issue 26's ≤ 3, with room."""
+    assert reports[name].per_round <= 3 and reports[name].worst_round <= 2, reports[name].sites
+    assert [r.host_syncs for r in rounds[name] if r.round == 0] == [2, 2]
+    assert {r.host_syncs for r in rounds[name] if r.round > 0} == {1}
+    assert any(r.drafted for r in rounds[name]) or name == "vanilla"
+
+
+@pytest.mark.parametrize("name", ["del", "del_deferred"])
+def test_del_reads_each_candidate_once_and_its_statistics_once(rounds, name):
+    """DEL's dynamic draft-exit is a host decision per candidate (its token and confidence in one read), then the
+    round's acceptance (one read) and, in a round that scores shadow tokens, the statistics (one read, however many
+    deferred rounds it scores): more than 3 a round where DEL drafts long (the note of issue 26 says why)."""
+    assert any(r.drafted for r in rounds[name])
+    for r in rounds[name]:
+        if r.round == 0:  # the prompt's upload, the first token, the prefill window's statistics
+            assert r.host_syncs == 3
+            continue
+        assert r.host_syncs == len(r.trace.get("draft_confidences", [])) + 1 + (r.shadow_rows > 0), r
+    if name == "del_deferred":
+        assert any(r.shadow_rows == 0 for r in rounds[name] if r.round > 0)
 
 
 @pytest.mark.parametrize("name", METHODS)
