@@ -174,6 +174,12 @@ def test_compile_off_and_unsupported(stack_and_prompt):
     assert stack.compiled is None
     with pytest.raises(ValueError, match="compile='sometimes'"):
         compiled.choose(stack, "sometimes", Vanilla(), TOKENS)
+    assert compiled.unsupported(stack) is None
+    half = LayerStack(tiny_model(torch.bfloat16)[0])  # its verification rows are decode steps' bits: not batchable
+    with pytest.raises(compiled.CompileUnavailable, match="row by row"):
+        compiled.choose(half, "on", Vanilla(), TOKENS)
+    assert compiled.choose(half, "auto", Vanilla(), TOKENS)["reason"].startswith("half precision on CPU")
+    assert half.compiled is None
 
 
 def test_a_run_validates_and_records_its_compile_setting(run_cfg):

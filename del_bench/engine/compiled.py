@@ -250,6 +250,9 @@ def unsupported(stack: LayerStack) -> str | None:
     """Why the compiled steps cannot run this stack (None: they can)."""
     if type(stack) is not LayerStack:
         return f"{type(stack).__name__}: the steps run the Llama layer math (LayerStack._project_qkv) only"
+    if stack.exact_rows:
+        return ("half precision on CPU verifies row by row, each row a decode step's bits (LayerStack.exact_rows): "
+                "a static graph attends the rows as one batch")
     if len({lay.device for lay in stack.layers} | {stack.head_device}) > 1:
         return "the model spans several devices (device_map): a graph moves no tensor between them"
     return None
