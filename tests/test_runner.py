@@ -165,7 +165,7 @@ def test_interrupted_run_resumes_without_loss_or_duplicates(run_cfg, monkeypatch
 
 
 MEASURED = {  # measurements of time and memory, different in any two runs: blanked before records are compared
-    "samples.jsonl": ("wall_s", "tokens_per_s", "peak_memory_bytes"),
+    "samples.jsonl": ("wall_s", "tokens_per_s", "peak_memory_bytes", "load"),
     "rounds.jsonl": ("draft_s", "verify_s", "policy_s", "opt_s"),
 }
 # a method that carries state across prompts (θ), so a resume must also continue it from the right sample
@@ -335,4 +335,4 @@ def test_the_cli_records_an_aliased_task_under_its_canonical_name(tmp_path, caps
     assert path.parts[-4] == summary["run_key"]["task"] == summary["config"]["task"]["name"] == "cnndm_sum"
     assert all(r["layer_path"] == "eager" for r in read_jsonl(path.parent / "samples.jsonl"))
     row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("tiny-random"))
-    assert row.split()[1:3] == ["cnndm_sum", "vanilla"] and " eager " in row
+    assert row.split()[1:3] == ["cnndm_sum", "Vanilla"] and " eager " in row  # show labels methods as the tables do
