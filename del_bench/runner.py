@@ -27,6 +27,7 @@ from del_bench.engine.sampling import Sampling
 from del_bench.machine_load import LoadProbe
 from del_bench.models import exit_adapters, loading
 from del_bench.models.layer_stack import LayerStack
+from del_bench.models.products import Products
 from del_bench.records import (
     RunDir,
     RunKey,
@@ -151,8 +152,12 @@ def decode_all(cfg, todo, task, method, sampling, run_dir: RunDir, load) -> None
     """Generate every (sample, repeat) in `todo`, appending its records (and its peak memory) as it finishes."""
     t0 = time.perf_counter()
     loaded, stack = load()
+    earlier = products_before(run_dir, cfg.products)
+    if earlier is not None:  # a resume decodes in its first session's layouts: one run, one layout's bits
+        stack.use_products(earlier)
     setup = {"layer_path": stack.layer_path, "load_s": time.perf_counter() - t0, "layer_setup_s": stack.layer_setup_s,
-             "products": stack.products.as_dict()}  # the layouts chosen, and under auto the timings behind them
+             # the layouts chosen, and under auto the timings behind them (or an earlier session's, reused)
+             "products": stack.products.as_dict(), "products_reused": earlier is not None}
     log.info("decoder layers: %s (built and checked in %.1f s)", stack.layer_path, stack.layer_setup_s)
     log.info("matrix products: %s (products=%s, timed in %.1f s)", stack.products.summary(), stack.products.setting,
              stack.products.setup_s)
@@ -189,6 +194,16 @@ def decode_all(cfg, todo, task, method, sampling, run_dir: RunDir, load) -> None
         finished += 1
         run_dir.write_method_state(method.state(), finished)  # first: the sample line commits it (RunDir)
         run_dir.append(record.as_dict(), rounds)
+
+
+def products_before(run_dir: RunDir, setting: str) -> Products | None:
+    """The product layouts the first earlier session of this run chose under the same `products` setting (its setup
+    line), or None: a fresh run, or one whose setting changed."""
+    for line in run_dir.setup():
+        recorded = line.get("products")
+        if recorded and recorded["setting"] == setting:
+            return Products.of(recorded)
+    return None
 
 
 def decode_one(cfg, engine, tokenizer, task, method, sample, repeat, loaded) -> tuple[SampleRecord, list[dict]]:

@@ -43,8 +43,9 @@ def run_cfg(tmp_path):
     """Compose a run on the tiny model into a temporary out_dir."""
 
     def make(*overrides: str):
+        # products pinned (not auto, timed): runs compared bit for bit must share one layout
         return compose_run("model=tiny-random", "task=humaneval", "limit=3", "max_new_tokens=16",
-                           "warmup_tokens=0", "threads=1", f"out_dir={tmp_path / 'run'}", *overrides)
+                           "warmup_tokens=0", "threads=1", "products=wt_x", f"out_dir={tmp_path / 'run'}", *overrides)
 
     return make
 

@@ -138,15 +138,28 @@ def test_the_head_runs_in_the_layout_chosen_for_its_rows():
     assert torch.equal(tuned.head(hn), product(hn[0], tuned.head_weight, WT_X)[None])
 
 
-def test_a_run_records_the_layouts_and_the_timings_behind_them(run_cfg):
-    """setup.jsonl (and the summary's setup) keeps each decoding session's choice; `products` may change on resume."""
-    runner.run(run_cfg("method=vanilla", "limit=1"))  # run.yaml's default: auto, timed on the model
-    resumed = runner.run(run_cfg("method=vanilla", "limit=2", "products=x_wt"))
-    auto, forced = (s["products"] for s in RunDir(resumed["config"]["out_dir"]).setup())
-    assert resumed["setup"][1]["products"] == forced
-    assert auto["setting"] == "auto" and set(auto["layouts"]) == set(products.SHAPES)
-    assert set(auto["seconds"]["head"]["1"]) == {X_WT, WT_X, X_WT_COPY}  # (JSON keys: rows as text)
-    assert all(t > 0 for shape in auto["seconds"].values() for by_rows in shape.values() for t in by_rows.values())
+def test_auto_times_every_candidate_on_the_model():
+    chosen = LayerStack(tiny_model()[0], products="auto").products
+    assert chosen.setting == "auto" and chosen.setup_s > 0
+    assert all(t > 0 for shape in chosen.seconds.values() for by_rows in shape.values() for t in by_rows.values())
+    assert all({lay.one, lay.many} <= {X_WT, WT_X, X_WT_COPY} for lay in chosen.layouts.values())
+
+
+def test_a_run_records_the_layouts_and_a_resume_keeps_them(run_cfg, monkeypatch):
+    """setup.jsonl (and the summary's setup) keeps each decoding session's choice and its timings; a resumed session
+    decodes in the first session's layouts whatever its own timings say (one run, one layout's bits), and a
+    `products` setting changed on resume is used."""
+    monkeypatch.setattr(layer_stack, "time_products", lambda stack: fake_timer(MIXED))
+    runner.run(run_cfg("method=vanilla", "limit=1", "products=auto"))
+    monkeypatch.setattr(layer_stack, "time_products", lambda stack: fake_timer(dict.fromkeys(MIXED, X_WT)))
+    runner.run(run_cfg("method=vanilla", "limit=2", "products=auto"))
+    resumed = runner.run(run_cfg("method=vanilla", "limit=3", "products=x_wt"))
+    setups = RunDir(resumed["config"]["out_dir"]).setup()
+    (first, second, forced), reused = ([s["products"] for s in setups], [s["products_reused"] for s in setups])
+    assert resumed["setup"][2]["products"] == forced and reused == [False, True, False]
+    assert first["layouts"] == {shape: {"one": MIXED[shape, "one"], "many": MIXED[shape, "many"]}
+                                for shape in products.SHAPES} and second == first
+    assert first["seconds"]["head"]["1"] == {X_WT: 1e-3, WT_X: 1e-3, X_WT_COPY: 0.5e-3}  # (JSON keys: rows as text)
     assert forced == {"setting": "x_wt", "setup_s": 0.0, "seconds": {},
                       "layouts": {shape: {"one": X_WT, "many": X_WT} for shape in products.SHAPES}}
     with pytest.raises(ConfigError, match="products='xwt'.*Did you mean 'x_wt'"):

@@ -170,7 +170,7 @@ MEASURED = {  # measurements of time and memory, different in any two runs: blan
 }
 # a method that carries state across prompts (θ), so a resume must also continue it from the right sample
 KILLED_RUN = ("model=tiny-random", "method=dv", "method.exit_layer=2", "method.reset_per_prompt=false",
-              "max_new_tokens=12", "warmup_tokens=0", "threads=1")
+              "max_new_tokens=12", "warmup_tokens=0", "threads=1", "products=wt_x")
 KILL_POINTS = {  # POINT: K, then the files as the kill leaves them: samples lines, samples in rounds, state's samples
     "decoded": (2, 1, 1, 1),  # mid-sample: the 2nd sample decoded, nothing of it written
     "method_state.json": (2, 1, 1, 2),  # mid-sample: the state after the 2nd sample written, none of its records

@@ -277,20 +277,26 @@ class LayerStack:
         self._cos = self._sin = torch.empty(0)
         self.adapters = None  # ExitAdapters (del_bench/models/exit_adapters.py): the early-exit heads, or own head
         self.counter: WorkCounter | None = None  # set only while counting (tests); None: no counting at all
-        self.products: Products = self._choose_products(products)
-        # a single head row as x @ W_t from a [D, V] copy where that layout was chosen (3.9 vs 5.1 ms for wt_x on
-        # SmolLM2 at 2 threads on the AMD host; make bench-parts): a second copy of the head, so only then
-        self.head_t = self.head_weight.t().contiguous() if self.products["head"].one == X_WT_COPY else None
-        # the fused loop's arguments: 6 tensors per layer (fused_layers.cpp), in one flat list per row class (one row,
-        # several), each matrix in that row class's layout: HF's [out, in] for wt_x, its transposed view for x_wt
-        self._fused_weights = {rows: [t for i in range(self.num_layers) for t in self._fused_layer(i, rows)]
-                               for rows in (1, 2)}
+        self.use_products(self._choose_products(products))
         self._fused_family = self._fused_family_args()
         # engine/compiled.py's static-shape graphs (`compile`: off | auto | on), set by compiled.choose after loading:
         # they take the chain calls of the widths they were compiled for; every other call runs the loop above. None
         # before fused.choose, whose check runs forward_layers
         self.compiled = None
         self.fused, self.layer_path, self.layer_setup_s = fused.choose(self, layers)
+
+    def use_products(self, chosen: Products) -> None:
+        """Run the matrix products in `chosen`'s layouts (at load; a resumed run: the layouts its first session chose,
+        so that one run's records are one layout's bits). The head's one-row copy and the fused loop's matrices
+        follow."""
+        self.products = chosen
+        # a single head row as x @ W_t from a [D, V] copy where that layout was chosen (3.9 vs 5.1 ms for wt_x on
+        # SmolLM2 at 2 threads on the AMD host; make bench-parts): a second copy of the head, so only then
+        self.head_t = self.head_weight.t().contiguous() if chosen["head"].one == X_WT_COPY else None
+        # the fused loop's arguments: 6 tensors per layer (fused_layers.cpp), in one flat list per row class (one row,
+        # several), each matrix in that row class's layout: HF's [out, in] for wt_x, its transposed view for x_wt
+        self._fused_weights = {rows: [t for i in range(self.num_layers) for t in self._fused_layer(i, rows)]
+                               for rows in (1, 2)}
 
     def _choose_products(self, setting: str) -> Products:
         """The products' layout for `setting` (models/products.choose): under auto, timed on this stack's own

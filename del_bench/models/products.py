@@ -65,6 +65,12 @@ class Products:
     def __getitem__(self, shape: str) -> Layout:
         return self.layouts[shape]
 
+    @staticmethod
+    def of(recorded: dict) -> "Products":
+        """The Products an as_dict() describes (a run's setup line: the choice an earlier session of it made)."""
+        layouts = {shape: Layout(lay["one"], lay["many"]) for shape, lay in recorded["layouts"].items()}
+        return Products(recorded["setting"], layouts, recorded.get("seconds", {}), recorded.get("setup_s", 0.0))
+
     def summary(self) -> str:
         """One line for logs: each shape class's layout at one row / at several."""
         return ", ".join(f"{shape} {lay.one}/{lay.many}" for shape, lay in self.layouts.items())
