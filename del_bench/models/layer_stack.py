@@ -558,8 +558,8 @@ class LayerStack:
         if self.counter is not None:  # the C++ loop runs every layer of [start, end) once, whole
             self.counter.layers += end - start
         weights = self._fused_weights[min(T, 2)]  # the layouts of one row, or of several
-        outs = self.fused.forward_layers(h[0], weights, cache.k, cache.v, start, end, pos, cos, sin,
-                                         mask, self.n_heads, self.n_kv_heads, self.head_dim, self.eps, self.scale,
+        outs = self.fused.forward_layers(h[0], weights, cache.k, cache.v, start, end, pos, cos, sin, mask,
+                                         self.n_heads, self.n_kv_heads, self.head_dim, self.eps, self.scale,
                                          collect is not None, self.exact_rows, *self._fused_family)  # each [T, D]
         cache.lengths[start:end] = [pos + T] * (end - start)
         if collect is None:
@@ -930,7 +930,7 @@ class FamilyLayerStack(LayerStack):
         if h.device != w.device:
             h = h.to(w.device)
         x = self._rms(h, w.w_post_norm, self.eps)
-        gate, up = _linear(x, w.w_gate_up, w.b_gate_up).chunk(2, dim=-1)
+        gate, up = _linear(x, w.w_gate_up, w.b_gate_up, layout=self.products["gate_up"]).chunk(2, dim=-1)
         act = self._act(gate) * up
         if w.w_mlp_out_norm is None:
             return _linear(act, w.w_down, w.b_down, residual=h, layout=self.products["down"])
