@@ -180,7 +180,8 @@ def test_print_syncs(capsys):
 
 # ---- the engine's greedy rounds ----------------------------------------------------------------------------------
 METHODS = {"vanilla": Vanilla, "ls": lambda: LayerSkip(2, 4), "del": DEL,
-           "del_deferred": lambda: DEL(defer_shadow=True, shadow_every=3)}
+           "del_deferred": lambda: DEL(defer_shadow=True, shadow_every=3),
+           "del_restricted": lambda: DEL(shadow_vocab=32, defer_shadow=True)}  # del_cpu's restricted shadow head
 
 
 @pytest.fixture(scope="module")

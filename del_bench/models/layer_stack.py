@@ -595,8 +595,10 @@ class LayerStack:
     def _shadow_restricted(self, hn, targets, vocab: int):
         """hn: [N, D] the head's inputs (normed, adapted). Per row: the argmax over the first `vocab` ids and the
         row's target, and its probability normalised over them. Runs every round of DEL, on a few dozen rows, so
-        each op counts (~5 µs apiece on this CPU): the target's own logit is computed only for rows whose target
-        lies outside the first `vocab` ids (BPE ids ≈ frequency order: rare), and logsumexp reuses the max."""
+        each op counts (~5 µs apiece on this CPU): logsumexp reuses the max, and each row's target logit is one dot
+        product (it joins the argmax and the norm only where the target lies outside the first `vocab` ids: BPE ids ≈
+        frequency order, rare) — computed for every row rather than after asking the host whether any lies outside,
+        a read that would stall a GPU's queue every round (the same bits either way)."""
         if getattr(self, "_head_top", None) is None or self._head_top.shape[1] != vocab:
             # [D, K]; BPE ids ≈ frequency order. x @ W_t, not _linear: for a few dozen rows against a cached K × D
             # matrix the plain GEMM is ~100-200 µs faster (measured on both models)
@@ -610,10 +612,7 @@ class LayerStack:
         sub_max, tokens = sub.max(-1)  # [N]
         # torch.logsumexp's own steps (amax, exp of the shifted logits, sum, log, + max), the max reused
         norm = (sub - sub_max[:, None]).exp_().sum(-1).log_().add_(sub_max)  # [N]
-        outside = targets >= vocab
-        if not bool(outside.any()):  # every target was scored in `sub`
-            return tokens, (sub_max - norm).exp()
-        return self._add_targets(hn, targets, outside, sub_max, tokens, norm)
+        return self._add_targets(hn, targets, targets >= vocab, sub_max, tokens, norm)
 
     def _add_targets(self, hn, targets, outside, sub_max, tokens, norm):
         """Rows whose target lies outside the scored ids: the target's logit joins the argmax and the norm."""
