@@ -733,14 +733,20 @@ class LayerStack:
     def _layer(self, i, h, pos, cos, sin, mask, cache: KVCache) -> torch.Tensor:
         return self._mlp(i, self._attention(i, h, pos, cos, sin, mask, cache))
 
-    def _attention(self, i, h, pos, cos, sin, mask, cache: KVCache, write: bool = True) -> torch.Tensor:
-        """h + attention(norm(h)) for layer i; with write=False the new keys/values stay out of the cache."""
+    def _attention_inputs(self, i, h, cos, sin, mask):
+        """Layer i's tensors, and h, the RoPE tables and the mask on its device (only multi-device models move);
+        counts the attention sublayer while counting. → (layer, h, cos, sin, mask)"""
         w = self.layers[i]
         if self.counter is not None:
             self.counter.layers += 0.5
         if h.device != w.device:  # multi-device (device_map) models only
             h, cos, sin = h.to(w.device), cos.to(w.device), sin.to(w.device)
             mask = None if mask is None else mask.to(w.device)
+        return w, h, cos, sin, mask
+
+    def _attention(self, i, h, pos, cos, sin, mask, cache: KVCache, write: bool = True) -> torch.Tensor:
+        """h + attention(norm(h)) for layer i; with write=False the new keys/values stay out of the cache."""
+        w, h, cos, sin, mask = self._attention_inputs(i, h, cos, sin, mask)
         q, k_new, v_new = self._project_qkv(w, h, cos, sin)
         end = pos + h.shape[1]
         if write:
@@ -866,12 +872,7 @@ class FamilyLayerStack(LayerStack):
 
     def _attention(self, i, h, pos, cos, sin, mask, cache: KVCache, write: bool = True) -> torch.Tensor:
         """h + attention(norm(h)) for layer i, the family's way (the sandwich norm on its output where it has one)."""
-        w = self.layers[i]
-        if self.counter is not None:
-            self.counter.layers += 0.5
-        if h.device != w.device:  # multi-device (device_map) models only
-            h, cos, sin = h.to(w.device), cos.to(w.device), sin.to(w.device)
-            mask = None if mask is None else mask.to(w.device)
+        w, h, cos, sin, mask = self._attention_inputs(i, h, cos, sin, mask)
         T, H, KV, hd = h.shape[1], self.n_heads, self.n_kv_heads, self.head_dim
         qkv = _linear(self._rms(h, w.w_in_norm, self.eps), w.w_qkv, w.b_qkv, layout=self.products["qkv"])
         qkv = qkv.view(1, T, H + 2 * KV, hd)
