@@ -777,13 +777,16 @@ class LayerStack:
         return _linear(attn.transpose(1, 2).reshape(1, T, self.n_heads * self.head_dim), w.w_o, w.b_o, residual=h,
                        layout=self.products["o"])
 
-    def _mlp(self, i, h) -> torch.Tensor:
-        """h + MLP(norm(h)) for layer i."""
+    def _mlp_inputs(self, i, h):
+        """Layer i's tensors and h on its device; counts the MLP sublayer while counting. → (layer, h)"""
         w = self.layers[i]
         if self.counter is not None:
             self.counter.layers += 0.5
-        if h.device != w.device:
-            h = h.to(w.device)
+        return w, (h if h.device == w.device else h.to(w.device))
+
+    def _mlp(self, i, h) -> torch.Tensor:
+        """h + MLP(norm(h)) for layer i."""
+        w, h = self._mlp_inputs(i, h)
         x = rms_norm(h, w.w_post_norm, self.eps)
         gate, up = _linear(x, w.w_gate_up, w.b_gate_up, layout=self.products["gate_up"]).chunk(2, dim=-1)
         return _linear(F.silu(gate) * up, w.w_down, w.b_down, residual=h, layout=self.products["down"])
@@ -924,11 +927,7 @@ class FamilyLayerStack(LayerStack):
 
     def _mlp(self, i, h) -> torch.Tensor:
         """h + MLP(norm(h)) for layer i: the family's activation and, with sandwich norms, its output norm."""
-        w = self.layers[i]
-        if self.counter is not None:
-            self.counter.layers += 0.5
-        if h.device != w.device:
-            h = h.to(w.device)
+        w, h = self._mlp_inputs(i, h)
         x = self._rms(h, w.w_post_norm, self.eps)
         gate, up = _linear(x, w.w_gate_up, w.b_gate_up, layout=self.products["gate_up"]).chunk(2, dim=-1)
         act = self._act(gate) * up
