@@ -131,11 +131,6 @@ class Engine:
         if self.on_round is not None:
             self.on_round(record)
 
-    def _pending_id(self, gen: Generation) -> torch.Tensor:
-        """The pending token [1, 1]: kept on the device by the last acceptance, else from the host's output."""
-        pending, self._pending = self._pending, None
-        return pending if pending is not None else self.ids([gen.output_ids[-1]])
-
     def _prefill(self, prompt_ids, cache, gen, method: Method, rng) -> None:
         t = time.perf_counter()
         st, L = self.stack, self.stack.num_layers
@@ -166,6 +161,7 @@ class Engine:
         emitted); the pending token (the last emitted) sits at position n − 1, in no layer's cache yet."""
         L = self.stack.num_layers
         t = time.perf_counter()
+        pending, self._pending = self._pending, None  # [1, 1] where the last greedy acceptance kept it on the device
         probed = skipping.probe(self, method, n, gen, cache)  # the optimiser's pass, if the method asks for one (SWIFT)
         plan = method.plan()
         left = max_new_tokens - len(gen.output_ids)
@@ -175,12 +171,12 @@ class Engine:
         E = plan.exit_layer if budget > 0 and not skips else L
         t_draft = time.perf_counter()
         if skips:
-            self._pending = None  # SWIFT drafts from host tokens
             draft = skipping.draft(self, gen.output_ids[-1], n - 1, plan.skip, budget, cache, method, rng)
             t_verify = time.perf_counter()
             verified = skipping.verify(self, gen.output_ids[-1], draft, n - 1, cache, keep=method.wants_states())
         else:
-            draft = early_exit.draft(self, self._pending_id(gen), n - 1, E, budget, cache, method, rng)
+            token = pending if pending is not None else self.ids([gen.output_ids[-1]])
+            draft = early_exit.draft(self, token, n - 1, E, budget, cache, method, rng)
             # with no draft budget the single pass through all L layers is the verification itself
             t_verify = t_draft if budget == 0 else time.perf_counter()
             verified = early_exit.verify(self, draft, E, n - 1, cache)
