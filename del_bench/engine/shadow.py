@@ -47,16 +47,15 @@ class ShadowScorer:
         evidence, states, targets = zip(*self.deferred)
         self.deferred.clear()
         shadow = self.score(torch.cat(states, dim=1), torch.cat(targets), method.shadow_vocab)
-        # several rounds: their matches and confidences come to the host in one read, not one per round
-        on_host = None if len(evidence) == 1 else to_numpy(matches_and_confidence(shadow.tokens, shadow.confidence,
-                                                                                   shadow.target))  # [2, L-1, ΣW]
+        # the rounds' matches and confidences come to the host in one read, not one per round
+        on_host = to_numpy(matches_and_confidence(shadow.tokens, shadow.confidence, shadow.target))  # [2, L-1, ΣW]
         start = 0
         for ev, window in zip(evidence, (t.shape[0] for t in targets)):
             part = slice(start, start + window)
             start += window
             method.observe(replace(ev, shadow=Shadow(shadow.tokens[:, part], shadow.confidence[:, part],
                                                      shadow.target[part], shadow.states[:, part],
-                                                     None if on_host is None else on_host[:, :, part])))
+                                                     on_host[:, :, part])))
 
     def window(self, draft: Draft, verified: Verified, E: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Hidden states [L-1, W, D] and the full model's tokens [W] of the valid window, positions 0..k
