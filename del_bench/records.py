@@ -228,7 +228,11 @@ class RunKey:
     def label(self) -> str:
         """The method as the tables name it (method_label: `DEL`, `LS(E4-γ4)`); the full tag stays method_tag."""
         return method_label(self.method, self.hyperparameter("exit_layer", ""), self.hyperparameter("gamma", ""),
-                            self.hyperparameter("omega", ""))
+                            self.hyperparameter("omega", ""), self.variant())
+
+    def variant(self) -> str:
+        """DEL's variant (del_variant: "", "CPU", "KnapSpec"); "" for every other method."""
+        return del_variant(dict(self.hyperparameters)) if self.method == "del" else ""
 
     def with_experiment(self, name: str | None) -> RunKey:
         if not name or name in self.experiments:
@@ -286,10 +290,29 @@ def _number(value) -> float | None:
     return float(value)
 
 
-def method_label(method: str, exit_layer="", gamma="", omega="") -> str:
-    """Labels as in the paper: LS(E8-γ6), FS(E8-γ6), DV(E8); DEL's ω only when not the default (RunKey.label); a
-    peer's marked: HF generate†, HF assistant_early_exit(E8-γ6)†."""
+def del_variant(hyperparameters: dict) -> str:
+    """Which DEL a run is, by the settings that make it so: "" = the paper's configuration (configs/method/del.yaml),
+    "CPU" = measured costs (del_cpu: a head row costs h layers, cheap shadow tokens), "KnapSpec" = as the KnapSpec
+    authors run it (del_knapspec: the stopped candidate kept, the first round at E = 1). Other settings that differ
+    (a `method.d_max=` override) keep the plain label, and the tables add the run's tag where two rows coincide."""
+    if hyperparameters.get("keep_stopped_draft"):
+        return "KnapSpec"
+    return "CPU" if hyperparameters.get("cost_model") == "measured" else ""
+
+
+DEL_VARIANT_LABELS = {"": "DEL", "CPU": "DEL-CPU", "KnapSpec": "DEL (KnapSpec's)"}
+DEL_VARIANT_NOTE = ("DEL = the paper's configuration (TPL counts layers; exact shadow tokens); DEL-CPU = as we run "
+                    "it on a CPU (configs/method/del_cpu.yaml: a head row costs its measured time in layers, shadow "
+                    "tokens over 1,024 ids + the target, batched while d = 0); DEL (KnapSpec's) = as the KnapSpec "
+                    "authors' code runs it (configs/method/del_knapspec.yaml). All three are lossless.")
+
+
+def method_label(method: str, exit_layer="", gamma="", omega="", variant: str = "") -> str:
+    """Labels as in the paper: LS(E8-γ6), FS(E8-γ6), DV(E8); DEL's variant (del_variant: DEL-CPU) and its ω only
+    when not the default (RunKey.label); a peer's marked: HF generate†, HF assistant_early_exit(E8-γ6)†."""
     base = METHOD_LABELS.get(method) or PEER_LABELS.get(method, method)
+    if method == "del":
+        base = DEL_VARIANT_LABELS.get(variant, base)
     e, g, w = _number(exit_layer), _number(gamma), _number(omega)
     parts = []
     if e is not None and method != "vanilla":

@@ -92,6 +92,12 @@ def test_sweep_runs_reach_only_their_own_tables(df):
         assert not any("ω0.5" in r or "d2-fixed" in r or "d4-fixed" in r for r in _rows(built[name])), name
     assert any("ω=0.5" in r for r in _rows(built["table6"]))
     assert any("(outputs = Vanilla 1/2)" in r for r in _rows(built["table3"]))  # DEL-E's differing output
+    # the = Vanilla column: every greedy row's count over its tasks, '–' for Vanilla itself and for paper rows
+    lossless = {r.label.split(" (")[0]: r.cell(tables.LOSSLESS).render() for r in built["table3"].rows
+                if r.source.startswith("ours")}
+    assert lossless["Vanilla"] == "–" and lossless["DEL-E"].endswith("/2") and lossless["DEL-E"] != "2/2"
+    assert all(v.split("/")[0] == v.split("/")[1] for k, v in lossless.items() if k not in ("Vanilla", "DEL-E"))
+    assert all(r.cell(tables.LOSSLESS).render() == "–" for r in built["table3"].rows if r.source.startswith("paper"))
 
 
 def test_without_ad_hoc_runs_a_table_shows_only_its_experiment_and_partners(df):
@@ -190,15 +196,19 @@ def _summary(key: RunKey, tps: float, load: dict | None = None) -> dict:
 def test_show_labels_methods_as_the_tables_do_and_marks_busy_runs():
     del_paper = dataclasses.replace(KEY, method="del", method_tag="del-w0.95-layers-vnull",
                                     hyperparameters=(("exit_layer", None), ("omega", 0.95)))
-    del_cpu = dataclasses.replace(del_paper, method_tag="del-w0.95-measured-v1024-deferred")
+    del_cpu = dataclasses.replace(del_paper, method_tag="del-w0.95-measured-v1024-deferred",
+                                  hyperparameters=(("cost_model", "measured"), *del_paper.hyperparameters))
+    del_short = dataclasses.replace(del_paper, method_tag="del-w0.95-d4",
+                                    hyperparameters=(("d_max", 4), *del_paper.hyperparameters))
     busy = records.load_summary([{"load": _load(4.0, 1.0)}])
     text = format_table([_summary(VANILLA, 10.0, busy), _summary(KEY, 20.0), _summary(del_paper, 5.0),
-                         _summary(del_cpu, 15.0)])
+                         _summary(del_cpu, 15.0), _summary(del_short, 25.0)])
     lines = text.splitlines()
     assert "Vanilla" in lines[2] and "10.00*" in lines[2]
     assert "LS(E1-γ2)" in lines[3] and " 2.00x*" in lines[3]  # its speedup is against a busy Vanilla
-    assert "DEL [1]" in lines[4] and "0.50x" in lines[4] and "DEL [2]" in lines[5] and "1.50x" in lines[5]
-    assert "[1] = del-w0.95-layers-vnull" in text and "[2] = del-w0.95-measured-v1024-deferred" in text
+    assert "DEL [1]" in lines[4] and "0.50x" in lines[4] and "DEL-CPU " in lines[5] and "1.50x" in lines[5]
+    assert "DEL [2]" in lines[6] and "2.50x" in lines[6]  # same label, another tag: numbered
+    assert "[1] = del-w0.95-layers-vnull" in text and "[2] = del-w0.95-d4" in text and "deferred" not in text
     assert "* Vanilla on m/t: timed on a busy machine — around 1 of 1 samples" in text
     assert "up to 3.0 CPUs where torch's threads left 2 free" in text
     assert "ls-E1-g2" not in text and len({len(line) for line in lines[:2]}) == 1  # one column layout

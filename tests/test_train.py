@@ -319,7 +319,7 @@ def test_testbed_model_config_composes_without_weights():
     cfg = compose_run("model=testbed", "task=humaneval", "method=ls")
     validate(cfg)
     assert (cfg.model.source, cfg.model.num_layers, cfg.model.dtype) == ("local", 16, "float32")
-    assert (cfg.model.default_exit_layer, cfg.model.default_gamma) == (4, 4)  # bench-testbed: its best static (E, γ)
+    assert (cfg.model.default_exit_layer, cfg.model.default_gamma) == (6, 2)  # bench-testbed: its best static (E, γ)
     assert local_dir(cfg.model) == REPO_ROOT / "results" / "testbed"
 
 

@@ -112,7 +112,7 @@ def wandb_table(table) -> dict:
     from .tables import _notes
 
     mark = {"best": "**{}**", "second": "<u>{}</u>", "": "{}"}  # as to_markdown marks them
-    rows = [[r.model, r.label, r.source] + [mark[r.cells[k].mark].format(r.cells[k].render()) for k, _ in table.columns]
+    rows = [[r.model, r.label, r.source] + [mark[r.cell(k).mark].format(r.cell(k).render()) for k, _ in table.columns]
             for r in table.rows]
     return {"name": table.name, "title": table.title, "columns": ["Model", "Method", "Source"] +
             [h for _, h in table.columns], "rows": rows, "notes": _notes(table)}

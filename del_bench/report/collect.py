@@ -34,7 +34,7 @@ DEFAULT_ROOTS = (REFERENCE_ROOT,)
 PAIR_KEYS = list(RunKey.PAIR_FIELDS)
 # runs sharing all of these are repeats of one configuration (averaged as mean ± std); the seed is not a key,
 # so runs that differ only in seed (same prompts) or repeated runs into other out_dirs are repeats
-CONFIG_KEYS = PAIR_KEYS + ["method", "method_tag", "exit_layer", "gamma", "omega"]
+CONFIG_KEYS = PAIR_KEYS + ["method", "method_tag", "del_variant", "exit_layer", "gamma", "omega"]
 GIB = 2**30  # memory is reported in GiB, as torch.cuda.max_memory_allocated figures usually are
 
 
@@ -76,6 +76,7 @@ def load_run(run_dir: str | Path) -> dict:
         "max_new_tokens": str(key.max_new_tokens),
         "method": key.method,
         "method_tag": key.method_tag,
+        "del_variant": key.variant(),  # "", "CPU", "KnapSpec": DEL's label (records.del_variant)
         "exit_layer": key.hyperparameter("exit_layer"),
         "gamma": key.hyperparameter("gamma"),
         "omega": key.hyperparameter("omega"),

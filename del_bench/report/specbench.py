@@ -127,7 +127,7 @@ def specbench_table(df: pd.DataFrame, adhoc: bool = True) -> Table | None:
             for m in METRICS:
                 cells[f"{g}:{m}"] = _cell(list(group[f"{g}:{m}"]), m, has_vanilla, questions)
         cells["overall:tokens_per_s"] = _cell(list(group["tokens_per_s"]), "tokens_per_s", True, 1)
-        label = tables.method_label(key["method"], key["exit_layer"], key["gamma"], key["omega"])
+        label = tables.method_label(key["method"], key["exit_layer"], key["gamma"], key["omega"], key["del_variant"])
         label += tables.lossless_note([r for _, r in group.iterrows()])
         block = tuple(key[k] for k in block_keys + ["variant"])
         source = tables._ours(key["machine"], key["variant"], key["decoding"], key["max_new_tokens"])

@@ -30,6 +30,7 @@ import pandas as pd
 
 from del_bench.records import (  # noqa: F401 (figures…)
     DEFAULT_OMEGA,
+    DEL_VARIANT_NOTE,
     METHOD_LABELS,
     PEER_MARK,
     PEER_NOTE,
@@ -49,7 +50,9 @@ TABLE3_TASKS = ["aqua_rat", "cnndm_lm", "cnndm_sum", "gsm8k", "humaneval", "xsum
 TABLE2_TASKS = {"humaneval": "pass@1", "humaneval_pass10": "pass@10"}  # our task → the paper's setting
 TABLE4_TASKS = ["humaneval", "cnndm_lm"]
 TABLE5_TASKS = ["humaneval", "cnndm_lm", "cnndm_sum", "xsum", "gsm8k", "aqua_rat"]
-METHOD_ORDER = ["vanilla", "ls", "fs", "dv", "swift", "clasp", "knapspec", "del_gamma", "del_e", "del_e_lim", "del"]
+METHOD_ORDER = ["vanilla", "ls", "fs", "dv", "swift", "clasp", "knapspec", "del_gamma", "del_e", "del_e_lim", "del",
+                "hf_generate", "hf_forward_loop", "hf_assistant_early_exit"]  # peers (†) after ours
+DEL_VARIANT_ORDER = ["", "CPU", "KnapSpec"]  # DEL, DEL-CPU, DEL (KnapSpec's): records.del_variant
 SKIPPING = ("SWIFT", "CLaSp", "KnapSpec")  # layer-skipping rows (no early-exit training): their gain is over Vanilla
 DIGITS = {"etpl": 3, "tokens_per_s": 2, "speedup": 2, "gain": 2, "q_rouge2": 3, "peak_memory_gib": 3,
           "memory_overhead_pct": 2}
@@ -98,6 +101,10 @@ class Row:
     cells: dict[str, Cell]
     ranked: bool = False  # takes part in best/second marking
     tag: str = ""  # the run's method_tag, shown when two rows would otherwise look the same
+
+    def cell(self, key: str) -> Cell:
+        """The row's cell of column `key`; '–' where the row has none (a paper row in the = Vanilla column)."""
+        return self.cells.get(key) or Cell(text="–")
 
 
 @dataclass
@@ -167,13 +174,16 @@ def paper_source(model: str) -> str:
 
 # ---------------------------------------------------------------- building
 
-ROW_KEYS = ["model", "machine", "decoding", "max_new_tokens", "method", "method_tag", "exit_layer", "gamma", "omega"]
+ROW_KEYS = ["model", "machine", "decoding", "max_new_tokens", "method", "method_tag", "del_variant", "exit_layer",
+            "gamma", "omega"]
 PAPER_MAX_NEW_TOKENS = "512"
 
 
 def _sort_key(key: dict):
     method = key["method"]
     rank = METHOD_ORDER.index(method) if method in METHOD_ORDER else len(METHOD_ORDER)
+    variant = key.get("del_variant", "")
+    rank = (rank, DEL_VARIANT_ORDER.index(variant) if variant in DEL_VARIANT_ORDER else len(DEL_VARIANT_ORDER))
     nums = [(_num(key[k]) if _num(key[k]) is not None else -1) for k in ("exit_layer", "gamma", "omega")]
     return (key["model"], key["machine"], key.get("decoding", ""), _num(key.get("max_new_tokens")) or 0,
             key.get("variant", 0), rank, *nums, key["method_tag"])
@@ -216,6 +226,22 @@ def _cell(rec: pd.Series | None, metric: str) -> Cell:
     if f"{metric}_mean" not in rec:
         return Cell(digits=digits)
     return Cell(mean=rec[f"{metric}_mean"], std=rec[f"{metric}_std"], runs=int(rec["runs"]), digits=digits)
+
+
+LOSSLESS = "lossless"
+LOSSLESS_COLUMN = (LOSSLESS, "= Vanilla")
+LOSSLESS_NOTE = ("= Vanilla: of the greedy outputs a row shares with its Vanilla partners (all its tasks), how many "
+                 "are token-identical to the partner's, from the records (RunKey pairing; Spec-Bench's check); '–' = "
+                 "none to compare (Vanilla itself, sampling, no partner). In half precision an output may first depart "
+                 "at a near-tie of the partner's logits (DESIGN.md §2): the row's label then says where.")
+
+
+def lossless_cell(recs) -> Cell:
+    """'k/n': of the greedy outputs these aggregated runs share with their Vanilla partners, k are token-identical
+    (summed over the runs); '–' where nothing was compared (Vanilla, sampling runs, no partner). Not ranked."""
+    equal = sum(r["outputs_equal"] for r in recs if not _isnan(r.get("outputs_equal")))
+    compared = sum(r["outputs_compared"] for r in recs if not _isnan(r.get("outputs_compared")))
+    return Cell(text=f"{int(equal)}/{int(compared)}" if compared else "–")
 
 
 def lossless_note(recs) -> str:
@@ -270,7 +296,7 @@ def wide_table(df: pd.DataFrame, table: int, cols: list[Col], title: str, overal
     """One row per (model, machine, [decoding,] method config, prompt-set variant); one column per Col;
     columns of task "overall" are filled by overall(recs_by_task). The paper's row for the same model and
     method config follows ours when paper_rows."""
-    out = Table(f"table{table}", title, [(c.key, c.header) for c in cols])
+    out = Table(f"table{table}", title, [(c.key, c.header) for c in cols] + [LOSSLESS_COLUMN], unranked={LOSSLESS})
     tasks = sorted({c.task for c in cols} - {"overall"})
     agg = aggregate(df[df["task"].isin(tasks)])
     if agg.empty:
@@ -284,7 +310,8 @@ def wide_table(df: pd.DataFrame, table: int, cols: list[Col], title: str, overal
         cells = {c.key: _cell(by_task.get(c.task), c.metric) for c in cols if c.task != "overall"}
         if overall:
             cells.update(overall(by_task))
-        label = method_label(key["method"], key["exit_layer"], key["gamma"], key["omega"])
+        label = method_label(key["method"], key["exit_layer"], key["gamma"], key["omega"], key["del_variant"])
+        cells[LOSSLESS] = lossless_cell(by_task.values())
         label += lossless_note(by_task.values())
         block = tuple(key[k] for k in ("model", "machine", "decoding", "max_new_tokens", "variant") if k in key)
         source = _ours(key["machine"], key["variant"], key.get("decoding", ""), key["max_new_tokens"])
@@ -297,8 +324,8 @@ def wide_table(df: pd.DataFrame, table: int, cols: list[Col], title: str, overal
 
 
 def _paper_row(table, key, cols: list[Col], block, label) -> Row | None:
-    """The paper's row for the same model and method config (DEL only at the paper's ω = 0.95)."""
-    if key["method"] == "del" and _num(key["omega"]) not in (None, DEFAULT_OMEGA):
+    """The paper's row for the same model and method config (DEL only in the paper's configuration, at ω = 0.95)."""
+    if key["method"] == "del" and (key["del_variant"] or _num(key["omega"]) not in (None, DEFAULT_OMEGA)):
         return None
     cells = {}
     for c in cols:
@@ -389,8 +416,8 @@ def table4(df: pd.DataFrame) -> Table:
     speed_cols = [c for c in cols if c.metric == "speedup"]
     methods = ["vanilla", "ls", "swift", "clasp", "knapspec", "del"]
     base = wide_table(df[df["method"].isin(methods)], 4, speed_cols, "", paper_rows=False)
-    out = Table("table4", "Table 4: DEL's gain over LS vs SWIFT's gain over Vanilla", [(c.key, c.header) for c in cols],
-                notes=base.notes, marked=False)
+    out = Table("table4", "Table 4: DEL's gain over LS vs SWIFT's gain over Vanilla",
+                [(c.key, c.header) for c in cols] + [LOSSLESS_COLUMN], notes=base.notes, marked=False)
     ours: list[Row] = []
     blocks = list(dict.fromkeys(r.block for r in base.rows))
     for block in blocks:
@@ -491,7 +518,8 @@ def table6(df: pd.DataFrame) -> Table:
     """ω sensitivity: one block per (model, task, machine, decoding, length, prompt set) where DEL ran at two
     or more ω (a sweep; single-ω DEL runs are in Tables 1–3); Vanilla and each DEL ω as rows."""
     columns = [("etpl", "eTPL"), ("tokens_per_s", "Speed"), ("speedup", "Speedup")]
-    out = Table("table6", "Table 6: sensitivity of DEL to the decay ω", columns)
+    out = Table("table6", "Table 6: sensitivity of DEL to the decay ω", columns + [LOSSLESS_COLUMN],
+                unranked={LOSSLESS})
     agg = aggregate(df[df["method"].isin(["vanilla", "del"])])
     # a block = one model, task, decoding, machine and prompt set; Vanilla rows only from that prompt set
     bkeys = ["model", "task", "machine", "decoding", "max_new_tokens", "prompts"]
@@ -509,7 +537,7 @@ def table6(df: pd.DataFrame) -> Table:
             is_del = rec["method"] == "del"
             label = f"{TASK_LABELS.get(b.task, b.task)} " + (f"ω={_num(rec.omega):g}" if is_del else "ω=- (Vanilla)")
             label += lossless_note([rec])
-            cells = {m: _cell(rec, m) for m, _ in columns}
+            cells = {m: _cell(rec, m) for m, _ in columns} | {LOSSLESS: lossless_cell([rec])}
             out.rows.append(Row(block, b.model, label + busy_mark([rec]),
                                 _ours(b.machine, b.variant, b.decoding, b.max_new_tokens), cells, ranked=is_del,
                                 tag=rec["method_tag"]))
@@ -564,6 +592,8 @@ def _notes(table: Table) -> list[str]:
              "(Vanilla excluded), computed from the numbers; paper rows are printed as in the paper."]
     busy = [BUSY_NOTE] if any(BUSY_MARK in r.label for r in table.rows) else []
     busy += [PEER_NOTE] if any(PEER_MARK in r.label for r in table.rows) else []
+    busy += [DEL_VARIANT_NOTE] if any(r.label.startswith(("DEL-CPU", "DEL (")) for r in table.rows) else []
+    busy += [LOSSLESS_NOTE] if any(k == LOSSLESS for k, _ in table.columns) else []
     return table.notes + busy + (marks if table.marked else []) + [
         "Mean ± std over repeats where a configuration was run more than once (other seeds or repeated runs "
         "on the same prompts). Speedup is paired with the Vanilla run of the same model, task, prompts, "
@@ -579,7 +609,7 @@ def to_markdown(table: Table) -> str:
     head = ["Model", "Method", "Source"] + [h for _, h in table.columns]
     lines = [f"## {table.title}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in table.rows:
-        cells = [mark[r.cells[k].mark].format(r.cells[k].render()) for k, _ in table.columns]
+        cells = [mark[r.cell(k).mark].format(r.cell(k).render()) for k, _ in table.columns]
         lines.append("| " + " | ".join([r.model, r.label, r.source] + cells) + " |")
     lines.append("")
     lines += [f"- {n}" for n in _notes(table)]
@@ -603,7 +633,7 @@ def to_latex(table: Table) -> str:
              r"\begin{tabular}{lll" + "r" * len(table.columns) + "}", r"\toprule",
              " & ".join(tex_escape(h) for h in head) + r" \\", r"\midrule"]
     for r in table.rows:
-        cells = [mark[r.cells[k].mark] % tex_escape(r.cells[k].render()) for k, _ in table.columns]
+        cells = [mark[r.cell(k).mark] % tex_escape(r.cell(k).render()) for k, _ in table.columns]
         lines.append(" & ".join([tex_escape(r.model), tex_escape(r.label), tex_escape(r.source)] + cells) + r" \\")
     lines += [r"\bottomrule", r"\end{tabular}",
               r"\caption{" + tex_escape(table.title + ". " + " ".join(_notes(table))) + "}",
