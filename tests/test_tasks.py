@@ -212,7 +212,8 @@ def test_record_without_a_field(tmp_path):
 
 
 def test_unreachable_hub_names_task_id_and_way_out(hub_offline):
-    with pytest.raises(TaskError, match=r"task xsum: cannot load 'EdinburghNLP/xsum' .*task\.data_files="):
+    with pytest.raises(TaskError, match=r"task xsum: cannot load 'EdinburghNLP/xsum' .*add data=local .*"
+                                        r"task\.data_files="):
         XSum().load()
 
 

@@ -50,7 +50,8 @@ def load_records(task: str, files: Any, hub: tuple[str, str | None, str], key: s
     except Exception as err:  # ConnectionError when the hub is unreachable or offline mode is on
         where = f"{hub_id!r}" + (f" (config {config!r})" if config else "") + f" split {split!r}"
         raise TaskError(f"task {task}: cannot load {where} from the HF hub: {_reason(err)}; "
-                        f"for an offline run set task.{key}=PATH.jsonl{field_note}") from err
+                        f"for an offline run add data=local (the copies under data_dir, e.g. ../shared/data) or set "
+                        f"task.{key}=PATH.jsonl{field_note}") from err
 
 
 def check_records(task: str, records: list[dict], fields: tuple[str, ...], source: str, key: str) -> None:
