@@ -239,9 +239,16 @@ LOSSLESS_NOTE = ("= Vanilla: of the greedy outputs a row shares with its Vanilla
 def lossless_cell(recs) -> Cell:
     """'k/n': of the greedy outputs these aggregated runs share with their Vanilla partners, k are token-identical
     (summed over the runs); '–' where nothing was compared (Vanilla, sampling runs, no partner). Not ranked."""
+    equal, compared = lossless_counts(recs)
+    return Cell(text=f"{equal}/{compared}" if compared else "–")
+
+
+def lossless_counts(recs) -> tuple[int, int]:
+    """(k, n) summed over these aggregated runs: n greedy outputs compared with their Vanilla partner's, k of them
+    token-identical (collect.add_lossless; runs with nothing to compare add nothing)."""
     equal = sum(r["outputs_equal"] for r in recs if not _isnan(r.get("outputs_equal")))
     compared = sum(r["outputs_compared"] for r in recs if not _isnan(r.get("outputs_compared")))
-    return Cell(text=f"{int(equal)}/{int(compared)}" if compared else "–")
+    return int(equal), int(compared)
 
 
 def lossless_note(recs) -> str:
@@ -249,11 +256,10 @@ def lossless_note(recs) -> str:
     partner's (summed over the runs); '' when all that could be compared are equal. Where the partner recorded its
     top-2 gaps (half precision), the note says how many of the others first depart at a near-tie (allowed) and how
     many really depart, and at which tokens: ' (outputs = Vanilla 22/24; near-tie departures 2 at tokens 16, 63)'."""
-    equal = sum(r["outputs_equal"] for r in recs if not _isnan(r.get("outputs_equal")))
-    compared = sum(r["outputs_compared"] for r in recs if not _isnan(r.get("outputs_compared")))
+    equal, compared = lossless_counts(recs)
     if equal >= compared:
         return ""
-    parts = [f"outputs = Vanilla {int(equal)}/{int(compared)}"]
+    parts = [f"outputs = Vanilla {equal}/{compared}"]
     for label, column in (("near-tie departures", "near_tie_at"), ("real departures", "departs_at")):
         at = sorted(p for r in recs for p in (r.get(column) or []))
         if at:
