@@ -23,6 +23,8 @@ import torch
 from del_bench.bench import harness as h
 from del_bench.engine.syncs import bench_syncs, print_syncs
 from del_bench.models.layer_stack import _linear
+from del_bench.models.products import layer_matrices
+from del_bench.records import RunDir
 
 COLUMNS = ["row", "tok/s", "speedup", "pred.", "meas/pred", "ctrl", ("ms/tok", "decode_ms_per_token", ".2f", 7),
            ("floor", "floor_fraction", ".2f", 6), ("gemv", "gemv_fraction", ".2f", 5)]
@@ -58,7 +60,7 @@ def probe_seconds(mb: int, reps: int = 5) -> tuple[int, list[float]]:
 def gemv_seconds(stack, reps: int = 5) -> list[float]:
     """Seconds of one token's matrix products alone, as the engine computes them (every layer's q|k|v, o, gate|up
     and down through layer_stack._linear, then the LM head, at one position)."""
-    mats = [w for lay in stack.layers for w in (lay.w_qkv, lay.w_o, lay.w_gate_up, lay.w_down)]
+    mats = layer_matrices(stack)
     rows = {w.shape[1]: torch.randn(1, 1, w.shape[1], dtype=w.dtype, device=w.device) for w in mats}
     head_row = torch.randn(1, 1, stack.head_weight.shape[1], dtype=stack.dtype, device=stack.head_weight.device)
 
@@ -78,7 +80,7 @@ def token_bytes(stack) -> int:
 
 def decode_ms_per_token(out_dir: str) -> float:
     """Decode time per emitted token, prefill (round 0) excluded, pooled over the run's prompts."""
-    rounds = [r for r in h.rounds_of(out_dir) if r["round"] > 0]
+    rounds = [r for r in RunDir(out_dir).rounds() if r["round"] > 0]
     seconds = sum(r["draft_s"] + r["verify_s"] + r["policy_s"] for r in rounds)
     return 1000 * seconds / max(1, sum(r["emitted"] for r in rounds))
 

@@ -25,7 +25,7 @@ from typing import Callable
 from omegaconf import DictConfig, OmegaConf
 
 from del_bench.config import CONFIG_DIR
-from del_bench.records import RunDir, read_jsonl, run_key_of, vanilla_baseline
+from del_bench.records import read_jsonl, run_key_of, vanilla_baseline
 
 RESULTS = "results/runs/bench"  # where a bench writes by default (gitignored); make's RECORDS= moves it
 
@@ -173,10 +173,6 @@ def outputs_equal(out_dir: str, reference_dir: str) -> tuple[int, int]:
                                                                                       "samples.jsonl")}
     mine = [s for s in read_jsonl(Path(out_dir) / "samples.jsonl") if (s["sample_id"], s["repeat"]) in reference]
     return sum(s["output_ids"] == reference[s["sample_id"], s["repeat"]] for s in mine), len(mine)
-
-
-def rounds_of(out_dir: str) -> list[dict]:
-    return RunDir(out_dir).rounds()
 
 
 # ---------------------------------------------------------------- printing and writing

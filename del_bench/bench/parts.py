@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from del_bench.bench import harness as h
 from del_bench.models import loading
 from del_bench.models.layer_stack import LayerStack, _linear
+from del_bench.models.products import layer_matrices
 
 
 def parse(argv):
@@ -46,7 +47,7 @@ def loop_parts(stack, layers: str, prompt, token, context: int, reps: int) -> di
 
 def product_parts(stack, reps: int) -> dict[str, list[float]]:
     """Every layer's four products at 1, 2 and 5 rows: the engine's (_linear) against x @ W_t on [in, out] copies."""
-    mats = [w for lay in stack.layers for w in (lay.w_qkv, lay.w_o, lay.w_gate_up, lay.w_down)]
+    mats = layer_matrices(stack)
     copies = [w.t().contiguous() for w in mats]
     parts = {}
     for n in (1, 2, 5):

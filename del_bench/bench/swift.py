@@ -18,7 +18,7 @@ from pathlib import Path
 
 from del_bench.bench import harness as h
 from del_bench.bench.dynamic_exit import grid_of, ls_args
-from del_bench.records import read_jsonl
+from del_bench.records import RunDir, read_jsonl
 
 TASKS = {"smollm2-135m": "humaneval,cnndm_lm", "testbed": "humaneval,code"}
 COLUMNS = ["model", "task", "row", "tok/s", "speedup", "eTPL", "pred.", "meas/pred", "α",
@@ -37,7 +37,7 @@ def parse(argv):
 
 def swift_columns(row: dict) -> dict:
     """M, the optimiser's share of loaded layers and of wall time, and the set the run ended with."""
-    rounds = h.rounds_of(row["out_dir"])
+    rounds = RunDir(row["out_dir"]).rounds()
     samples = read_jsonl(Path(row["out_dir"]) / "samples.jsonl")
     layers = sum(r["loaded_layers"] for r in rounds)
     row["mean_generated_length"] = sum(s["generated_tokens"] for s in samples) / len(rounds)

@@ -141,6 +141,11 @@ def product(x: torch.Tensor, weight: torch.Tensor, layout: str, residual: torch.
     return (weight @ rows.t())[:, :T].t().contiguous()  # [T, out]
 
 
+def layer_matrices(stack) -> list[torch.Tensor]:
+    """Every layer's four matrices in a decode step's order (q|k|v, o, gate|up, down, layer by layer), [out, in]."""
+    return [getattr(layer, f"w_{shape}") for layer in stack.layers for shape in LAYER_SHAPES]
+
+
 def matrices(stack, shape: str) -> list[torch.Tensor]:
     """Every matrix of a shape class in the stack, [out, in] each: one per layer, or the head."""
     if shape == "head":
