@@ -21,6 +21,7 @@ from del_bench import bench, runner
 from del_bench.__main__ import cmd_show
 from del_bench.bench import harness
 from del_bench.bench.peers import cut
+from del_bench.errors import ConfigError
 from del_bench.records import PEER_NOTE, RunKey, del_variant, method_label, read_jsonl
 from del_bench.report import tables
 from del_bench.report.tables import Row, Table
@@ -147,6 +148,14 @@ def test_a_bench_table_marks_a_row_timed_on_a_busy_machine(capsys):
     assert lines[3].startswith("* timed on a busy machine")
     harness.print_table(rows[:1], ["row", "tok/s"])
     assert "busy" not in capsys.readouterr().out
+
+
+def test_a_bench_composes_as_run_does():
+    """A bench's --task/--set go through run's aliases and its name check: `cnndm` is CNN/DM's summarisation task, and
+    a misspelt method fails with a suggestion before Hydra's own error."""
+    assert harness.compose("task=cnndm", "model=testbed").task.name == "cnndm_sum"
+    with pytest.raises(ConfigError, match="ls"):
+        harness.compose("method=lss")
 
 
 def test_a_bench_row_is_its_summary_paired_with_its_vanilla():

@@ -24,18 +24,21 @@ from typing import Callable
 
 from omegaconf import DictConfig, OmegaConf
 
-from del_bench.config import CONFIG_DIR
+from del_bench.config import CONFIG_DIR, check_overrides, resolve_aliases
 from del_bench.records import read_jsonl, run_key_of, vanilla_baseline
 
 RESULTS = "results/runs/bench"  # where a bench writes by default (gitignored); make's RECORDS= moves it
 
 
 def compose(*overrides: str) -> DictConfig:
-    """A run config as `python -m del_bench run` composes it, with the offline task data (the `data` group's
-    `local`: ../shared/data, or DEL_BENCH_DATA) unless an override names another source."""
+    """A run config as `python -m del_bench run` composes it (aliases resolved, `task=cnndm` → cnndm_sum; unknown
+    names refused with a suggestion), with the offline task data (the `data` group's `local`: ../shared/data, or
+    DEL_BENCH_DATA) unless an override names another source."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
+    overrides = resolve_aliases(list(overrides))
+    check_overrides(overrides)
     data = [] if any(o.startswith("data=") for o in overrides) else ["data=local"]
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         return hydra_compose(config_name="run", overrides=[*data, *overrides])
