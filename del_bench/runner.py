@@ -174,6 +174,8 @@ def decode_all(cfg, todo, task, method, sampling, run_dir: RunDir, load) -> None
         run_dir.write_costs(costs)
         method.set_costs(**costs)
     setup["costs_s"] = time.perf_counter() - t0
+    if not peer and method.wants_shadow:  # where DEL's statistics reach the host (engine/shadow.py)
+        setup["shadow_with_acceptance"] = engine.shadow_with_acceptance
     if not peer:  # the static-shape compiled steps (compile: off | auto | on): compiled and checked here, untimed
         setup.update(compiled.choose(stack, cfg.get("compile", "off"), method, int(cfg.max_new_tokens)))
     finished = restore_method_state(method, run_dir)

@@ -1,6 +1,6 @@
 """The engine's host ↔ device transfers: every value decoding needs on the host (a token to emit, a confidence to stop
 on, a round's accepted count, a method's statistics) comes through here, one transfer a call, counted — and so does
-every token the host hands the device (a prompt, a sampled token).
+every token the host hands the device (a prompt, a token drafted on the host).
 
 On a GPU each read waits for the queue: the kernels queued before it drain while the host idles, and nothing around
 it can be captured as a CUDA graph. So the engine batches what a round needs into few reads (greedy early exit: the

@@ -5,6 +5,8 @@ Each bug is a plausible slip in code like engine/sampling.py, small enough to pa
 
 from __future__ import annotations
 
+import torch
+
 from del_bench.engine import decode, layer_parallel, sampling
 from del_bench.engine.sampling import residual
 
@@ -43,6 +45,23 @@ def tree_sampler(residual_of=None, proposal_of=None):
     return accept_sampling_tree
 
 
+def chain_sampler(residual_of):
+    """A copy of sampling.accept_sampling (the engine's chain, on the device) whose residual at a rejected draft i is
+    residual_of(i, x, p, q) (right: residual(p, q))."""
+
+    def accept_sampling(drafts, draft_probs, target_logits, samp, rng):
+        p = samp.probs(target_logits)
+        d = drafts.shape[0]
+        if d == 0:
+            return drafts.new_zeros(()), rng.sample(p[0])
+        q = draft_probs.to(p.dtype)
+        k = sampling.accepts_each(drafts, q, p[:d], rng).long().cumprod(0).sum()
+        rows = [residual_of(i, int(x), p[i], q[i]) for i, x in enumerate(drafts.tolist())] + [p[d]]
+        return k, rng.sample(torch.stack(rows)[int(k)])
+
+    return accept_sampling
+
+
 def ada_verify(residual_of):
     """layer_parallel._verify (sampling) with the replacement drawn from residual_of(check, x, p, q), where check
     counts the deferred checks of the current step from 0 (right: residual(p, q))."""
@@ -69,6 +88,9 @@ def _use(monkeypatch, residual_of=None, proposal_of=None):
     monkeypatch.setattr(sampling, "accept_sampling_tree", tree)  # what accept_sampling calls
     monkeypatch.setattr(decode, "accept_sampling_tree", tree)
     if residual_of is not None:
+        chain = chain_sampler(residual_of)
+        monkeypatch.setattr(sampling, "accept_sampling", chain)
+        monkeypatch.setattr(decode, "accept_sampling", chain)
         step, verify = ada_verify(residual_of)
         monkeypatch.setattr(layer_parallel, "_step", step)
         monkeypatch.setattr(layer_parallel, "_verify", verify)
@@ -79,7 +101,12 @@ def over_accepting(monkeypatch):
     def accepts(x, q, p, rng):
         return rng.below(1.1 * p[x], q[x])
 
+    def accepts_each(drafts, q, p, rng):
+        at = drafts.view(-1, 1)
+        return rng.below_each(1.1 * p.gather(1, at)[:, 0], q.gather(1, at)[:, 0])
+
     monkeypatch.setattr(sampling, "accepts", accepts)
+    monkeypatch.setattr(sampling, "accepts_each", accepts_each)
     monkeypatch.setattr(layer_parallel, "accepts", accepts)
 
 
@@ -94,13 +121,18 @@ def residual_against_q_without_x(monkeypatch):
 
 
 def unnormalised_residual(monkeypatch):
-    """residual() forgets to normalise: harmless where it is only drawn from (multinomial normalises: chain and
+    """residual() forgets to normalise: harmless where it is only drawn from (a draw normalises: chain and
     AdaDecode, an equivalent mutant), wrong where it is a distribution again (the tree's sibling tests)."""
     def unnormalised(p, q):
         rest = (p - q).clamp_min(0)
         return rest if rest.sum() > 0 else p
 
+    def unnormalised_rows(p, q):  # the chain's residuals
+        rest = (p[:-1] - q).clamp_min(0)
+        return torch.cat([torch.where(rest.sum(-1, keepdim=True) > 0, rest, p[:-1]), p[-1:]])
+
     monkeypatch.setattr(sampling, "residual", unnormalised)
+    monkeypatch.setattr(sampling, "residuals", unnormalised_rows)
     monkeypatch.setattr(layer_parallel, "residual", unnormalised)
 
 

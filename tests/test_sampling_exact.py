@@ -57,6 +57,12 @@ class Enumerating(Draws):
             weights[drawn[-1]] = 0
         return drawn
 
+    def below_each(self, num, den) -> torch.Tensor:
+        return torch.tensor([self.below(a, b) for a, b in zip(num, den)], dtype=torch.bool)
+
+    def sample(self, weights) -> torch.Tensor:
+        return torch.tensor([self.categorical(weights)])
+
 
 def outcomes(run) -> dict:
     """run(draws) → a hashable outcome, replayed over every branch: {outcome: exact probability}."""
@@ -135,15 +141,17 @@ def max_error(emitted: dict, n: int) -> float:
 
 
 def chain_round(d: int):
-    """One round on the tables: d drafts from q, then accept_sampling. → the emitted tokens."""
+    """One round on the tables: d drafts from q (drawn on the device, as the engine's), then accept_sampling over all
+    d + 1 target rows at once. → the emitted tokens."""
 
     def run(draws: Draws) -> tuple[int, ...]:
         drafts, qs = [], []
         for _ in range(d):
             qs.append(q_of(drafts))
-            drafts.append(draws.categorical(qs[-1]))
-        k, token = sampling.accept_sampling(drafts, qs, lambda i: logits_of(0, tuple(drafts[:i])), WARP, draws)
-        return (*drafts[:k], token)
+            drafts.append(int(draws.sample(qs[-1])))
+        targets = torch.stack([logits_of(0, tuple(drafts[:i])) for i in range(d + 1)])  # [d+1, V]
+        k, token = sampling.accept_sampling(torch.tensor(drafts), torch.stack(qs), targets, WARP, draws)
+        return (*drafts[: int(k)], int(token))
 
     return run
 
@@ -198,7 +206,7 @@ def test_tree_with_two_siblings_at_two_depths_is_exact():
     assert leaves[1] > 0 and leaves[2] > 0  # paths that leave the chain for a sibling, at both depths
 
 
-# (mutant, rule) pairs where the bug changes nothing: multinomial normalises a residual that is only drawn from, and
+# (mutant, rule) pairs where the bug changes nothing: a draw normalises a residual that is only drawn from, and
 # a chain has no sibling proposals (tests/sampling_mutants.py)
 EQUIVALENT = {("unnormalised-residual", "chain"), ("unnormalised-proposal", "chain")}
 

@@ -216,9 +216,9 @@ def test_sampling_keeps_the_target_distribution(model, name):
 # (method, bug, runs): each bug on an acceptance path of its own (chain, tree, AdaDecode's checks), with runs enough
 # for it to fail at these seeds with a margin (the p-value at the seeds, against the 1e-3 the test fails below)
 CONTROLS = [
-    ("ls", "over-accept-10%", 200),  # 2e-6: ~0.03 of a token's mass moves, the hardest to see
-    ("ls", "residual-from-p-after-first", 90),  # 4e-5
-    ("ls", "residual-vs-q-without-x", 30),  # 2e-9
+    ("ls", "over-accept-10%", 200),  # 9e-9: ~0.03 of a token's mass moves, the hardest to see
+    ("ls", "residual-from-p-after-first", 90),  # 6e-9
+    ("ls", "residual-vs-q-without-x", 30),  # 2e-10
     ("swift-tree", "unnormalised-residual", 30),  # 2e-8
     ("adadecode-early", "residual-from-p-after-first", 100),  # 1e-6
     ("adadecode-early", "residual-vs-q-without-x", 30),  # 3e-6

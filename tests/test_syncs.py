@@ -241,6 +241,70 @@ def test_del_reads_each_candidate_once_and_its_statistics_once(rounds, name):
         assert any(r.shadow_rows == 0 for r in rounds[name] if r.round > 0)
 
 
+@pytest.fixture(scope="module")
+def riding(engine_and_prompts):
+    """name → every Round of the same greedy decodes with DEL's statistics riding on the acceptance read (what an
+    accelerator does: Engine(shadow_with_acceptance=None) picks it where the head is not on the CPU)."""
+    engine, prompts = engine_and_prompts
+    engine = Engine(engine.stack, Sampling(), eos_ids=set(), shadow_with_acceptance=True)
+    return {name: [engine.generate(p, METHODS[name](), 24, seed=0) for p in prompts]
+            for name in ("del", "del_deferred", "del_restricted")}
+
+
+@pytest.mark.parametrize("name", ["del", "del_deferred", "del_restricted"])
+def test_del_statistics_ride_on_the_acceptance_read(engine_and_prompts, rounds, riding, name):
+    """With the statistics on the acceptance read a DEL round reads its candidates and then once: the decisions, τ and
+    tokens are the apart ones (the scored window is d + 1 wide, the method sees its first k + 1 columns); only the
+    shadow rows grow by the rejected positions'."""
+    engine, prompts = engine_and_prompts
+    assert engine.shadow_with_acceptance is False  # the default on this CPU
+    ridden = [r for gen in riding[name] for r in gen.rounds]
+    # a prompt's last round also reads what is still held back
+    last = [i == len(gen.rounds) - 1 for gen in riding[name] for i in range(len(gen.rounds))]
+    assert [gen.output_ids for gen in riding[name]] == [engine.generate(p, METHODS[name](), 24, seed=0).output_ids
+                                                         for p in prompts]
+    assert len(ridden) == len(rounds[name])
+    for r, apart, is_last in zip(ridden, rounds[name], last):
+        assert (r.exit_layer, r.drafted, r.accepted) == (apart.exit_layer, apart.drafted, apart.accepted)
+        assert r.trace.get("tau") == pytest.approx(apart.trace.get("tau"), rel=1e-12)
+        if r.round > 0:
+            reads = len(r.trace.get("draft_confidences", [])) + 1
+            assert r.host_syncs == reads or (is_last and r.host_syncs == reads + 1), r
+            assert r.shadow_rows >= apart.shadow_rows
+    if name == "del":  # rejected positions scored too (on the CPU apart saves them)
+        assert sum(r.shadow_rows for r in ridden) > sum(r.shadow_rows for r in rounds[name])
+    if name == "del_deferred":
+        assert any(r.shadow_rows == 0 for r in ridden if r.round > 0)  # deferral still holds rounds back
+
+
+SAMPLED = {"ls": lambda: LayerSkip(2, 4), "del": DEL}
+
+
+@pytest.fixture(scope="module")
+def sampled(engine_and_prompts):
+    """name → (the independent count, the engine's own, per round) of speculative sampling, temperature 0.9, top-p."""
+    engine, prompts = engine_and_prompts
+    engine = Engine(engine.stack, Sampling(do_sample=True, temperature=0.9, top_p=0.9), eos_ids=set())
+    return {name: measure(engine, make(), prompts, 24) for name, make in SAMPLED.items()}
+
+
+def test_a_sampled_chain_round_syncs_once(sampled):
+    """Speculative sampling on the device: drafts drawn there (the exponential race, not multinomial's checked draw),
+    every draft's test and the residual draw there, so an LS round reads once (drafts, k and the next token together):
+    one per round after the prefill's two, as greedy. Before, each draft was read and uploaded back, each test read."""
+    report = sampled["ls"]
+    assert report.rounds_syncs == report.engine_syncs, report.sites
+    assert sorted(report.engine_syncs) == [1] * (report.rounds - 2) + [2, 2], report.engine_syncs  # 2 prompts
+    assert "check" not in report.kinds, report.kinds  # no torch.multinomial in a round
+
+
+def test_sampled_del_reads_each_candidate_and_its_acceptance_once(sampled):
+    """DEL sampling: a candidate's token and confidence in one read, as greedy; acceptance one read; scoring one."""
+    report = sampled["del"]
+    assert report.rounds_syncs == report.engine_syncs, report.sites
+    assert "check" not in report.kinds, report.kinds
+
+
 @pytest.mark.parametrize("name", METHODS)
 def test_the_engine_counts_its_own_syncs(reports, name):
     """Round.host_syncs equals the independent count, round by round (the engine calls on_round as it records each)."""
@@ -261,3 +325,17 @@ def test_a_bench_rows_syncs_after_its_run(run_cfg):
     (row,) = bench_syncs([SimpleNamespace(label="LS", cfg=cfg, load=None)], prompts=1)
     assert row["row"] == "LS" and 0 < row["rounds"] <= 8 and row["total"] >= row["rounds"]
     assert row["per_round"] == row["total"] / row["rounds"]
+
+
+def test_a_del_bench_row_is_counted_again_with_its_statistics_on_acceptance(run_cfg):
+    """DEL's row comes twice: as this CPU runs it (statistics read apart) and as an accelerator would (on the round's
+    acceptance read), the second with fewer reads."""
+    from del_bench.engine.syncs import ON_ACCEPTANCE, bench_syncs
+    from del_bench.records import RunDir
+
+    cfg = run_cfg("method=del", "max_new_tokens=16", "layers=eager")
+    RunDir(cfg.out_dir).path.mkdir(parents=True)
+    RunDir(cfg.out_dir).append({"sample_id": "0", "repeat": 0, "prompt_ids": [5, 6, 7, 8, 9]}, [])
+    apart, ridden = bench_syncs([SimpleNamespace(label="DEL", cfg=cfg, load=None)], prompts=1)
+    assert (apart["row"], ridden["row"]) == ("DEL", "DEL" + ON_ACCEPTANCE)
+    assert apart["rounds"] == ridden["rounds"] and ridden["total"] < apart["total"]

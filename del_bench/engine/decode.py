@@ -11,7 +11,8 @@ drafting. A round (Engine._round) is a short sequence of steps:
   embeddings (d·(L − skipped/2) + L; a token tree's siblings ride in the batch), and SWIFT's optimiser pass (probe);
   AdaDecode's layer-parallel schedule is its own loop (engine/layer_parallel.py);
 - accept: greedy (_accept_greedy: the head over every row in one product, one host read for the round) or
-  speculative sampling (row by row, Verified.row), or over a token tree (_accept_tree); emits; crops the cache;
+  speculative sampling (_accept_sampling: the same, the tests and the residual draw on the device), or over a token
+  tree (_accept_tree, row by row); emits; crops the cache;
 - select: a layer-skip selection on the verification pass's own states (CLaSp, KnapSpec: Method.wants_states,
   engine/layer_states.py), its layers and head rows joining the round's (sel_* in the trace);
 - observe: method.observe, or through DEL's shadow scoring (engine/shadow.py: the round's valid window, held back
@@ -37,7 +38,6 @@ from del_bench.engine.sampling import (
     accept_greedy_tree,
     accept_sampling,
     accept_sampling_tree,
-    choose,
 )
 from del_bench.engine.shadow import ShadowScorer
 from del_bench.engine.steps import Draft, Verified, whole  # noqa: F401 (Draft, Verified: part of this module's API)
@@ -48,9 +48,13 @@ from del_bench.transfer import reads, to_device, to_list
 
 
 class Engine:
-    def __init__(self, stack: LayerStack, sampling: Sampling, eos_ids: set[int], stop=None):
+    def __init__(self, stack: LayerStack, sampling: Sampling, eos_ids: set[int], stop=None,
+                 shadow_with_acceptance: bool | None = None):
         """stop: optional callable(output_ids) → True to end generation after the latest token
-        (per-task stop strings); checked token by token, so no token after the stop is kept."""
+        (per-task stop strings); checked token by token, so no token after the stop is kept.
+        shadow_with_acceptance: DEL's shadow statistics come to the host on the round's acceptance read, scored over
+        all d + 1 positions (engine/shadow.py); None: where the head is not on the CPU (a read stalls a queue there,
+        and a CPU pays for the rejected positions' rows)."""
         self.stack = stack
         self.sampling = sampling
         self.eos_ids = set(eos_ids)
@@ -59,6 +63,9 @@ class Engine:
         # greedy in half precision: each output token's top-2 gap is recorded (Generation.top2_gap_ulps, numerics.py)
         self.track_gaps = is_half(stack.dtype) and not sampling.do_sample
         self._cache: KVCache | None = None
+        if shadow_with_acceptance is None:
+            shadow_with_acceptance = stack.head_device.type != "cpu"
+        self.shadow_with_acceptance = shadow_with_acceptance
         self.on_round: Callable[[Round], None] | None = None  # called as each Round is recorded (engine/syncs.py)
 
     @property
@@ -92,7 +99,7 @@ class Engine:
         rng = draws or Draws(torch.Generator(device=self.rng_device).manual_seed(seed))
         cache = self._fresh_cache(len(prompt_ids) + max_new_tokens + 1)
         method.start(L)
-        self.shadow = ShadowScorer(self.stack)  # DEL's shadow tokens: scoring, deferral, rows scored
+        self.shadow = ShadowScorer(self.stack, self.shadow_with_acceptance)  # DEL's shadow tokens: scoring, deferral
         self._pending: torch.Tensor | None = None  # the pending token [1, 1] where it is already on the device
         self._reads_at = reads()  # host reads before the current round (Round.host_syncs)
         gen = Generation(output_ids=[], top2_gap_ulps=[] if self.track_gaps else None)
@@ -139,15 +146,15 @@ class Engine:
         h = st.forward_layers(st.embed(self.ids(prompt_ids)), 0, L, 0, cache, collect=layers, keep=w)  # [1, P, D]
         logits = st.logits(h[:, -1:])[0, -1]  # [V]
         if self.sampling.do_sample:
-            token, _ = choose(logits, self.sampling, rng)
-            self._emit(gen, [token])
-        else:  # one read: the token (and in half precision its top-2 logits, for its gap)
-            targets = logits.argmax(-1, keepdim=True)  # [1]
-            (token,), gaps = self._read_targets(targets, logits[None])
-            self._emit(gen, [token])
-            if gaps:
-                gen.set_gap(0, gaps[0])
-            self._pending = targets.view(1, 1)
+            token = rng.sample(self.sampling.probs(logits))  # [1]
+        else:
+            token = logits.argmax(-1, keepdim=True)  # [1]
+        # one read: the token (and greedy in half precision its top-2 logits, for its gap); it stays on the device
+        (first,), gaps = self._read_targets(token, logits[None])
+        self._emit(gen, [first])
+        if gaps:
+            gen.set_gap(0, gaps[0])
+        self._pending = token.view(1, 1)
         t_policy = time.perf_counter()
         head_rows = 1
         if layers is not None:
@@ -161,7 +168,7 @@ class Engine:
         emitted); the pending token (the last emitted) sits at position n − 1, in no layer's cache yet."""
         L = self.stack.num_layers
         t = time.perf_counter()
-        pending, self._pending = self._pending, None  # [1, 1] where the last greedy acceptance kept it on the device
+        pending, self._pending = self._pending, None  # [1, 1] where the last acceptance kept it on the device
         probed = skipping.probe(self, method, n, gen, cache)  # the optimiser's pass, if the method asks for one (SWIFT)
         plan = method.plan()
         left = max_new_tokens - len(gen.output_ids)
@@ -180,7 +187,7 @@ class Engine:
             # with no draft budget the single pass through all L layers is the verification itself
             t_verify = t_draft if budget == 0 else time.perf_counter()
             verified = early_exit.verify(self, draft, E, n - 1, cache)
-        k, emitted = self._accept(draft, verified, n, cache, gen, rng)
+        k, emitted = self._accept(draft, verified, n, cache, gen, rng, method, E)
         t_observe = time.perf_counter()
         selected = self._select(method, verified, k, n - 1, cache)
         d = len(draft.drafts)
@@ -213,28 +220,26 @@ class Engine:
         """The draft head on the newest layer-E state: a candidate token, and whether to keep drafting
         after it (method.keep_drafting, for methods that want confidence). Returns (None, False) when
         the candidate that stopped drafting is dropped (drop_stopped_draft: DEL's Algorithm 1), and (-1, True) for a
-        greedy candidate left on the device (no confidence to read, not on_host: drafted by id, read at acceptance).
+        candidate left on the device (no confidence to read, not on_host: drafted by id, read at acceptance).
         on_host: the caller needs the token itself now (SWIFT: its siblings and the next draft's input)."""
         logits = self.stack.exit_logits(draft.exit_states[-1], draft.exit_layer)[0, -1]  # [V]
         draft.logits = logits
         draft.candidates += 1
-        if self.sampling.do_sample:
-            candidate, q = choose(logits, self.sampling, rng)  # q: the warped draft distribution [V]
-            token = to_device([candidate], logits.device)
+        if self.sampling.do_sample:  # q: the warped draft distribution [V]
+            q = self.sampling.probs(logits)
+            token = rng.sample(q)  # [1]
         else:
             q, token = None, logits.argmax(-1, keepdim=True)  # [1]
-            candidate = -1
+        candidate = -1  # on the device until the host needs it
         keep = True
         if method.wants_confidence:
             # the draft distribution's top probability: it does not depend on which token was
             # sampled, so stopping on it keeps speculative sampling exact. In float32 for half-precision models
             # (numerics.widened): τ comes from shadow confidences computed so, and both must compare like with like
             top = q.max() if q is not None else widened(logits).softmax(-1).max()
-            if candidate < 0:  # one read: the greedy token and its confidence (a token id is exact in float64)
-                candidate, confidence = to_list(torch.cat([token.double(), top.double()[None]]))
-                candidate = int(candidate)
-            else:
-                confidence = to_list(top)
+            # one read: the token and its confidence (a token id is exact in float64)
+            candidate, confidence = to_list(torch.cat([token.double(), top.double()[None]]))
+            candidate = int(candidate)
             draft.confidences.append(confidence)
             tp = time.perf_counter()
             keep = method.keep_drafting(len(draft.ids), confidence)
@@ -265,36 +270,37 @@ class Engine:
                 "sel_s": time.perf_counter() - t}
 
     # ---- verify, accept, observe --------------------------------------------------------------------
-    def _accept(self, draft: Draft, verified: Verified, n: int, cache, gen: Generation, rng) -> tuple[int, int]:
+    def _accept(self, draft: Draft, verified: Verified, n: int, cache, gen: Generation, rng, method: Method,
+                E: int) -> tuple[int, int]:
         """Accept a prefix of the drafts (greedy: the verifier's argmax; sampling: speculative sampling)
         and emit it with the verifier's next token; crop the cache to the kept positions.
         Returns (k accepted drafts, tokens emitted: fewer than k + 1 after an EOS or a stop)."""
         if verified.siblings is not None:
             return self._accept_tree(draft, verified, n, cache, gen, rng)
-        if not self.sampling.do_sample:
-            return self._accept_greedy(draft, verified, n, cache, gen)
-        k, next_token = accept_sampling(draft.drafts, draft.draft_probs, verified.row, self.sampling, rng)
-        emitted = self._emit(gen, draft.drafts[:k] + [next_token])
-        self._record_gaps(gen, verified, range(emitted))  # token j of the round came from row j
-        cache.crop(n + k)  # keep the pending token and the accepted drafts; the new pending is next_token
-        return k, emitted
+        # DEL's shadow statistics, scored now to ride on the round's read (ShadowScorer.ride), or None
+        def ride() -> torch.Tensor | None:
+            return self.shadow.ride(method, draft, verified, E)
 
-    def _accept_greedy(self, draft: Draft, verified: Verified, n: int, cache, gen: Generation) -> tuple[int, int]:
+        if not self.sampling.do_sample:
+            return self._accept_greedy(draft, verified, n, cache, gen, ride)
+        return self._accept_sampling(draft, verified, n, cache, gen, rng, ride)
+
+    def _accept_greedy(self, draft: Draft, verified: Verified, n: int, cache, gen: Generation,
+                       ride) -> tuple[int, int]:
         """_accept, greedy over a chain, in one host read: the head over all d + 1 rows in one product, their argmax
         (targets) on the device, then the drafts still on the device, the targets and (half precision) each row's
         top-2 logits come to the host together. The next pending token stays on the device (targets[k])."""
         d = len(draft.ids)
         logits = self._verified_logits(verified)  # [d+1, V]
-        targets = logits.argmax(-1)  # [d+1]
+        targets = verified.targets = logits.argmax(-1)  # [d+1]
         if len(draft.drafts) < d:  # drafts left on the device: read them with the targets
             drafts_ids = torch.cat(draft.ids).to(targets.device)  # [d]
             values = torch.cat([drafts_ids, targets])  # [2d+1]
-            targets_host, gaps = self._read_targets(values, logits)
+            targets_host, gaps = self._read_targets(values, logits, ride())
             draft.drafts, targets_host = targets_host[:d], targets_host[d:]
         else:
-            targets_host, gaps = self._read_targets(targets, logits)
+            targets_host, gaps = self._read_targets(targets, logits, ride())
         k = next((i for i, (x, t) in enumerate(zip(draft.drafts, targets_host)) if x != t), d)
-        verified.targets = targets
         verified.rows = dict(enumerate(targets_host))
         if gaps:
             verified.gaps = dict(enumerate(gaps))
@@ -304,6 +310,26 @@ class Engine:
         self._pending = targets[k : k + 1].view(1, 1)
         return k, emitted
 
+    def _accept_sampling(self, draft: Draft, verified: Verified, n: int, cache, gen: Generation, rng,
+                         ride) -> tuple[int, int]:
+        """_accept, sampling over a chain, in one host read: the head over all d + 1 rows in one product, speculative
+        sampling on the device (sampling.accept_sampling), then the drafts, each row's greedy token (what shadow
+        scoring compares with), k and the next token come to the host together. The next token stays on the device
+        as the pending one."""
+        d = len(draft.ids)
+        logits = self._verified_logits(verified)  # [d+1, V]
+        drafts = torch.cat(draft.ids).to(logits.device) if d else logits.new_zeros(0, dtype=torch.long)  # [d]
+        q = torch.stack(draft.draft_probs) if d else None  # [d, V]
+        k, token = accept_sampling(drafts, q, logits, self.sampling, rng)  # [], [1]
+        verified.targets = logits.argmax(-1)  # [d+1]
+        read, _ = self._read_targets(torch.cat([drafts, verified.targets, k.view(1), token]), logits, ride())
+        draft.drafts, verified.rows = read[:d], dict(enumerate(read[d : 2 * d + 1]))
+        k = read[-2]
+        emitted = self._emit(gen, draft.drafts[:k] + [read[-1]])
+        cache.crop(n + k)  # keep the pending token and the accepted drafts; the new pending is the token
+        self._pending = token.view(1, 1)
+        return k, emitted
+
     def _verified_logits(self, verified: Verified) -> torch.Tensor:
         """The verifier's logits of every row, [T, V]: one product, or row by row where each row must keep a decode
         step's bits (LayerStack.exact_rows: CPU half precision, whose GEMM rounds by the row count)."""
@@ -311,14 +337,24 @@ class Engine:
             return torch.cat([verified.head(verified.h[:, i : i + 1])[0] for i in range(verified.h.shape[1])])
         return verified.head(verified.h)[0]
 
-    def _read_targets(self, values: torch.Tensor, logits: torch.Tensor) -> tuple[list[int], list[float]]:
+    def _read_targets(self, values: torch.Tensor, logits: torch.Tensor,
+                      rider: torch.Tensor | None = None) -> tuple[list[int], list[float]]:
         """values: token ids [N] (device), logits: [T, V] the rows the last T of them came from → (the ids on the
-        host, and in half precision each row's top-2 gap: numerics.gap_from_top2) in one read."""
-        if not self.track_gaps:
+        host, and greedy in half precision each row's top-2 gap: numerics.gap_from_top2) in one read, which also
+        carries rider (float64 [R], ShadowScorer.ride) to the shadow scorer when given."""
+        if not self.track_gaps and rider is None:
             return to_list(values), []
-        top2 = logits.topk(2, dim=-1).values  # [T, 2]: exact in float64, as the ids are
-        read = to_list(torch.cat([values.double(), top2.double().flatten()]))
+        parts = [values.double()]  # token ids are exact in float64
+        if self.track_gaps:
+            parts.append(logits.topk(2, dim=-1).values.double().flatten())  # [T·2]
+        if rider is not None:
+            parts.append(rider)
+        read = to_list(torch.cat(parts))
+        if rider is not None:
+            self.shadow.received(read[len(read) - rider.numel() :])
         ids, pairs = [int(x) for x in read[: values.numel()]], read[values.numel() :]
+        if not self.track_gaps:
+            return ids, []
         return ids, [gap_from_top2(pairs[2 * i], pairs[2 * i + 1], logits.dtype) for i in range(logits.shape[0])]
 
     def _accept_tree(self, draft: Draft, verified: Verified, n: int, cache, gen: Generation, rng) -> tuple[int, int]:

@@ -20,9 +20,9 @@ def draft(engine, token: torch.Tensor, pos: int, E: int, budget: int, cache, met
     The pending token and every kept draft go through layers 1..E; the last one's pass is already
     part of verification: its layer-E state joins the batch (a draft head ran on it only if its
     candidate was dropped). With budget 0 (E = L) that single pass is the whole round's forward.
-    Greedy drafts stay on the device unless the method stops on confidence (one read per candidate: its token and
-    confidence together), so an EOS drafted by a method that does not is seen only at acceptance: the drafts
-    after it are paid for (and counted), never emitted."""
+    Drafts (greedy or sampled) stay on the device unless the method stops on confidence (one read per candidate: its
+    token and confidence together), so an EOS drafted by a method that does not is seen only at acceptance: the
+    drafts after it are paid for (and counted), never emitted."""
     draft = Draft(early=[] if method.wants_shadow else None, exit_layer=E)
     stop = budget == 0
     while True:
@@ -49,7 +49,7 @@ def draft_layers(engine, token: torch.Tensor, pos: int, E: int, cache, draft: Dr
 
 def verify(engine, draft: Draft, E: int, pos: int, cache) -> Verified:
     """All d + 1 positions (from pos) through layers E+1..L at once, from drafting's layer-E states. No head runs
-    here: acceptance runs it (greedy: over every row at once; sampling: row by row, Verified.row)."""
+    here: acceptance runs it (over every row at once, greedy or sampling)."""
     late: list[torch.Tensor] | None = None if draft.early is None else []  # [layer] → [1, d+1, D]
     states = torch.cat(draft.exit_states, dim=1)  # [1, d+1, D]
     h = engine.stack.norm(engine.stack.forward_layers(states, E, engine.stack.num_layers, pos, cache, collect=late))

@@ -61,6 +61,19 @@ class Draws:
         """count distinct indices of weights [V], drawn one after another, each renormalised without the earlier."""
         return to_list(torch.multinomial(weights, count, replacement=False, generator=self.generator))
 
+    # the same draws left on the device (no read: a round's chain acceptance reads once, at its end)
+    def below_each(self, num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
+        """below for each of d pairs (num, den: [d], same dtype) at once: d independent uniforms → [d] bool."""
+        u = torch.rand(num.shape, generator=self.generator, device=num.device, dtype=num.dtype)
+        return u * den < num
+
+    def sample(self, weights: torch.Tensor) -> torch.Tensor:
+        """categorical on the device: [1] long. The exponential race argmax(w / e), e ~ Exp(1) — the draw
+        torch.multinomial(weights, 1) makes, from the same generator state, after it reads the weights' min and max
+        to check them (two host reads this skips)."""
+        race = torch.empty_like(weights).exponential_(generator=self.generator)  # [V]
+        return (weights / race).argmax(-1, keepdim=True)
+
 
 def choose(logits: torch.Tensor, sampling: Sampling, rng: Draws) -> tuple[int, torch.Tensor | None]:
     """One token from logits [V]: argmax, or a sample from the warped distribution (returned too)."""
@@ -82,19 +95,38 @@ def accept_greedy(drafts: list[int], target_row) -> tuple[int, int]:
     return len(drafts), to_list(target_row(len(drafts)).argmax())
 
 
-def accept_sampling(
-    drafts: list[int],
-    draft_probs: list[torch.Tensor],
-    target_row,
-    sampling: Sampling,
-    rng: Draws,
-) -> tuple[int, int]:
-    """Speculative sampling. draft_probs[i]: q_i [V]; target_row(i) → logits [V] whose warping is p_i.
+def accept_sampling(drafts: torch.Tensor, draft_probs: torch.Tensor | None, target_logits: torch.Tensor,
+                    sampling: Sampling, rng: Draws) -> tuple[torch.Tensor, torch.Tensor]:
+    """Speculative sampling over a chain, on the device with no host read. drafts: [d] ids, draft_probs: q [d, V]
+    (None when d = 0), target_logits: [d+1, V] whose warping is p. Returns (k accepted drafts [], the next token [1]).
 
-    Accept x_i with prob min(1, p_i(x_i)/q_i(x_i)); at the first rejection draw from
-    norm(max(0, p_i − q_i)); if all d are accepted draw a bonus token from p_d."""
-    k, _, token = accept_sampling_tree(drafts, draft_probs, None, target_row, sampling, rng)
-    return k, token
+    Accept x_i with prob min(1, p_i(x_i)/q_i(x_i)); at the first rejection draw from norm(max(0, p_i − q_i)); if
+    all d are accepted draw a bonus token from p_d. Every draft's test is drawn (d uniforms at once) and only the
+    tests up to the first rejection count: the later ones are independent of the outcome, so exactness holds."""
+    p = sampling.probs(target_logits)  # [d+1, V]
+    d = drafts.shape[0]
+    if d == 0:
+        return drafts.new_zeros(()), rng.sample(p[0])
+    q = draft_probs.to(p.dtype)  # [d, V]
+    accepted = accepts_each(drafts, q, p[:d], rng)  # [d] bool
+    k = accepted.long().cumprod(0).sum()  # [] the accepted prefix
+    rest = residuals(p, q)  # [d+1, V]: row k is what the next token is drawn from
+    return k, rng.sample(rest.index_select(0, k.view(1))[0])  # index_select: a 0-d index would read k
+
+
+def accepts_each(drafts: torch.Tensor, q: torch.Tensor, p: torch.Tensor, rng: Draws) -> torch.Tensor:
+    """accepts for every draft of a chain at once: drafts [d], q and p [d, V] → [d] bool (one uniform each)."""
+    at = drafts.view(-1, 1).to(p.device)  # [d, 1]
+    return rng.below_each(p.gather(1, at)[:, 0], q.gather(1, at)[:, 0])
+
+
+def residuals(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """residual(p_i, q_i) for every row i < d of a chain, and p_d for the row after the last draft: p [d+1, V],
+    q [d, V] → [d+1, V] (each row normalised, as residual's)."""
+    rest = (p[:-1] - q).clamp_min(0)  # [d, V]
+    total = rest.sum(-1, keepdim=True)  # [d, 1]
+    rest = torch.where(total > 0, rest / total, p[:-1])
+    return torch.cat([rest, p[-1:]])
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,19 @@
 """DEL's shadow tokens as an object of their own (ShadowScorer): which hidden states a round's valid window holds,
 their scoring by the LM head against the full model's tokens, and the deferral of that scoring while the method's
-plan cannot change (Method.can_defer) — so the engine's loop only hands it a round's draft and verification."""
+plan cannot change (Method.can_defer) — so the engine's loop only hands it a round's draft and verification.
+
+Where the statistics come to the host (with_acceptance):
+- apart (CPU): after acceptance, the window of the k + 1 valid positions is scored and read on its own — a second
+  read a round, free on a CPU, where scoring the d − k rejected positions too would not be;
+- with the acceptance read (an accelerator, where every read drains the queue and the head's extra rows ride on a
+  pass that reads its weights anyway): before acceptance, the whole window of d + 1 positions is scored, its matches
+  and confidences ride on the round's one read (ride), and only the first k + 1 columns reach the method."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
+import numpy as np
 import torch
 
 from del_bench.engine.steps import Draft, Verified
@@ -17,10 +25,12 @@ from del_bench.transfer import to_device, to_numpy
 class ShadowScorer:
     """Per prompt: the rounds whose scoring is held back, and the shadow rows scored since the last Round."""
 
-    def __init__(self, stack: LayerStack):
+    def __init__(self, stack: LayerStack, with_acceptance: bool = False):
         self.stack = stack
+        self.with_acceptance = with_acceptance
         self.deferred: list[tuple[RoundEvidence, torch.Tensor, torch.Tensor]] = []  # (evidence, states, targets)
         self.rows = 0  # shadow rows scored since the last Round was recorded (Round.shadow_rows)
+        self._ridden: tuple[Shadow, torch.Tensor | np.ndarray] | None = None  # ride's scoring, then its read
 
     def take_rows(self) -> int:
         rows, self.rows = self.rows, 0
@@ -33,12 +43,46 @@ class ShadowScorer:
         target = self.stack.logits(h[:, -w:])[0].argmax(-1)  # [w]
         return self.score(states, target, vocab)
 
+    def _must_score(self, method: Method, window: int) -> bool:
+        """Whether a round of this window, after the held-back ones, is scored now (else it is held back too)."""
+        windows = [states.shape[1] for _, states, _ in self.deferred] + [window]
+        return len(windows) >= MAX_DEFERRED or not method.can_defer(windows)
+
+    def ride(self, method: Method, draft: Draft, verified: Verified, E: int) -> torch.Tensor | None:
+        """with_acceptance, just before the acceptance read (verified.targets on the device): if the round would be
+        scored now even with every draft accepted (its largest window, d + 1: a smaller one never defers less), score
+        the held-back rounds and this round's whole window in one head pass → [2·(L−1)·ΣW] float64 for the read to
+        carry (then received); else None (held back after acceptance, as apart)."""
+        if not self.with_acceptance or draft.early is None:
+            return None
+        d = len(draft.ids)
+        if not self._must_score(method, d + 1):
+            return None
+        states, targets = self.window(draft, verified, E, d)
+        shadow = self.score(torch.cat([s for _, s, _ in self.deferred] + [states], dim=1),
+                            torch.cat([t for _, _, t in self.deferred] + [targets]), method.shadow_vocab)
+        on_device = matches_and_confidence(shadow.tokens, shadow.confidence, shadow.target)  # [2, L-1, ΣW]
+        self._ridden = (shadow, on_device)
+        return on_device.flatten()
+
+    def received(self, values: list[float]) -> None:
+        """ride's values as the acceptance read brought them."""
+        shadow, on_device = self._ridden
+        self._ridden = (shadow, np.array(values, dtype=np.float64).reshape(on_device.shape))
+
     def observe(self, method: Method, evidence: RoundEvidence, draft: Draft, verified: Verified, E: int) -> None:
         """Hold the round's valid window back; score every held-back round in one batch once the method may not defer
-        any longer."""
-        self.deferred.append((evidence, *self.window(draft, verified, E, evidence.accepted)))
-        windows = [states.shape[1] for _, states, _ in self.deferred]
-        if len(windows) >= MAX_DEFERRED or not method.can_defer(windows):
+        any longer. With the window scored on the acceptance read (ride), hand those over instead."""
+        if self._ridden is not None:
+            (shadow, on_host), self._ridden = self._ridden, None
+            evidence_list = [ev for ev, _, _ in self.deferred] + [evidence]
+            spans = [t.shape[0] for _, _, t in self.deferred] + [evidence.accepted + 1]  # of d + 1 scored
+            self.deferred.clear()
+            return self._hand_over(method, evidence_list, spans, shadow, on_host)
+        states, targets = self.window(draft, verified, E, evidence.accepted)
+        scored_now = self._must_score(method, states.shape[1])
+        self.deferred.append((evidence, states, targets))
+        if scored_now:
             self.flush(method)
 
     def flush(self, method: Method) -> None:
@@ -49,8 +93,13 @@ class ShadowScorer:
         shadow = self.score(torch.cat(states, dim=1), torch.cat(targets), method.shadow_vocab)
         # the rounds' matches and confidences come to the host in one read, not one per round
         on_host = to_numpy(matches_and_confidence(shadow.tokens, shadow.confidence, shadow.target))  # [2, L-1, ΣW]
+        self._hand_over(method, evidence, [t.shape[0] for t in targets], shadow, on_host)
+
+    def _hand_over(self, method: Method, evidence, windows: list[int], shadow: Shadow, on_host: np.ndarray) -> None:
+        """The method's evidence round by round, in order: round i's valid window is the windows[i] columns from
+        where its scored ones start (a ridden round was scored at d + 1 and keeps its first k + 1)."""
         start = 0
-        for ev, window in zip(evidence, (t.shape[0] for t in targets)):
+        for ev, window in zip(evidence, windows):
             part = slice(start, start + window)
             start += window
             method.observe(replace(ev, shadow=Shadow(shadow.tokens[:, part], shadow.confidence[:, part],

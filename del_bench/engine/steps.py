@@ -26,7 +26,7 @@ class Draft:
     exit_states: list[torch.Tensor] = field(default_factory=list)  # layer-E states, [1, 1, D] per position
     ids: list[torch.Tensor] = field(default_factory=list)  # the d draft tokens on the device, [1] each
     drafts: list[int] = field(default_factory=list)  # the d draft tokens on the host: read as drafted where the
-    # host decides on them (sampling, confidence, SWIFT), else with the round's acceptance (_accept_greedy)
+    # host decides on them (confidence, SWIFT), else with the round's acceptance (_accept_greedy, _accept_sampling)
     draft_probs: list[torch.Tensor | None] = field(default_factory=list)  # q_i [V] when sampling, else None
     candidates: int = 0  # draft heads applied (a dropped low-confidence candidate counts too)
     confidences: list[float] = field(default_factory=list)  # each candidate's (the last may be the dropped one)
@@ -53,9 +53,9 @@ class Draft:
 
 
 class Verified:
-    """The verification batch. Greedy over a chain (_accept_greedy), the head runs over every row at once and the
-    tokens stay on the device (targets); elsewhere (sampling, token trees, SWIFT) row by row on demand (row), only up
-    to the first rejection."""
+    """The verification batch. Over a chain (_accept_greedy, _accept_sampling) the head runs over every row at once
+    and the tokens stay on the device (targets); over a token tree row by row on demand (row), only up to the first
+    rejection."""
 
     h: torch.Tensor  # [1, d+1, D] the last layer's normed states of the d + 1 positions
     late: list[torch.Tensor] | None  # shadow tokens only: layers E+1..L, each [1, d+1, D]

@@ -389,22 +389,23 @@ def print_syncs(rows: list[dict], sites: int = 3) -> None:
     worst round (where attributed), the engine's own count per round (where it keeps one), per kind, and the call
     sites that made the most."""
     print("  host syncs, counted independently of the engine (engine/syncs.py), untimed; engine: Round.host_syncs")
-    print(f"  {'row':<22} {'rounds':>6} {'syncs':>6} {'/round':>7} {'worst':>5} {'engine':>7}  kinds; top sites")
+    width = max([22, *(len(r["row"]) for r in rows)])
+    print(f"  {'row':<{width}} {'rounds':>6} {'syncs':>6} {'/round':>7} {'worst':>5} {'engine':>7}  kinds; top sites")
     for r in rows:
         worst = "" if r["worst_round"] is None else str(r["worst_round"])
         engine = "" if r["engine_per_round"] is None else f"{r['engine_per_round']:.2f}"
         kinds = ", ".join(f"{k} {n}" for k, n in r["kinds"].items())
         top = "; ".join(f"{n}× {s}" for s, n in list(r["sites"].items())[:sites])
-        print(f"  {r['row']:<22} {r['rounds']:>6} {r['total']:>6} {r['per_round']:>7.2f} {worst:>5} {engine:>7}  "
+        print(f"  {r['row']:<{width}} {r['rounds']:>6} {r['total']:>6} {r['per_round']:>7.2f} {worst:>5} {engine:>7}  "
               f"{kinds}; {top}")
 
 
 # ---- a run config's syncs (bench-engine's rows) ------------------------------------------------------------------
-def config_syncs(cfg, load, prompt_ids: list[list[int]]) -> SyncReport:
+def config_syncs(cfg, load, prompt_ids: list[list[int]], shadow_with_acceptance: bool | None = None) -> SyncReport:
     """A run config's method and decoding (cfg.method, its generation settings, cfg.max_new_tokens) on these prompts
     (token ids), under count_syncs, untimed; a calibrated cost model is measured as a run measures it (or read from
     the run's directory). load: () → (Loaded, LayerStack), as runner.run takes it (None: the config's model loaded
-    here)."""
+    here). shadow_with_acceptance: the Engine's (None: as the device decides)."""
     from hydra.utils import instantiate
     from omegaconf import OmegaConf
 
@@ -426,20 +427,32 @@ def config_syncs(cfg, load, prompt_ids: list[list[int]]) -> SyncReport:
     generation = OmegaConf.to_container(cfg.generation, resolve=True)
     if cfg.task.get("generation"):  # as runner.run: a task may fix its decoding
         generation.update(OmegaConf.to_container(cfg.task.generation, resolve=True))
-    engine = Engine(stack, Sampling(**generation), eos_ids(loaded.model, loaded.tokenizer))
+    engine = Engine(stack, Sampling(**generation), eos_ids(loaded.model, loaded.tokenizer),
+                    shadow_with_acceptance=shadow_with_acceptance)
     return measure(engine, method, prompt_ids, int(cfg.max_new_tokens), seed=int(cfg.seed))
 
 
-def run_syncs(cfg, load, prompts: int = 2) -> SyncReport:
+def run_syncs(cfg, load, prompts: int = 2, shadow_with_acceptance: bool | None = None) -> SyncReport:
     """A finished run's syncs: config_syncs on the first `prompts` prompts it decoded (their ids from its records)."""
     from del_bench.records import RunDir
 
     records = RunDir(cfg.out_dir).finished()[:prompts]
-    return config_syncs(cfg, load, [r["prompt_ids"] for r in records])
+    return config_syncs(cfg, load, [r["prompt_ids"] for r in records], shadow_with_acceptance)
+
+
+ON_ACCEPTANCE = " (stats on acceptance)"  # a DEL row counted again with Engine(shadow_with_acceptance=True)
 
 
 def bench_syncs(rows, prompts: int = 2) -> list[dict]:
     """bench-engine's host-sync rows, after its timed runs: for each finished bench row (a `label`, its run's `cfg`,
     its `load`), run_syncs on its first `prompts` prompts → SyncReport.as_dict() with its "row" label (print_syncs
-    prints them; the result file keeps them)."""
-    return [{"row": r.label, **run_syncs(r.cfg, r.load, prompts).as_dict()} for r in rows]
+    prints them; the result file keeps them). A method with shadow statistics (DEL) is counted a second time with
+    them on the acceptance read, as an accelerator runs it, whatever this device's default."""
+    from hydra.utils import get_class
+
+    out = []
+    for r in rows:
+        out.append({"row": r.label, **run_syncs(r.cfg, r.load, prompts).as_dict()})
+        if get_class(r.cfg.method._target_).wants_shadow:
+            out.append({"row": r.label + ON_ACCEPTANCE, **run_syncs(r.cfg, r.load, prompts, True).as_dict()})
+    return out
