@@ -21,6 +21,7 @@ from del_bench import bench, runner
 from del_bench.__main__ import cmd_show
 from del_bench.bench import harness
 from del_bench.bench.peers import cut
+from del_bench.engine.syncs import ON_ACCEPTANCE
 from del_bench.errors import ConfigError
 from del_bench.records import PEER_NOTE, RunKey, del_variant, method_label, read_jsonl
 from del_bench.report import tables
@@ -126,7 +127,8 @@ def test_bench_runs_on_the_tiny_model(name, tmp_path, capsys):
         assert "2.0000" in out and "(no questions)" in out
     if name == "engine":  # host syncs per row, counted independently after the timed rows (engine/syncs.py)
         syncs = result["models"][0]["host_syncs"]
-        assert [r["row"] for r in syncs] == [r["row"] for r in result["models"][0]["rows"]]
+        rows = [r["row"] for r in result["models"][0]["rows"]]  # DEL's also with its statistics on acceptance
+        assert [r["row"] for r in syncs] == [x for r in rows for x in (r, r + ON_ACCEPTANCE)[: 1 + r.startswith("DEL")]]
         assert all(r["total"] >= r["rounds"] > 0 for r in syncs) and "host syncs" in out
     if name in ("del", "peer"):
         check_recomputable(result["rows"], out)

@@ -16,7 +16,6 @@ from pathlib import Path
 import numpy as np
 
 from del_bench.bench import harness as h
-from del_bench.bench.dynamic_exit import ls_args
 from del_bench.methods.dynamic_exit import best_exit
 from del_bench.models import exit_adapters
 
@@ -78,7 +77,7 @@ def main(argv: list[str]) -> int:
         e, g = (tuple(int(x) for x in args.ls.split(":")) if args.ls else
                 predicted_ls(agree, record["layers"], record["model"]["num_layers"], args.head_cost))
         kinds = {"vanilla": ("Vanilla", ["method=vanilla"]),
-                 "ls": (f"LS(E{e}-γ{g})", ls_args("ls", e, g)),
+                 "ls": (f"LS(E{e}-γ{g})", h.ls_args("ls", e, g)),
                  "del_cpu": ("DEL (del_cpu)", ["method=del_cpu", *args.del_overrides]),
                  "adadecode": ("AdaDecode", ["method=adadecode"])}
         for name in args.methods.split(","):

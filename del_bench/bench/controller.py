@@ -19,7 +19,7 @@ from del_bench.engine.decode import Engine
 from del_bench.engine.sampling import Sampling
 from del_bench.methods.base import Shadow
 from del_bench.methods.dynamic_exit import DEL
-from del_bench.records import read_jsonl
+from del_bench.records import RunDir, read_jsonl
 from del_bench.runner import eos_ids
 
 COLUMNS = ["row", "tok/s", "speedup", "eTPL", "α", "ctrl", ("= Vanilla", "equal_vanilla", "", 9)]
@@ -34,12 +34,10 @@ def parse(argv):
     return ap.parse_args(argv)
 
 
-class Twin(DEL):
-    """Exact DEL that also feeds a restricted-vocabulary copy; keeps both plans of every round."""
+class _Twinned(DEL):
+    """Exact DEL (it drives the decode) with a second DEL, self.twin, started and costed alongside it."""
 
-    def __init__(self, stack, vocab: int, **kwargs):
-        super().__init__(**kwargs)
-        self.stack, self.twin, self.vocab, self.pairs = stack, DEL(shadow_vocab=vocab, **kwargs), vocab, []
+    twin: DEL
 
     def start(self, num_layers):
         super().start(num_layers)
@@ -48,6 +46,14 @@ class Twin(DEL):
     def set_costs(self, **costs):
         super().set_costs(**costs)
         self.twin.set_costs(**costs)
+
+
+class Twin(_Twinned):
+    """Exact DEL that also feeds a restricted-vocabulary copy; keeps both plans of every round."""
+
+    def __init__(self, stack, vocab: int, **kwargs):
+        super().__init__(**kwargs)
+        self.stack, self.twin, self.vocab, self.pairs = stack, DEL(shadow_vocab=vocab, **kwargs), vocab, []
 
     def _approx(self, shadow: Shadow) -> Shadow:
         L1, W, D = shadow.states.shape
@@ -70,7 +76,7 @@ class Twin(DEL):
             self._compare()
 
 
-class Lagging(DEL):
+class Lagging(_Twinned):
     """Exact DEL (it drives the decode) with a twin that folds the same shadow tokens in every R rounds only;
     keeps both acting decisions (E when drafting, or no draft) of every round."""
 
@@ -80,12 +86,7 @@ class Lagging(DEL):
 
     def start(self, num_layers):
         super().start(num_layers)
-        self.twin.start(num_layers)
         self.pending = []
-
-    def set_costs(self, **costs):
-        super().set_costs(**costs)
-        self.twin.set_costs(**costs)
 
     def observe_prefill(self, shadow):
         super().observe_prefill(shadow)
@@ -106,11 +107,11 @@ def acting(method: DEL) -> list:
     return [method.exit_layer if method.gamma else None, bool(method.gamma)]
 
 
-def agreement(args, load, prompts: list[list[int]]) -> dict:
-    """Every round's pair of decisions of each twin, decoding the prompts (untimed)."""
+def agreement(args, load, prompts: list[list[int]], costs: dict) -> dict:
+    """Every round's pair of decisions of each twin, decoding the prompts (untimed); costs: the measured-cost rows'
+    own (RunDir.costs), so the twins plan on what those rows planned on."""
     loaded, stack = load()
     engine = Engine(stack, Sampling(), eos_ids(loaded.model, loaded.tokenizer))
-    costs = stack.measure_costs()
     twins = {f"vocab {args.vocab}, cost_model={c}": Twin(stack, args.vocab, cost_model=c)
              for c in ("layers", "measured")}
     twins.update({f"shadow_every {r}": Lagging(int(r), cost_model="measured", shadow_vocab=args.vocab)
@@ -137,7 +138,8 @@ def main(argv: list[str]) -> int:
     for r in table:
         r["equal_vanilla"] = "{}/{}".format(*h.outputs_equal(r["out_dir"], table[0]["out_dir"]))
     prompts = [s["prompt_ids"] for s in read_jsonl(Path(table[0]["out_dir"]) / "samples.jsonl")]
-    pairs = agreement(args, load, prompts)
+    costs = next(c for r in table if (c := RunDir(r["out_dir"]).costs()) is not None)  # the measured-cost rows'
+    pairs = agreement(args, load, prompts, costs)
     print(f"\n{args.model}, {args.task}, {len(prompts)} prompts, {args.max_new_tokens} new tokens, greedy\n")
     for name, rounds in pairs.items():
         same = statistics.fmean(p["plan"] == p["twin"] for p in rounds) if rounds else None

@@ -13,7 +13,6 @@ Task `code` (a model trained by `train-layerskip`): code-completion prompts its 
 from __future__ import annotations
 
 from del_bench.bench import harness as h
-from del_bench.config import ls_grid, ls_setting
 
 COLUMNS = ["task", "row", "tok/s", "speedup", "eTPL", "pred.", "meas/pred", "pooled", "p.pred", "p.m/p", "α", "ctrl"]
 
@@ -28,18 +27,6 @@ def parse(argv):
     return ap.parse_args(argv)
 
 
-def grid_of(text: str | None, model: str, whole: bool = True) -> list[tuple[int, int]]:
-    """'24:2,27:3' → [(24, 2), (27, 3)]: LS (E, γ) points; none given: the grid `calibrate` searches on the model
-    (whole), or LS's own (E, γ) there (config.ls_setting: the model config's) — never a bench's constant."""
-    if text:
-        return [tuple(int(x) for x in pair.split(":")) for pair in text.split(",")]
-    return ls_grid(model) if whole else [ls_setting(model)]
-
-
-def ls_args(method: str, e: int, g: int) -> list[str]:
-    return [f"method={method}", f"method.exit_layer={e}", f"method.gamma={g}"]
-
-
 def bench_task(args, task: str, load) -> list[dict]:
     """One task's two phases → its table rows (speedups against both phases' Vanilla)."""
     root = f"{args.root}/{task}"
@@ -49,13 +36,13 @@ def bench_task(args, task: str, load) -> list[dict]:
     def row(label, *overrides, suffix=""):
         return h.row(label, root, args.experiment, *base, *overrides, load=load, suffix=suffix)
 
-    grid = grid_of(args.grid, args.model)
+    grid = h.grid_of(args.grid, args.model)
     first = h.run_rows([row("Vanilla", "method=vanilla"),
-                        *(row(f"LS(E{e}-γ{g})", *ls_args("ls", e, g)) for e, g in grid)], args.limit)
+                        *(row(f"LS(E{e}-γ{g})", *h.ls_args("ls", e, g)) for e, g in grid)], args.limit)
     best = max(first[1:], key=lambda r: r.summary["tokens_per_s"])
     best.label += " best"
     e, g = grid[first.index(best) - 1]
-    rest = [row("Vanilla (phase 2)", "method=vanilla", suffix="-phase2"), row(f"FS(E{e}-γ{g})", *ls_args("fs", e, g)),
+    rest = [row("Vanilla (phase 2)", "method=vanilla", suffix="-phase2"), row(f"FS(E{e}-γ{g})", *h.ls_args("fs", e, g)),
             row(f"DV(E{e})", "method=dv", f"method.exit_layer={e}")]
     for name in args.del_methods.split(","):
         extra = [f"method.exit_layer={e}"] if name == "del_gamma" else []

@@ -24,7 +24,6 @@ from pathlib import Path
 import torch
 
 from del_bench.bench import harness as h
-from del_bench.bench.dynamic_exit import grid_of, ls_args
 from del_bench.bench.peers import peer_method
 from del_bench.models.layer_stack import LayerStack
 from del_bench.models.loading import DTYPES, ByteTokenizer, Loaded
@@ -113,12 +112,7 @@ def probe_bandwidth(device: torch.device, dtype: torch.dtype, megabytes: int, re
     w = torch.randn(rows, cols, dtype=dtype, device=device)
     x = torch.randn(cols, 1, dtype=dtype, device=device)
 
-    def product():
-        torch.mm(w, x)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    return w.numel() * w.element_size() / min(h.timings(product, reps, warmup=1)) / 1e9
+    return w.numel() * w.element_size() / min(h.timings(lambda: torch.mm(w, x), reps, warmup=1)) / 1e9
 
 
 def bandwidth(args, device: torch.device) -> tuple[float, str]:
@@ -174,8 +168,8 @@ def bench(args) -> dict:
         return h.row(label, args.root, args.experiment, *base, *overrides, load=lambda: loaded, method=method)
 
     rows = [row("Vanilla", "method=vanilla"), row("HF generate †", method=peer_method("hf_generate"))]
-    for e, g in grid_of(args.configs, "tiny-random"):
-        rows += [row(f"LS(E{e}-γ{g})", *ls_args("ls", e, g)),
+    for e, g in h.grid_of(args.configs, "tiny-random"):
+        rows += [row(f"LS(E{e}-γ{g})", *h.ls_args("ls", e, g)),
                  row(f"HF assistant_early_exit(E{e}-γ{g}) †",
                      method=peer_method("hf_assistant_early_exit", exit_layer=e, gamma=g))]
     if not args.no_del:

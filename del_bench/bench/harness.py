@@ -17,14 +17,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+import torch
 from omegaconf import DictConfig, OmegaConf
 
-from del_bench.config import CONFIG_DIR, check_overrides, resolve_aliases
+from del_bench.config import CONFIG_DIR, check_overrides, ls_grid, ls_setting, resolve_aliases
+from del_bench.models.layer_stack import seconds_of
 from del_bench.records import read_jsonl, run_key_of, vanilla_baseline
 
 RESULTS = "results/runs/bench"  # where a bench writes by default (gitignored); make's RECORDS= moves it
@@ -42,6 +43,19 @@ def compose(*overrides: str) -> DictConfig:
     data = [] if any(o.startswith("data=") for o in overrides) else ["data=local"]
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         return hydra_compose(config_name="run", overrides=[*data, *overrides])
+
+
+def grid_of(text: str | None, model: str, whole: bool = True) -> list[tuple[int, int]]:
+    """'24:2,27:3' → [(24, 2), (27, 3)]: LS (E, γ) points; none given: the grid `calibrate` searches on the model
+    (whole), or LS's own (E, γ) there (config.ls_setting: the model config's) — never a bench's constant."""
+    if text:
+        return [tuple(int(x) for x in pair.split(":")) for pair in text.split(",")]
+    return ls_grid(model) if whole else [ls_setting(model)]
+
+
+def ls_args(method: str, e: int, g: int) -> list[str]:
+    """The overrides of an early-exit method (ls, fs) at (E, γ)."""
+    return [f"method={method}", f"method.exit_layer={e}", f"method.gamma={g}"]
 
 
 def model_config(name: str, *overrides: str) -> DictConfig:
@@ -233,15 +247,15 @@ def write_result(path: str | Path, bench: str, settings: dict, **payload) -> Pat
 
 
 def timings(fn: Callable, reps: int = 20, warmup: int = 3) -> list[float]:
-    """Wall seconds of `reps` calls of fn() after `warmup` untimed ones (a micro-benchmark's raw timings)."""
-    for _ in range(warmup):
-        fn()
-    out = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
-    return out
+    """Wall seconds of `reps` calls of fn() after `warmup` untimed ones (a micro-benchmark's raw timings), the
+    accelerator synchronised around each: a bench times the work, not its launch."""
+    return seconds_of(fn, reps, warmup, _synchronize_accelerator)
+
+
+def _synchronize_accelerator() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # every GPU (a device_map spreads a model)
+        for device in range(torch.cuda.device_count()):
+            torch.cuda.synchronize(device)
 
 
 def median_ms(seconds: list[float]) -> float:

@@ -10,7 +10,6 @@ threshold 0, constant schedule), as LS(E, γ). Rows marked † are peers.
 from __future__ import annotations
 
 from del_bench.bench import harness as h
-from del_bench.bench.dynamic_exit import grid_of, ls_args
 from del_bench.bench.peers import peer_method
 from del_bench.records import PEER_LABELS
 
@@ -29,8 +28,8 @@ def peer_rows(args, row) -> list[h.Row]:
     """Our Vanilla, the two plain peers, then per (E, γ) our LS beside assistant_early_exit."""
     rows = [row("Vanilla", "method=vanilla"), row("HF generate †", method=peer_method("hf_generate")),
             row("HF forward loop †", method=peer_method("hf_forward_loop"))]
-    for e, g in grid_of(args.configs, args.model, whole=False):
-        rows += [row(f"LS(E{e}-γ{g})", *ls_args("ls", e, g)),
+    for e, g in h.grid_of(args.configs, args.model, whole=False):
+        rows += [row(f"LS(E{e}-γ{g})", *h.ls_args("ls", e, g)),
                  row(f"HF assistant_early_exit(E{e}-γ{g}) †",
                      method=peer_method("hf_assistant_early_exit", exit_layer=e, gamma=g))]
     return rows

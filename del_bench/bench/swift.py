@@ -17,7 +17,6 @@ from __future__ import annotations
 from pathlib import Path
 
 from del_bench.bench import harness as h
-from del_bench.bench.dynamic_exit import grid_of, ls_args
 from del_bench.records import RunDir, read_jsonl
 
 TASKS = {"smollm2-135m": "humaneval,cnndm_lm", "testbed": "humaneval,code"}
@@ -56,9 +55,9 @@ def bench_task(args, model: str, ratio: str, task: str, load) -> list[dict]:
     def row(label, *overrides, suffix=""):
         return h.row(label, root, args.experiment, *base, *overrides, load=load, suffix=suffix)
 
-    grid = grid_of(args.grid, model, whole=False)
+    grid = h.grid_of(args.grid, model, whole=False)
     swift = ["method=swift", f"method.skip_ratio={ratio}", *args.swift_overrides]
-    ls = [row(f"LS(E{e}-γ{g})", *ls_args("ls", e, g)) for e, g in grid]
+    ls = [row(f"LS(E{e}-γ{g})", *h.ls_args("ls", e, g)) for e, g in grid]
     first = h.run_rows([row("Vanilla", "method=vanilla"), *ls, row("DEL (del_cpu)", "method=del_cpu"),
                         row(f"SWIFT r{ratio} (search)", *swift)], args.limit)
     max(ls, key=lambda r: r.summary["tokens_per_s"]).label += " best"

@@ -35,6 +35,21 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def seconds_of(fn, reps: int, warmup: int = 1, sync=lambda: None) -> list[float]:
+    """Wall seconds of each of `reps` calls of fn after `warmup` untimed ones, sync() (waiting for the devices fn
+    queues work on) before each clock read: every micro-timing of the project, engine's and benches'."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
 def cat_on(tensors, device: torch.device, dim: int = 0) -> torch.Tensor:
     """torch.cat on `device` of tensors that may live on several (states of layers split by device_map): each moves
     there first — a no-op for a tensor already there, so on one device this is the plain cat."""
@@ -411,16 +426,7 @@ class LayerStack:
 
     def _seconds(self, fn, reps: int, warmup: int = 1) -> list[float]:
         """Seconds of each of `reps` calls of fn after `warmup` untimed ones, every device synchronised around each."""
-        for _ in range(warmup):
-            fn()
-        times = []
-        for _ in range(reps):
-            self.synchronize()
-            t0 = time.perf_counter()
-            fn()
-            self.synchronize()
-            times.append(time.perf_counter() - t0)
-        return times
+        return seconds_of(fn, reps, warmup, self.synchronize)
 
     @torch.inference_mode()
     def _measure_layer_costs(self, context: int, reps: int, batch_sizes) -> dict:
