@@ -5,9 +5,9 @@ plan cannot change (Method.can_defer) — so the engine's loop only hands it a r
 Where the statistics come to the host (with_acceptance):
 - apart (CPU): after acceptance, the window of the k + 1 valid positions is scored and read on its own — a second
   read a round, free on a CPU, where scoring the d − k rejected positions too would not be;
-- with the acceptance read (an accelerator, where every read drains the queue and the head's extra rows ride on a
-  pass that reads its weights anyway): before acceptance, the whole window of d + 1 positions is scored, its matches
-  and confidences ride on the round's one read (ride), and only the first k + 1 columns reach the method."""
+- with the acceptance read (an accelerator, where every read drains the queue, and a few more rows in a head pass
+  bound by reading its weights cost little): before acceptance, the whole window of d + 1 positions is scored, its
+  matches and confidences ride on the round's one read (ride), and only the first k + 1 columns reach the method."""
 
 from __future__ import annotations
 
@@ -78,7 +78,8 @@ class ShadowScorer:
             evidence_list = [ev for ev, _, _ in self.deferred] + [evidence]
             spans = [t.shape[0] for _, _, t in self.deferred] + [evidence.accepted + 1]  # of d + 1 scored
             self.deferred.clear()
-            return self._hand_over(method, evidence_list, spans, shadow, on_host)
+            self._hand_over(method, evidence_list, spans, shadow, on_host)
+            return
         states, targets = self.window(draft, verified, E, evidence.accepted)
         scored_now = self._must_score(method, states.shape[1])
         self.deferred.append((evidence, states, targets))
