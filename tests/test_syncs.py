@@ -305,6 +305,18 @@ def test_sampled_del_reads_each_candidate_and_its_acceptance_once(sampled):
     assert "check" not in report.kinds, report.kinds
 
 
+def test_sampled_del_draws_the_same_with_its_statistics_on_acceptance(engine_and_prompts):
+    """Where the statistics are read changes no draw: the same seed gives the same tokens, one read a round fewer."""
+    engine, prompts = engine_and_prompts
+    sampling = Sampling(do_sample=True, temperature=0.9, top_p=0.9)
+    apart, ridden = (Engine(engine.stack, sampling, eos_ids=set(), shadow_with_acceptance=w).generate(
+        prompts[0], DEL(), 24, seed=1) for w in (False, True))
+    assert ridden.output_ids == apart.output_ids
+    assert [r.drafted for r in ridden.rounds] == [r.drafted for r in apart.rounds]
+    assert any(r.drafted for r in apart.rounds)
+    assert sum(r.host_syncs for r in ridden.rounds) < sum(r.host_syncs for r in apart.rounds)
+
+
 @pytest.mark.parametrize("name", METHODS)
 def test_the_engine_counts_its_own_syncs(reports, name):
     """Round.host_syncs equals the independent count, round by round (the engine calls on_round as it records each)."""
