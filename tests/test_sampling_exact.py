@@ -261,3 +261,18 @@ def test_adadecode_deferred_checks_are_exact(ada_model):
     want = model_joint(ada_model, prompt, n)
     assert sum(emitted.values()) == pytest.approx(1, abs=EXACT)
     assert max(abs(emitted.get(s, 0.0) - w) for s, w in want.items()) < EXACT
+
+
+# ---- the device draws themselves ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_device_draw_is_multinomials(dtype):
+    """Draws.sample (the exponential race, no read) gives torch.multinomial(w, 1)'s index from the same generator
+    state, draw after draw — so its distribution is multinomial's, and a sampled run's stream matches one that used it.
+    below_each's d uniforms are d calls of below's: the same numbers in the same order."""
+    weights = torch.rand(50, generator=torch.Generator().manual_seed(0), dtype=dtype)
+    ours, torchs = Draws(torch.Generator().manual_seed(3)), torch.Generator().manual_seed(3)
+    assert [int(ours.sample(weights)) for _ in range(200)] == [
+        int(torch.multinomial(weights, 1, generator=torchs)) for _ in range(200)]
+    num, den = torch.rand(5, dtype=dtype), torch.ones(5, dtype=dtype)
+    each, one = Draws(torch.Generator().manual_seed(4)), Draws(torch.Generator().manual_seed(4))
+    assert each.below_each(num, den).tolist() == [one.below(num[i], den[i]) for i in range(5)]
