@@ -176,7 +176,7 @@ def validate(cfg: DictConfig) -> None:
     if products not in PRODUCT_SETTINGS:
         raise ConfigError(f"products={products!r} is not a product layout."
                           f"{did_you_mean(str(products), PRODUCT_SETTINGS)} Options: {', '.join(PRODUCT_SETTINGS)}")
-    setting = compile_setting(cfg.get("compile", "off"))
+    setting = compile_setting(cfg.get("compile", "auto"))
     if setting not in COMPILE_CHOICES:
         raise ConfigError(f"compile={setting!r} is not a choice.{did_you_mean(str(setting), COMPILE_CHOICES)} Options: "
                           f"{', '.join(COMPILE_CHOICES)}")

@@ -38,7 +38,7 @@ Key = tuple[str, int]  # (sample_id, repeat)
 # (records_root and scale only feed out_dir and experiment_name, which says which sweep asked for the run: one run
 # serves several)
 RESUMABLE_KEYS = ("limit", "out_dir", "logger", "threads", "warmup_tokens", "data_dir", "calibration", "rows",
-                  "records_root", "scale", "experiment_name", "layers", "products")
+                  "records_root", "scale", "experiment_name", "layers", "products", "compile")
 # task settings of how outputs are scored, not of what the scores are (HumanEval's sandbox and its pool)
 RESUMABLE_TASK_KEYS = ("score_workers", "sandbox")
 # model options added later, at the value that means "as before" (model.exit_adapters: null = the own head)

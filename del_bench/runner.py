@@ -177,7 +177,8 @@ def decode_all(cfg, todo, task, method, sampling, run_dir: RunDir, load) -> None
     if not peer and method.wants_shadow:  # where DEL's statistics reach the host (engine/shadow.py)
         setup["shadow_with_acceptance"] = engine.shadow_with_acceptance
     if not peer:  # the static-shape compiled steps (compile: off | auto | on): compiled and checked here, untimed
-        setup.update(compiled.choose(stack, cfg.get("compile", "off"), method, int(cfg.max_new_tokens)))
+        setup.update(compiled.choose(stack, cfg.get("compile", "auto"), method, int(cfg.max_new_tokens),
+                                     cache_len=longest_prompt(todo, task, tokenizer) + int(cfg.max_new_tokens) + 1))
     finished = restore_method_state(method, run_dir)
     t0 = time.perf_counter()
     if cfg.warmup_tokens:  # untimed: first-call allocations and kernel selection
@@ -196,6 +197,13 @@ def decode_all(cfg, todo, task, method, sampling, run_dir: RunDir, load) -> None
         finished += 1
         run_dir.write_method_state(method.state(), finished)  # first: the sample line commits it (RunDir)
         run_dir.append(record.as_dict(), rounds)
+
+
+def longest_prompt(todo, task, tokenizer) -> int:
+    """Tokens of the longest prompt left to decode (a multi-turn sample's first turn: later turns grow with the
+    answers, and a step past what the graphs were captured for runs on the stack's loop)."""
+    prompts = {s.id: s.prompt if s.turns is None else task.render(s, []) for s, _ in todo}
+    return max(len(tokenizer(p)["input_ids"]) for p in prompts.values())
 
 
 def products_before(run_dir: RunDir, setting: str) -> Products | None:

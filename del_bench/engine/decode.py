@@ -74,8 +74,12 @@ class Engine:
         return self._cache
 
     def _fresh_cache(self, max_len: int) -> KVCache:
-        # One allocation reused across prompts; stale slots are overwritten before they are read.
-        if self._cache is None or self._cache.max_len < max_len:
+        # One allocation reused across prompts; stale slots are overwritten before they are read. Graph-captured
+        # steps (engine/compiled.py) write the cache they were captured on: the engine decodes in it where it fits
+        captured = self.stack.compiled.cache_for(max_len) if self.stack.compiled is not None else None
+        if captured is not None:
+            self._cache = captured
+        elif self._cache is None or self._cache.max_len < max_len:
             self._cache = self.stack.new_cache(max(max_len, 1024))
         self._cache.crop(0)
         return self._cache

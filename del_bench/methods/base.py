@@ -13,6 +13,7 @@ from del_bench.transfer import to_numpy
 
 # rounds whose shadow scoring a method may defer (Method.can_defer) before the engine scores them anyway
 MAX_DEFERRED = 16
+UNBOUNDED = 1 << 30  # a draft budget with no cap (Method.static_shape)
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,7 @@ class Method:
     latency_contexts: tuple[int, ...] = ()  # wants_costs: also time layer 0's sublayers at these contexts (sublayer_s)
     shadow_vocab: int | None = None  # score shadow tokens over the first K vocabulary ids only (cheap)
     schedule = "rounds"  # "rounds": draft/verify rounds; "layer_parallel": AdaDecode's step (engine/layer_parallel.py)
+    draft_shape = "early_exit"  # the engine step that drafts: "early_exit" (engine/early_exit.py) | "skipping"
 
     def __init__(self, **_):  # config keys such as `name` and `tag` are not hyperparameters
         pass
@@ -171,6 +173,12 @@ class Method:
     def describe(self) -> dict:
         """Hyperparameters as stored in records."""
         return {}
+
+    def static_shape(self) -> tuple[int | None, int]:
+        """(the exit layer every drafting round uses, or None where it varies; the most tokens a round may draft):
+        which graph-captured steps a run makes before its timed decode (engine/compiled.py StepShapes). Plain
+        decoding: (None, 0)."""
+        return None, 0
 
     def state(self) -> dict | None:
         """What the method carries from one prompt to the next (JSON-able), or None when it restarts with every

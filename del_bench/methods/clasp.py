@@ -38,6 +38,7 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 class CLaSp(Method):
     name = "clasp"
+    draft_shape = "skipping"  # every layer, sublayers skipped (engine/skipping.py)
     wants_confidence = True  # stop after a draft below `confidence` (kept: drop_stopped_draft stays False)
 
     def __init__(self, skip_layers: int = 8, gamma: int = 4, confidence: float = 0.7, interval: int = 64, **_):
@@ -55,6 +56,9 @@ class CLaSp(Method):
             raise ValueError(f"method.confidence={self.confidence!r} must be in [0, 1]")
         if not isinstance(self.interval, int) or isinstance(self.interval, bool) or self.interval < 1:
             raise ValueError(f"method.interval={self.interval!r} must be an integer ≥ 1 (rounds between selections)")
+
+    def static_shape(self) -> tuple[int | None, int]:
+        return None, self.gamma
 
     def describe(self) -> dict:
         return {"skip_layers": self.skip_layers, "gamma": self.gamma, "confidence": self.confidence,

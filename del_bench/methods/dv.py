@@ -61,6 +61,9 @@ class DraftVerify(Method):
         nudged = self.theta + self.epsilon if self.ar < self.target else self.theta - self.epsilon
         self.theta = self.beta2 * self.theta + (1 - self.beta2) * nudged
 
+    def static_shape(self) -> tuple[int | None, int]:
+        return self.exit_layer, self.d_max
+
     def describe(self) -> dict:
         return {"exit_layer": self.exit_layer, "d_max": self.d_max, "acceptance": self.acceptance}
 

@@ -323,6 +323,9 @@ class DEL(Method):
     def keep_drafting(self, drafted: int, confidence: float) -> bool:
         return confidence >= self.threshold
 
+    def static_shape(self) -> tuple[int | None, int]:
+        return self.fixed_exit_layer, self.d_max
+
     def describe(self) -> dict:
         return {"omega": self.omega, "d_max": self.d_max, "dynamic_draft_exit": self.dynamic_draft_exit,
                 "draft_budget": self.draft_budget, "exit_layer": self.fixed_exit_layer,

@@ -5,7 +5,7 @@ Choices made explicit (DESIGN.md §4): the paper's controller keeps γ ≥ 1 (`f
 code has no floor (`floor: 0`: γ can reach 0, and a round with no drafts then counts as all accepted).
 `reset_per_prompt: true` restarts γ at every prompt, so results do not depend on prompt order."""
 
-from del_bench.methods.base import Method, Plan, RoundEvidence, check_exit_layer, check_gamma
+from del_bench.methods.base import UNBOUNDED, Method, Plan, RoundEvidence, check_exit_layer, check_gamma
 
 
 class FiniteState(Method):
@@ -40,6 +40,9 @@ class FiniteState(Method):
         self.gamma = max(self.floor, self.gamma + (1 if grow else -1))
         if self.max_gamma is not None:
             self.gamma = min(self.gamma, self.max_gamma)
+
+    def static_shape(self) -> tuple[int | None, int]:
+        return self.exit_layer, UNBOUNDED if self.max_gamma is None else self.max_gamma  # γ grows without a cap
 
     def describe(self) -> dict:
         return {"exit_layer": self.exit_layer, "gamma": self.initial_gamma, "floor": self.floor}

@@ -46,6 +46,7 @@ CONTEXTS = (1024, 2048, 4096, 8192, 16384, 24576)
 
 class KnapSpec(Method):
     name = "knapspec"
+    draft_shape = "skipping"  # every layer, sublayers skipped (engine/skipping.py)
     wants_confidence = True
     wants_costs = True  # the latency model (set_costs' sublayer_s)
 
@@ -78,6 +79,9 @@ class KnapSpec(Method):
                              "(the attention latency is fitted as a line)")
         if num_layers < 3:
             raise ValueError(f"KnapSpec needs ≥ 3 layers (the first and last are never skipped), not {num_layers}")
+
+    def static_shape(self) -> tuple[int | None, int]:
+        return None, self.gamma
 
     def describe(self) -> dict:
         return {"gamma": self.gamma, "confidence": self.confidence, "interval": self.interval,

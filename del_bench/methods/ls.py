@@ -17,5 +17,8 @@ class LayerSkip(Method):
     def plan(self) -> Plan:
         return Plan(exit_layer=self.exit_layer, max_draft=self.gamma)
 
+    def static_shape(self) -> tuple[int | None, int]:
+        return self.exit_layer, self.gamma
+
     def describe(self) -> dict:
         return {"exit_layer": self.exit_layer, "gamma": self.gamma}

@@ -169,6 +169,7 @@ def skip_set_of(run_dir: str | Path) -> SkipSet:
 # ---- the method --------------------------------------------------------------------------------------------------
 class Swift(Method):
     name = "swift"
+    draft_shape = "skipping"  # every layer, sublayers skipped (engine/skipping.py)
     wants_confidence = True  # stop after a draft below `confidence` (kept: drop_stopped_draft stays False)
 
     def __init__(self, skip_ratio: float = 0.45, skip_set=None, optimise: bool = True, context_window: int = 32,
@@ -234,6 +235,9 @@ class Swift(Method):
                              f"method.tree_confidences ({len(confidences)}), the last for confidences below them all")
         if any(not 0 <= c <= 1 for c in confidences) or list(confidences) != sorted(confidences, reverse=True):
             raise ValueError(f"method.tree_confidences={confidences!r} must be in [0, 1], decreasing")
+
+    def static_shape(self) -> tuple[int | None, int]:
+        return None, self.d_max
 
     def describe(self) -> dict:
         fixed = parse_skip_set(self.skip_set_arg)
