@@ -1,4 +1,4 @@
-"""Lossless in half precision (DESIGN.md §2): when may a greedy output differ from its reference?
+"""Lossless in half precision (docs/design.md §2.8): when may a greedy output differ from its reference?
 
 In float32/float64 every method's greedy output equals transformers' `generate` token for token. In bfloat16/float16
 two correct implementations may round differently (a fused kernel, another GEMM shape, a batched attention row), and

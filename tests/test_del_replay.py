@@ -1,4 +1,4 @@
-"""DEL replayed independently: Algorithm 1 (paper App. A, DESIGN.md §3) written again here from the spec, fed by
+"""DEL replayed independently: Algorithm 1 (paper App. A, docs/design.md §3) written again here from the spec, fed by
 transformers' own hidden states, and compared round by round with what the engine did.
 
 Nothing of DEL's internals is used (no tpl_table / best_exit / DEL statistics): the engine runs DEL as configured in

@@ -1,7 +1,7 @@
-"""Lossless in half precision (DESIGN.md §2, del_bench/numerics.py): in bfloat16/float16 every method's greedy output
-equals transformers' `generate` in the same dtype, or first departs from it at a near-tie of the reference's logits.
-Our layer math rounds as HF's does (residual adds as their own ops, is_causal prefill, unmasked single rows), and a
-verification batch attends row by row on CPU, so here every output is in fact equal."""
+"""Lossless in half precision (docs/design.md §2.8, del_bench/numerics.py): in bfloat16/float16 every method's greedy
+output equals transformers' `generate` in the same dtype, or first departs from it at a near-tie of the reference's
+logits. Our layer math rounds as HF's does (residual adds as their own ops, is_causal prefill, unmasked single rows),
+and a verification batch attends row by row on CPU, so here every output is in fact equal."""
 
 from __future__ import annotations
 

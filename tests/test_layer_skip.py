@@ -1,7 +1,7 @@
 """CLaSp and KnapSpec (layer skipping chosen from the model's own states) and DEL as the KnapSpec authors run it:
 greedy = HF generate in float64 (sampling: tests/test_sampling_stats.py), the selections follow their DPs as
-DESIGN.md §4 states them (checked against hand-built states), their cost is in the round's accounting, and their
-config errors surface before any weights load."""
+docs/design.md §4.8–4.9 state them (checked against hand-built states), their cost is in the round's accounting, and
+their config errors surface before any weights load."""
 
 from __future__ import annotations
 

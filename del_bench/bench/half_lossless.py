@@ -1,7 +1,7 @@
 """Lossless in half precision: every method's greedy output vs generate's and our Vanilla's (no clock).
 
-DESIGN.md §2, del_bench/numerics.py: each output is equal, first departs at a near-tie (the reference's top-2 gap ≤
-NEAR_TIE_ULPS ulps there), or departs for real.
+docs/design.md §2.8, del_bench/numerics.py: each output is equal, first departs at a near-tie (the reference's top-2
+gap ≤ NEAR_TIE_ULPS ulps there), or departs for real.
 `--model testbed`: the held-out code prompts of its training run (never trained on); `--model tiny`: the tests' tiny
 random Llama (tests/conftest.py TINY) on short byte prompts. Prints one line per (method, prompt) and the fractions;
 exits 1 if any output departs from either reference at other than a near-tie.

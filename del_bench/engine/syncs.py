@@ -40,7 +40,7 @@ model lives). `.to(x.device)` and copy_ between CPU tensors are not counted on a
 model's device from a cast there. On an accelerator only reads and copies of non-CPU tensors count.
 
 `measure(engine, method, prompts, ...)` runs Engine.generate under the counter → a SyncReport (syncs per round; per
-round one by one where the engine calls `engine.on_round(record)` as it records each Round); `bench_syncs` counts a
+round one by one where the engine calls `Engine.on_round` as it records each Round); `bench_syncs` counts a
 bench's finished rows again, untimed, and `print_syncs` prints them (bench-engine's syncs/round per method).
 """
 
@@ -347,7 +347,7 @@ class SyncReport:
 
 
 def _generate_attributed(engine, counter: SyncCounter, generate: Callable) -> object:
-    """Run generate() with a cut at each recorded round (through engine.on_round, where the engine has it); what
+    """Run generate() with a cut at each recorded round (through Engine.on_round, where the engine has it); what
     follows the last round (deferred scoring) joins it. → the Generation."""
     if not hasattr(engine, "on_round"):
         return generate()

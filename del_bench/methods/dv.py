@@ -3,7 +3,7 @@
 Draft up to d_max tokens; stop after a draft whose confidence (top draft probability) is below θ.
 After each round: AR ← β₁·AR + (1−β₁)·acc; θ̃ = θ + ε if AR < α_target else θ − ε; θ ← β₂·θ + (1−β₂)·θ̃.
 
-Choices made explicit (DESIGN.md §4): `acceptance: round` uses the round's accepted/drafted (Draft & Verify);
+Choices made explicit (docs/design.md §4.4): `acceptance: round` uses the round's accepted/drafted (Draft & Verify);
 `acceptance: cumulative` uses the prompt's acceptance so far (the DEL authors' code, the default here since
 the paper's DV numbers come from it). The authors' code keeps θ and AR across prompts; we restart them per
 prompt by default (`reset_per_prompt: true`) so results do not depend on prompt order or on resuming."""

@@ -8,7 +8,7 @@ Per round, from shadow tokens of the valid window (positions 0..u_r, see the eng
   (E, γ) = argmax over ℓ ∈ [1, L), d ∈ [0, d_max] of TPL(ℓ, d) = Σ_{k≤d} α_ℓ^k / (d·ℓ + L).
 Statistics are seeded at prefill from the last 32 prompt positions and restart with every prompt.
 
-Decisions where the paper, its Algorithm 1 and the authors' code differ (DESIGN.md §3), all config:
+Decisions where the paper, its Algorithm 1 and the authors' code differ (docs/design.md §3.5), all config:
 - Denominator: the paper divides by S(u) while c counts u + 1 positions; we count positions
   consistently (n = u + 1), which is the authors' match / (match + mismatch).
 - Draft budget (`draft_budget`): `d_max` (Algorithm 1 and the authors' code: draft up to d_max, stop
@@ -32,7 +32,7 @@ plans on statistics up to R − 1 rounds old; the statistics themselves end up t
 measures how often the plan (E, γ) differs from the exact one's on the same rounds.
 Ablations: DEL-E = no dynamic draft-exiting, γ from TPL; DEL-γ = fixed E (`exit_layer`), τ on;
 DEL-E-lim = E restricted to 3 < ℓ < L (`min_exit_layer: 4`).
-DEL as the KnapSpec authors' code runs it (`del_knapspec`, a peer's reading, not the paper; DESIGN.md §4):
+DEL as the KnapSpec authors' code runs it (`del_knapspec`, a peer's reading, not the paper; docs/design.md §3.8):
 `min_draft: 1` (TPL chooses among d ≥ 1: a round always drafts, d = 0 is never plain decoding), `d_max: 10` (drafts
 capped at 10),
 `keep_stopped_draft: true` (the candidate that fell below τ is kept, not dropped) and `first_exit_layer: 1` (the

@@ -1,7 +1,7 @@
 """FS(E, γ): fixed exit layer E; γ follows a finite-state controller (Liu et al., 2025):
 +1 after a round whose drafts were all accepted, −1 otherwise, never below `floor`.
 
-Choices made explicit (DESIGN.md §4): the paper's controller keeps γ ≥ 1 (`floor: 1`); the DEL authors'
+Choices made explicit (docs/design.md §4.3): the paper's controller keeps γ ≥ 1 (`floor: 1`); the DEL authors'
 code has no floor (`floor: 0`: γ can reach 0, and a round with no drafts then counts as all accepted).
 `reset_per_prompt: true` restarts γ at every prompt, so results do not depend on prompt order."""
 

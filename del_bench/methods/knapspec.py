@@ -1,9 +1,9 @@
 """KnapSpec: self-speculation by a knapsack over attention and MLP sublayers under a measured latency model.
 
 The draft model is the full model with a set of attention / MLP sublayers skipped (layers 1..L−2; a skipped sublayer,
-with its norm, is the identity on the residual stream), drafted and verified by the engine as SWIFT's (decode.py:
-_draft_skipping, _verify_full; a sublayer counts ½ a loaded layer). This file is the policy, as the KnapSpec authors'
-code runs it (DESIGN.md §4; their paper was not reachable):
+with its norm, is the identity on the residual stream), drafted and verified by the engine as SWIFT's
+(`skipping.draft`, `skipping.verify`; a sublayer counts ½ a loaded layer). This file is the policy, as the KnapSpec
+authors' code runs it (docs/design.md §4.7, §4.9; their paper was not reachable):
 - Draft: at most `gamma` tokens (4), stop after a draft whose top probability is < `confidence` (0.7; kept) or at EOS.
 - Latency model, measured on the machine at hand before decoding (LayerStack.measure_sublayers; the runner's cost
   step, recorded in the run's costs.json): one token through layer 0's attention and MLP at `latency_contexts` cached

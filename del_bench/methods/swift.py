@@ -1,8 +1,8 @@
 """SWIFT (Xia et al., ICLR 2025): on-the-fly self-speculative decoding by layer skipping — no early-exit training.
 
 The draft model is the full depth with a set of attention and MLP sublayers skipped (the first and last layer,
-embedding, final norm and head never); the engine drafts and verifies it (decode.py: _draft_skipping,
-_verify_full). This file is the policy: which set, how long to draft, and the optimiser that searches the set.
+embedding, final norm and head never); the engine drafts and verifies it (`skipping.draft`, `skipping.verify`). This
+file is the policy: which set, how long to draft, and the optimiser that searches the set.
 
 - Draft: stop after a draft whose top probability is < `confidence` (0.8; that draft is kept), at most `d_max`
   (25) drafts; the engine never drafts past max_new_tokens.
@@ -21,7 +21,7 @@ _verify_full). This file is the policy: which set, how long to draft, and the op
   Draft & Verify style, beyond the paper): a point skips the slots > 0.5, random candidates skip each slot with
   probability skip_ratio, so the count varies.
 
-Where the paper and the authors' code differ (DESIGN.md §4), the choice is a key:
+Where the paper and the authors' code differ (docs/design.md §4.5), the choice is a key:
 - `scope: run` (the authors' code, default): the optimiser, the current set, its best matchness and the stop
   state persist for the whole run — later prompts use the frozen set, and a candidate must beat a score measured
   on an earlier prompt's context. `scope: prompt` (the paper's "per instance"): all restart with every prompt.

@@ -1,4 +1,4 @@
-"""Exit adapters: a learned d×d map per layer in front of the frozen LM head (AdaDecode §2.1, DESIGN §4).
+"""Exit adapters: a learned d×d map per layer in front of the frozen LM head (AdaDecode §2.1, docs/design.md §4.6).
 
 Head at layer ℓ (1-based, ℓ < L):  logits_ℓ = head(norm(h_ℓ) @ A_ℓ + b_ℓ)
   norm  = the model's frozen final RMSNorm (applied to the layer state first, as the model does before its head),

@@ -728,7 +728,7 @@ class LayerStack:
         if tree is None:
             cos, sin = self._cos[pos : pos + T], self._sin[pos : pos + T]
             mask = None
-            # is_causal would be top-left aligned here: wrong with a cache (DESIGN §2), so a mask or rows
+            # is_causal would be top-left aligned here: wrong with a cache (docs/design.md §2.7), so a mask or rows
             if T > 1 and pos > 0 and not self.exact_rows:
                 keys = torch.arange(pos + T, device=device)
                 mask = keys[None, :] <= (pos + torch.arange(T, device=device))[:, None]

@@ -12,7 +12,7 @@ What is fastest depends on the host, the thread count, the dtype and the shape, 
 model's own matrices at load, for each shape class and each row class — one row (drafting, Vanilla) and 2–5 rows
 (verification) — and keeps x_wt, HF's, unless another beats it by MARGIN: never slower than generate's layout by more
 than the timing's noise. wt_x is the layout tuned by hand before (the head's single row from its copy), x_wt HF's.
-Half precision keeps x_wt everywhere whatever the setting: it rounds as HF's nn.Linear does (DESIGN §2).
+Half precision keeps x_wt everywhere whatever the setting: it rounds as HF's nn.Linear does (docs/design.md §2.8).
 """
 
 from __future__ import annotations

@@ -233,7 +233,7 @@ LOSSLESS_COLUMN = (LOSSLESS, "= Vanilla")
 LOSSLESS_NOTE = ("= Vanilla: of the greedy outputs a row shares with its Vanilla partners (all its tasks), how many "
                  "are token-identical to the partner's, from the records (RunKey pairing; Spec-Bench's check); '–' = "
                  "none to compare (Vanilla itself, sampling, no partner). In half precision an output may first depart "
-                 "at a near-tie of the partner's logits (DESIGN.md §2): the row's label then says where.")
+                 "at a near-tie of the partner's logits (docs/design.md §2.8): the row's label then says where.")
 
 
 def lossless_cell(recs) -> Cell:

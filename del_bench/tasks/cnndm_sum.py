@@ -2,7 +2,7 @@
 
 Prompt: per shot "Article: {article}\nSummary: {highlights without newlines}\n", then "\n", then
 "Article: {article}\nSummary:". The shot is train `.shuffle(seed=42).select(range(1))` on the hub.
-Offline there is no CNN/DM train file (../shared/data/SOURCES.md): pass the evaluation file as
+Offline there is no CNN/DM train file (docs/design.md §5.2): pass the evaluation file as
 `task.shots_files` too; the shot is then drawn from it with the same seeded shuffle and that article is
 left out of the samples. ROUGE-2 against the highlights.
 """

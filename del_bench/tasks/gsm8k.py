@@ -1,6 +1,6 @@
 """GSM8K, 5-shot: exemplars from the train split (seeded shuffle, seed 42), accuracy on the "#### N" number.
 
-Prompt (DESIGN.md §5): per shot "Question: {question}\nAnswer: {answer}\n", then "\n", then
+Prompt (docs/design.md §5.1): per shot "Question: {question}\nAnswer: {answer}\n", then "\n", then
 "Question: {question}\nAnswer:". Shot answers keep GSM8K's "<<48/2=24>>" calculator notes and the final
 "#### N" line, so the model learns to end with "#### N".
 Metrics: `correct` = the first "#### N" of the output (cut at the next "Question:") equals the reference

@@ -1,6 +1,6 @@
 """WMT14 German->English (newstest2014), 0-shot instruction prompt.
 
-Prompt (DESIGN.md §5, with its "English:" cue): "You are a professional translator. Translate the following
+Prompt (docs/design.md §5.1, with its "English:" cue): "You are a professional translator. Translate the following
 German sentence into English.\nGerman: {de}\nEnglish:".
 Metrics: BLEU (sacrebleu) of the translation = the output's first non-empty line, since generation is not
 stopped at the end of the sentence by default: `sentence_bleu` per sample, corpus `bleu` per run; `rouge2`

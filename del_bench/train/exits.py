@@ -1,4 +1,4 @@
-"""`python -m del_bench train-exits`: exit adapters for a frozen model (AdaDecode §2.1; DESIGN §4).
+"""`python -m del_bench train-exits`: exit adapters for a frozen model (AdaDecode §2.1; docs/design.md §4.6).
 
 For every chosen layer ℓ a map head(norm(h_ℓ) @ A_ℓ + b_ℓ) (del_bench/models/exit_adapters.py), base model frozen:
 1. Data (on-policy): the model's own greedy continuations of the task's *training* prompts — HumanEval has no

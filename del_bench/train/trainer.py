@@ -260,7 +260,7 @@ def train_step(cfg, model, opt, sched, train_tokens, n_seq, weights, gen, step: 
     lr = sched.get_last_lr()[0]
     opt.step()
     sched.step()
-    # layers are 1-based in records (exit layer E ∈ [1, L−1], as in DESIGN.md)
+    # layers are 1-based in records (exit layer E ∈ [1, L−1], docs/design.md §2.1)
     return {
         "step": step + 1,
         "split": "train",
