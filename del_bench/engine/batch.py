@@ -151,6 +151,13 @@ class RowStack:
         p.skip_idle_layers()
         return p.row.h if p.done else self._batch.call(self._slot, "layers", p)
 
+    def forward_branches(self, h: torch.Tensor, sublayers: range, pos: int, cache: KVCache,
+                         tree: TreeMask) -> torch.Tensor:
+        """A layer-skip selection's candidate passes (CLaSp, KnapSpec: every 64 rounds): run here, the row's own;
+        their loads count whole in the batch's and the row's share."""
+        self._batch.loaded_alone(self._slot, len(sublayers) / 2)
+        return self._stack.forward_branches(h, sublayers, pos, cache, tree)
+
     def head(self, h_normed: torch.Tensor) -> torch.Tensor:
         return self._batch.call(self._slot, "head", h_normed)
 
@@ -333,6 +340,11 @@ class Batch:
                 p.collect.append(p.row.h[:, -p.keep :].clone() if p.trim and not p.per_sublayer else p.row.h)
             p.layer += 1
             p.skip_idle_layers()
+
+    def loaded_alone(self, slot: int, layers: float) -> None:
+        """`layers` one row loaded outside any batched step (its turn: the Batch waits)."""
+        self.loaded_layers += layers
+        self.rows[slot].loaded_layers += layers
 
     def _share(self, passes: list[_Pass], layers: float) -> None:
         """`layers` loaded once for these passes' rows: the batch's count, each row's share."""
