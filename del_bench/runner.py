@@ -181,7 +181,8 @@ def decode_all(cfg, todo, task, method, sampling, run_dir: RunDir, load) -> None
         setup["shadow_with_acceptance"] = engine.shadow_with_acceptance
     cache_len = longest_prompt(todo, task, tokenizer) + int(cfg.max_new_tokens) + 1
     batch_size = int(cfg.get("batch_size", 1))
-    if batch_size > 1:  # validated: our engine, no graphs (they serve batch 1)
+    if batch_size > 1:  # validated: our engine, no graphs (they serve batch 1; a stack shared with a bench's batch-1
+        stack.compiled = None  # row may hold some)
         setup.update(compile=compiled.compile_setting(cfg.get("compile", "auto")), compiled=False,
                      reason="batch_size > 1 decodes on the stack's layer loop")
         decode_batched(cfg, todo, task, method, sampling, run_dir, loaded, stack, (eos, stop), setup, cache_len)

@@ -21,6 +21,7 @@ BENCHES = {  # name: module of this package (a module's `main(argv)` runs it)
     "sandbox": "sandbox",
     "half-lossless": "half_lossless",
     "specbench-speed": "specbench_speed",
+    "batch": "batch",
 }
 
 

@@ -139,17 +139,18 @@ def row(label: str, root: str, experiment: str, *overrides: str, load=None, suff
     return Row(label, cfg, load)
 
 
-def run_rows(rows: list[Row], limit: int, before_prompt: Callable | None = None) -> list[Row]:
+def run_rows(rows: list[Row], limit: int, before_prompt: Callable | None = None, step: int = 1) -> list[Row]:
     """Every row's run grown one prompt at a time across all rows (`limit` is resumable: a run with limit i + 1
     decodes only what limit i did not); `before_prompt()` runs before each prompt's rows. Fills each row's
-    summary (summary.json of its finished run)."""
+    summary (summary.json of its finished run). step: prompts a row decodes at a time (a batched row: its batch's
+    worth, so its slots fill), every row taking the same prompts before any takes the next."""
     from del_bench.runner import run
 
-    for i in range(1, limit + 1):
+    for i in range(step, limit + step, step):
         if before_prompt is not None:
             before_prompt()
         for r in rows:
-            r.cfg.limit = i
+            r.cfg.limit = min(i, limit)
             r.summary = run(r.cfg, r.load)
     return rows
 
