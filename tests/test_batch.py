@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from del_bench import runner
+from del_bench.__main__ import format_table
 from del_bench.bench.peers import peer_method
 from del_bench.engine.batch import Batch
 from del_bench.engine.decode import Engine
@@ -25,6 +26,8 @@ from del_bench.errors import ConfigError
 from del_bench.models.layer_stack import LayerStack
 from del_bench.numerics import compare
 from del_bench.records import RunDir, RunKey, batch_etpl, read_jsonl, throughput
+from del_bench.report.collect import load_runs
+from del_bench.report.figures import build_figures
 from tests.conftest import compose_run, tiny_model
 from tests.test_counted import VARIANTS, method_of
 from tests.test_engine import hf_greedy
@@ -255,11 +258,11 @@ def test_a_batched_run_records_its_batch(tmp_path):
     """out_dir, run key, per-row latency and time to first token, slots and shares; the summary's throughput and
     batch eTPL recomputed from the records; greedy outputs those of the same run at batch size 1."""
     def run(*extra):  # run.yaml's own out_dir, under tmp_path
-        return runner.run(compose_run("model=tiny-random", "method=ls", "method.exit_layer=1", "method.gamma=3",
-                                      "limit=5", "max_new_tokens=16", "warmup_tokens=0", "threads=1", "products=wt_x",
-                                      f"records_root={tmp_path}", *extra))
+        return runner.run(compose_run("model=tiny-random", "limit=5", "max_new_tokens=16", "warmup_tokens=0",
+                                      "threads=1", "products=wt_x", f"records_root={tmp_path}", *extra))
 
-    one, four = run(), run("batch_size=4")
+    ls = ("method=ls", "method.exit_layer=1", "method.gamma=3")
+    one, four = run(*ls), run(*ls, "batch_size=4")
     assert four["config"]["out_dir"] == one["config"]["out_dir"] + "-b4"
     key1, key4 = RunKey.from_dict(one["run_key"]), RunKey.from_dict(four["run_key"])
     assert (key1.batch_size, key4.batch_size, four["batch_size"]) == (1, 4, 4)
@@ -275,6 +278,17 @@ def test_a_batched_run_records_its_batch(tmp_path):
         four["generated_tokens"] / max(s["batch"]["end_s"] for s in samples))
     assert four["batch_etpl"] == batch_etpl(samples) > four["etpl"]  # the rows' shared loads
     assert one["batch_etpl"] == pytest.approx(one["generated_tokens"] / one["loaded_layers"])
+
+    # show and the report: the batched rows labelled, the figure of speedup against the batch size drawn
+    vanilla = [run("method=vanilla", f"batch_size={b}") for b in (1, 4)]
+    shown = format_table([one, four, *vanilla])
+    assert "LS(E1-γ3) B=4" in shown and "Vanilla B=4" in shown and "4 prompts decoded together" in shown
+    df = load_runs([tmp_path])
+    assert sorted(zip(df.method, df.batch_size)) == [("ls", 1), ("ls", 4), ("vanilla", 1), ("vanilla", 4)]
+    assert list(df[df.method == "vanilla"].throughput_speedup) == [1.0, 1.0]  # each over Vanilla at its own B
+    figures = build_figures(df)
+    batch = [name for name in figures if name.startswith("batch_")]
+    assert len(batch) == 1 and [len(line.get_xdata()) for line in figures[batch[0]].axes[1].lines[:2]] == [2, 2]
 
 
 def test_an_interrupted_batched_run_resumes_without_losing_or_repeating_a_sample(run_cfg, tmp_path, monkeypatch):

@@ -34,6 +34,7 @@ from del_bench.records import (  # noqa: F401 (figures…)
     METHOD_LABELS,
     PEER_MARK,
     PEER_NOTE,
+    batch_label,
     method_label,
     vanilla_partners,
 )
@@ -175,7 +176,7 @@ def paper_source(model: str) -> str:
 # ---------------------------------------------------------------- building
 
 ROW_KEYS = ["model", "machine", "decoding", "max_new_tokens", "method", "method_tag", "del_variant", "exit_layer",
-            "gamma", "omega"]
+            "gamma", "omega", "batch_size"]
 PAPER_MAX_NEW_TOKENS = "512"
 
 
@@ -186,7 +187,7 @@ def _sort_key(key: dict):
     rank = (rank, DEL_VARIANT_ORDER.index(variant) if variant in DEL_VARIANT_ORDER else len(DEL_VARIANT_ORDER))
     nums = [(_num(key[k]) if _num(key[k]) is not None else -1) for k in ("exit_layer", "gamma", "omega")]
     return (key["model"], key["machine"], key.get("decoding", ""), _num(key.get("max_new_tokens")) or 0,
-            key.get("variant", 0), rank, *nums, key["method_tag"])
+            key.get("variant", 0), rank, *nums, int(key.get("batch_size", 1)), key["method_tag"])
 
 
 def _ours(machine: str, variant: int = 0, decoding: str = "greedy", max_new_tokens: str = "") -> str:
@@ -317,13 +318,15 @@ def wide_table(df: pd.DataFrame, table: int, cols: list[Col], title: str, overal
         if overall:
             cells.update(overall(by_task))
         label = method_label(key["method"], key["exit_layer"], key["gamma"], key["omega"], key["del_variant"])
+        label += batch_label(key.get("batch_size", 1))
         cells[LOSSLESS] = lossless_cell(by_task.values())
         label += lossless_note(by_task.values())
         block = tuple(key[k] for k in ("model", "machine", "decoding", "max_new_tokens", "variant") if k in key)
         source = _ours(key["machine"], key["variant"], key.get("decoding", ""), key["max_new_tokens"])
         out.rows.append(Row(block, key["model"], label + busy_mark(by_task.values()), source, cells,
                             ranked=key["method"] != "vanilla", tag=key["method_tag"]))
-        paper = _paper_row(table, key, cols, block, label) if paper_rows else None
+        batched = int(key.get("batch_size", 1)) != 1  # the paper decoded one prompt at a time: its row follows B = 1
+        paper = _paper_row(table, key, cols, block, label) if paper_rows and not batched else None
         if paper:
             out.rows.append(paper)
     return out
