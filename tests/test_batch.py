@@ -12,6 +12,7 @@ import copy
 import json
 import math
 import shutil
+import threading
 
 import pytest
 import torch
@@ -348,3 +349,26 @@ def test_records_from_before_batch_size_read_as_batch_1(run_cfg, tmp_path):
     old = {k: v for k, v in summary["run_key"].items() if k != "batch_size"}
     assert RunKey.from_dict(old) == RunKey.from_dict(summary["run_key"])
     assert RunKey.from_dict(old).pairs_with(RunKey.from_dict(summary["run_key"]))
+
+
+def test_an_error_in_a_row_stops_the_batch_and_reaches_the_caller(setup):
+    """A row whose job raises (mid-batch, its neighbours blocked on their calls): the batch unwinds every row's thread
+    and raises that error where it was run; the Batch then decodes again."""
+    stack, prompts, eos, refs = setup
+    batch = Batch(stack, B, GREEDY, eos, cache_len=CACHE_LEN)
+    vanilla = method("vanilla")
+    threads = threading.active_count()
+
+    def decode(row, i):
+        gen = row.engine.generate(prompts[i], copy.deepcopy(vanilla), BUDGETS[i], seed=i)
+        if i == 2:
+            raise ValueError("row 2 failed")
+        return gen
+
+    with pytest.raises(ValueError, match="row 2 failed"):
+        batch.run(range(len(prompts)), decode)
+    assert threading.active_count() == threads
+    out = {}
+    batch.run(range(2), lambda row, i: out.setdefault(i, row.engine.generate(prompts[i], copy.deepcopy(vanilla),
+                                                                             BUDGETS[i], seed=i).output_ids))
+    assert [out[0], out[1]] == refs[:2]

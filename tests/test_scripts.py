@@ -36,6 +36,7 @@ RUNS = ["--root", "{tmp}/runs", "--set", "layers=eager", "threads=1", "warmup_to
 BENCHES = {
     "adapters": ["--adapters", "{tmp}/adapters", "--model", TINY, "--limit", "1", "--max-new-tokens", "8",
                  "--methods", "vanilla,ls", *RUNS],
+    "batch": ["--models", TINY, "--batch-sizes", "1,2", "--limit", "2", "--max-new-tokens", "6", *RUNS],
     "compile": ["--models", TINY, "--context", "8", "--reps", "1", "--threads", "1", "--backend", "eager",
                 "--no-fused"],
     "controller": ["--model", TINY, "--limit", "1", "--max-new-tokens", "8", "--vocab", "64", "--every", "2", *RUNS],

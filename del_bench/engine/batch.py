@@ -53,7 +53,7 @@ class _Aborted(Exception):
     """Raised in a row's thread to unwind it when the batch stops on an error elsewhere."""
 
 
-@dataclass
+@dataclass(eq=False)
 class _Pass:
     """One row's pass through layers [layer, end) in flight: its state (row.h) after the layers run so far."""
 
@@ -84,7 +84,7 @@ class _Pass:
         return self.layer >= self.end
 
 
-@dataclass
+@dataclass(eq=False)
 class _Call:
     """A row's call waiting for the batch: kind "layers" (a _Pass), "head" (normed states [1, T, D]) or "shadow"."""
 
@@ -94,7 +94,6 @@ class _Call:
     key: tuple = ()  # calls of one kind run together only with an equal key (shadow scoring's settings)
     result: Any = None
     served: bool = False
-    error: BaseException | None = None
 
 
 class Row:
@@ -270,23 +269,24 @@ class Batch:
         self._back.acquire()
 
     def _abort(self) -> None:
-        """Unwind every row still blocked (on a call, or before its first turn)."""
+        """Unwind every row: each one waiting for its turn wakes and raises _Aborted (or, before its first job,
+        ends); one still running raises at its next call. The threads are then joined."""
         self._aborting = True
         for row in self.rows:
             if not row.finished:
-                if row.call is not None:
-                    row.call.error = _Aborted()
-                self._resume(row)
+                row.turn.release()
 
     def call(self, slot: int, kind: str, payload, key: tuple = ()) -> Any:
         """From a row's thread: post the call, hand the turn back, and wait for the step that serves it."""
         row = self.rows[slot]
+        if self._aborting:
+            raise _Aborted()
         row.call = call = _Call(row, kind, payload, key)
         self._back.release()
         row.turn.acquire()
         row.call = None
-        if call.error is not None:
-            raise call.error
+        if self._aborting:
+            raise _Aborted()
         return call.result
 
     # ---- one step ----------------------------------------------------------------------------------------------
