@@ -185,7 +185,7 @@ class Batch:
         self.views = [self.cache.row(r) for r in range(size)]
         self.rows = [Row(r, Engine(RowStack(self, r), sampling, eos_ids, stop, shadow_with_acceptance,
                                    cache=self.views[r])) for r in range(size)]
-        self._back = threading.Semaphore(0)  # a row hands the turn back to the batch
+        self._back = threading.Semaphore(0)  # a row hands the turn back to the batch (its own `turn`: the batch to it)
         self._t0 = 0.0
 
     def grow(self, max_len: int) -> list[KVCache]:
@@ -214,8 +214,9 @@ class Batch:
         self._error: BaseException | None = None
         self._aborting = False
         self.loaded_layers, self.head_passes, self.steps = 0.0, 0, 0
+        self._back = threading.Semaphore(0)  # fresh each run: an aborted run may leave turns released
         for row in self.rows:
-            row.call, row.finished = None, False
+            row.call, row.finished, row.turn = None, False, threading.Semaphore(0)
         threads = [threading.Thread(target=self._row_main, args=(row,), name=f"batch-row-{row.slot}", daemon=True)
                    for row in self.rows]
         self._t0 = time.perf_counter()
