@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 import json
 import math
-import shutil
 import threading
 
 import pytest
@@ -38,9 +37,11 @@ B = 4
 # six prompts of different lengths for four slots (two slots take a second prompt as their first ends); budgets of
 # different lengths, and an EOS some answers reach (EOS_FROM: the token prompt 1's greedy answer emits 4th)
 PROMPTS = ["def add(a, b):\n", "The quick brown fox jumps over", "x", "import os\nimport sys\n\nprint(",
-           "Hello, world", "1, 2, 3,"]
+           "def fibonacci(n):\n    if n < 2:\n        return n\n    return fib", "1, 2, 3,"]
 BUDGETS = [14, 9, 18, 6, 12, 16]
-CACHE_LEN = 24  # shorter than the longest prompt + budget: the shared cache grows while rows hold their positions
+# the first four jobs fit in the shared cache; the fifth (a prompt longer than DEL's prefill window of 32, which a
+# slot takes mid-run) does not: the cache grows while the other rows hold their positions
+CACHE_LEN = 48
 CASES = {  # every method, in the configurations tests/test_counted.py drives on this 4-layer model
     "vanilla": [], "ls": ["method.exit_layer=1", "method.gamma=3"], "fs": [], "dv": [], "del": [],
     "del_cpu": [],  # DEL as on a CPU: measured costs, restricted shadow vocabulary, deferred scoring
@@ -188,10 +189,9 @@ def test_determinism_the_same_batched_run_twice_gives_the_same_records(run_cfg, 
     included — is the same in two runs of one batch, but for its times."""
     overrides = ("method=del_cpu", "limit=5", "max_new_tokens=12", "batch_size=3")
     runs = []
-    for name in ("one", "two"):
-        if name == "two":  # DEL-CPU's costs are measured (by the clock): both runs decide on the same ones
-            (tmp_path / name).mkdir()
-            shutil.copy(tmp_path / "one" / "costs.json", tmp_path / name)
+    for name in ("one", "two"):  # DEL-CPU decides on measured costs: both runs read the same (the clock's aside)
+        (tmp_path / name).mkdir()
+        RunDir(tmp_path / name).write_costs({"layer_s": 1.0, "head_s": 0.2, "batch_s": [[1, 4.0], [2, 4.4], [4, 5.2]]})
         runner.run(run_cfg(*overrides, f"out_dir={tmp_path / name}"))
         samples, rounds = (read_jsonl(tmp_path / name / f) for f in ("samples.jsonl", "rounds.jsonl"))
         for r in samples:
