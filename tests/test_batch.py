@@ -28,6 +28,7 @@ from del_bench.numerics import compare
 from del_bench.records import RunDir, RunKey, batch_etpl, read_jsonl, throughput
 from del_bench.report.collect import load_runs
 from del_bench.report.figures import build_figures
+from del_bench.report.tables import build_tables
 from tests.conftest import compose_run, tiny_model
 from tests.test_counted import VARIANTS, method_of
 from tests.test_engine import hf_greedy
@@ -290,6 +291,9 @@ def test_a_batched_run_records_its_batch(tmp_path):
     figures = build_figures(df)
     batch = [name for name in figures if name.startswith("batch_")]
     assert len(batch) == 1 and [len(line.get_xdata()) for line in figures[batch[0]].axes[1].lines[:2]] == [2, 2]
+    table2 = build_tables(df)[1]  # HumanEval's: each batch size its own row, labelled
+    ours = sorted(r.label.removesuffix(" ‡") for r in table2.rows if r.source.startswith("ours"))  # ‡: busy
+    assert ours == ["LS(E1-γ3)", "LS(E1-γ3) B=4", "Vanilla", "Vanilla B=4"]
 
 
 def test_an_interrupted_batched_run_resumes_without_losing_or_repeating_a_sample(run_cfg, tmp_path, monkeypatch):
