@@ -30,6 +30,9 @@ Beyond the paper, an approximation (`shadow_every: R`, default 1 = exact): shado
 R rounds in one head pass (a batched row costs ~0.6 of a lone one on a CPU, and the per-round ops go), and TPL
 plans on statistics up to R − 1 rounds old; the statistics themselves end up the same. `make bench-controller`
 measures how often the plan (E, γ) differs from the exact one's on the same rounds.
+Beyond the paper, engine-side (`lookahead: K`, default 1): the stop decision on τ is read K candidates at a time
+(early_exit.draft_ahead) — identical drafts and decisions, one host read per K candidates (a read drains a GPU's
+queue), the passes of candidates drafted past the stop counted in loaded layers (so eTPL says what it cost).
 Ablations: DEL-E = no dynamic draft-exiting, γ from TPL; DEL-γ = fixed E (`exit_layer`), τ on;
 DEL-E-lim = E restricted to 3 < ℓ < L (`min_exit_layer: 4`).
 DEL as the KnapSpec authors' code runs it (`del_knapspec`, a peer's reading, not the paper; docs/design.md §3.8):
@@ -127,7 +130,7 @@ class DEL(Method):
                  draft_budget: str = "d_max", exit_layer: int | None = None, min_exit_layer: int = 1,
                  prefill_window: int = 32, cost_model: str = "layers", shadow_vocab: int | None = None,
                  defer_shadow: bool = False, shadow_every: int = 1, min_draft: int = 0,
-                 keep_stopped_draft: bool = False, first_exit_layer: int | None = None, **_):
+                 keep_stopped_draft: bool = False, first_exit_layer: int | None = None, lookahead: int = 1, **_):
         self.omega, self.d_max = omega, d_max
         self.dynamic_draft_exit, self.draft_budget = dynamic_draft_exit, draft_budget
         self.fixed_exit_layer, self.min_exit_layer = exit_layer, min_exit_layer
@@ -142,6 +145,7 @@ class DEL(Method):
         self.wants_confidence = dynamic_draft_exit
         self.min_draft, self.keep_stopped_draft, self.first_exit_layer = min_draft, keep_stopped_draft, first_exit_layer
         self.drop_stopped_draft = not keep_stopped_draft
+        self.lookahead = lookahead  # candidates drafted before one read of their confidences (engine: draft_ahead)
 
     def validate(self, num_layers: int) -> None:
         if not 0 <= self.omega <= 1:
@@ -169,6 +173,9 @@ class DEL(Method):
                              "defer_shadow=false and shadow_every=1")
         if self.first_exit_layer is not None:
             check_exit_layer(self.first_exit_layer, num_layers, "method.first_exit_layer")
+        if not isinstance(self.lookahead, int) or self.lookahead < 1:
+            raise ValueError(f"method.lookahead={self.lookahead!r} must be a positive integer (1: read each draft "
+                             "candidate's confidence before drafting the next)")
 
     def set_costs(self, layer_s: float, head_s: float, batch_s: list | None = None, **_) -> None:
         """Measured once per model/device at start-up (cost_model=measured). batch_s: [[T, seconds of T
@@ -336,4 +343,5 @@ class DEL(Method):
                 **({"shadow_every": self.shadow_every} if self.shadow_every != 1 else {}),  # old keys stay as they were
                 **({"min_draft": self.min_draft} if self.min_draft else {}),
                 **({"keep_stopped_draft": True} if self.keep_stopped_draft else {}),
-                **({"first_exit_layer": self.first_exit_layer} if self.first_exit_layer is not None else {})}
+                **({"first_exit_layer": self.first_exit_layer} if self.first_exit_layer is not None else {}),
+                **({"lookahead": self.lookahead} if self.lookahead != 1 else {})}
