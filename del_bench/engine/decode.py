@@ -42,7 +42,7 @@ from del_bench.engine.sampling import (
 from del_bench.engine.shadow import ShadowScorer
 from del_bench.engine.steps import Draft, Verified, whole  # noqa: F401 (Draft, Verified: part of this module's API)
 from del_bench.methods.base import Method, RoundEvidence
-from del_bench.models.layer_stack import KVCache, LayerStack, cat_on
+from del_bench.models.layer_stack import KVCache, LayerStack, cat_on, top_confidence
 from del_bench.numerics import gap_from_top2, is_half, widened
 from del_bench.transfer import reads, to_device, to_list
 
@@ -234,9 +234,10 @@ class Engine:
         keep = True
         if method.wants_confidence:
             # the draft distribution's top probability: it does not depend on which token was
-            # sampled, so stopping on it keeps speculative sampling exact. In float32 for half-precision models
-            # (numerics.widened): τ comes from shadow confidences computed so, and both must compare like with like
-            top = q.max() if q is not None else widened(logits).softmax(-1).max()
+            # sampled, so stopping on it keeps speculative sampling exact. On τ's scale, as shadow confidences are
+            # computed: in float32 for half-precision models (numerics.widened), and with shadow_vocab=K normalised
+            # over the first K ids and the top token (top_confidence) — both must compare like with like
+            top = top_confidence(q if q is not None else widened(logits).softmax(-1), method.shadow_vocab)
             # one read: the token and its confidence (a token id is exact in float64)
             candidate, confidence = to_list(torch.cat([token.double(), top.double()[None]]))
             candidate = int(candidate)
