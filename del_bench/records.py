@@ -43,6 +43,9 @@ RESUMABLE_KEYS = ("limit", "out_dir", "logger", "threads", "warmup_tokens", "dat
 RESUMABLE_TASK_KEYS = ("score_workers", "sandbox")
 # model options added later, at the value that means "as before" (model.exit_adapters: null = the own head)
 ADDED_MODEL_OPTIONS = {"exit_adapters": None}
+# model options that only feed other keys: the LS defaults reach a run as method.exit_layer / method.gamma, compared
+# resolved, so moving them (to a newly measured best) leaves Vanilla's, DEL's and every other run resumable
+RESUMABLE_MODEL_KEYS = ("default_exit_layer", "default_gamma")
 
 
 def decoding_tag(do_sample, temperature, top_p) -> str:
@@ -424,25 +427,30 @@ class RunDir:
     @staticmethod
     def fingerprint(run_config: dict) -> dict:
         """The settings that define a run's results (what run_config.json holds). Options added after records
-        were written are left out at the value that means "as before" (ADDED_MODEL_OPTIONS), so those still resume."""
+        were written are left out at the value that means "as before" (ADDED_MODEL_OPTIONS), so those still resume.
+        Idempotent: a stored run_config.json (written before a key became resumable) is compared through it too."""
         fingerprint = {k: v for k, v in run_config.items() if k not in RESUMABLE_KEYS}
         if isinstance(fingerprint.get("model"), dict):
             fingerprint["model"] = {k: v for k, v in fingerprint["model"].items()
-                                    if ADDED_MODEL_OPTIONS.get(k, ...) != v}
+                                    if k not in RESUMABLE_MODEL_KEYS and ADDED_MODEL_OPTIONS.get(k, ...) != v}
         if isinstance(fingerprint.get("task"), dict):
             fingerprint["task"] = {k: v for k, v in fingerprint["task"].items() if k not in RESUMABLE_TASK_KEYS}
         return fingerprint
 
     def matches(self, run_config: dict) -> bool:
         """True when the directory holds a run made with these settings."""
-        return self.config_path.exists() and json.loads(self.config_path.read_text()) == self.fingerprint(run_config)
+        return self.config_path.exists() and self._stored() == self.fingerprint(run_config)
+
+    def _stored(self) -> dict:
+        """run_config.json's settings, as fingerprint compares them today."""
+        return self.fingerprint(json.loads(self.config_path.read_text()))
 
     def claim(self, run_config: dict) -> None:
         """Create the directory, or check that what it holds was produced by the same settings."""
         self.path.mkdir(parents=True, exist_ok=True)
         fingerprint = self.fingerprint(run_config)
         if self.config_path.exists():
-            previous = json.loads(self.config_path.read_text())
+            previous = self._stored()
             changed = sorted(k for k in set(previous) | set(fingerprint) if previous.get(k) != fingerprint.get(k))
             if changed:
                 raise RunConflict(

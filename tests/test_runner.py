@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from del_bench import runner
+from del_bench import jobs, runner
 from del_bench.__main__ import cmd_run
 from del_bench.config import ConfigError, check_overrides, choices, resolve_aliases, validate
 from del_bench.engine.decode import Engine
@@ -241,6 +241,26 @@ def test_resume_refuses_a_run_with_other_settings(run_cfg):
     with pytest.raises(RunConflict, match="max_new_tokens"):
         runner.run(run_cfg("method=vanilla", "limit=1", "max_new_tokens=8"))
     runner.run(run_cfg("method=vanilla", "limit=2"))  # a larger limit continues the same run
+
+
+def test_a_run_resumes_after_its_models_ls_defaults_move(run_cfg):
+    """model.default_exit_layer / default_gamma reach a run's results only as method.exit_layer / method.gamma (which
+    its settings keep, resolved): a run that did not take them (here Vanilla), its run_config.json written with the
+    old ones, still resumes and is still skipped as finished when the model config's defaults move; an LS that took
+    them does not."""
+    cfg = run_cfg("method=vanilla", "limit=1")
+    runner.run(cfg)
+    stored = RunDir(cfg.out_dir).config_path  # as records written before this rule hold it: with the defaults
+    settings = json.loads(stored.read_text())
+    settings["model"].update(default_exit_layer=1, default_gamma=3)
+    stored.write_text(json.dumps(settings))
+    moved = ["model.default_exit_layer=2", "model.default_gamma=5"]
+    assert jobs.completed_summary(run_cfg("method=vanilla", "limit=1", *moved)) is not None
+    runner.run(run_cfg("method=vanilla", "limit=2", *moved))  # continues the same run
+    ls = run_cfg("method=ls", "limit=1", f"out_dir={cfg.out_dir}-ls")
+    runner.run(ls)
+    with pytest.raises(RunConflict, match="method"):  # the LS took the defaults: its E and γ moved with them
+        runner.run(run_cfg("method=ls", "limit=1", f"out_dir={cfg.out_dir}-ls", *moved))
 
 
 def test_prompts_task_reads_user_file(run_cfg, tmp_path):

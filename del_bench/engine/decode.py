@@ -42,7 +42,7 @@ from del_bench.engine.sampling import (
 from del_bench.engine.shadow import ShadowScorer
 from del_bench.engine.steps import Draft, Verified, whole  # noqa: F401 (Draft, Verified: part of this module's API)
 from del_bench.methods.base import Method, RoundEvidence
-from del_bench.models.layer_stack import KVCache, LayerStack, cat_on
+from del_bench.models.layer_stack import KVCache, LayerStack, cat_on, top_confidence
 from del_bench.numerics import gap_from_top2, is_half, widened
 from del_bench.transfer import reads, to_device, to_list
 
@@ -229,7 +229,7 @@ class Engine:
         the candidate that stopped drafting is dropped (drop_stopped_draft: DEL's Algorithm 1), and (-1, True) for a
         candidate left on the device (no confidence to read, not on_host: drafted by id, read at acceptance).
         on_host: the caller needs the token itself now (SWIFT: its siblings and the next draft's input)."""
-        token, top, q = self.draft_head(draft, rng, method.wants_confidence)
+        token, top, q = self.draft_head(draft, rng, method)
         candidate = -1  # on the device until the host needs it
         keep = True
         if method.wants_confidence:
@@ -244,11 +244,10 @@ class Engine:
         self.keep_candidate(draft, token, q, candidate)
         return candidate, keep
 
-    def draft_head(self, draft: Draft, rng, confidence: bool) -> tuple[torch.Tensor, torch.Tensor | None,
-                                                                         torch.Tensor | None]:
-        """The draft head on the newest layer-E state, all on the device: (the candidate token [1], its draft
-        distribution's top probability [] where `confidence` is wanted, the warped draft distribution q [V] when
-        sampling)."""
+    def draft_head(self, draft: Draft, rng, method: Method) -> tuple[torch.Tensor, torch.Tensor | None,
+                                                                      torch.Tensor | None]:
+        """The draft head on the newest layer-E state, all on the device: (the candidate token [1], its confidence []
+        where the method stops on one, the warped draft distribution q [V] when sampling)."""
         logits = self.stack.exit_logits(draft.exit_states[-1], draft.exit_layer)[0, -1]  # [V]
         draft.logits = logits
         draft.candidates += 1
@@ -257,10 +256,13 @@ class Engine:
             token = rng.sample(q)  # [1]
         else:
             q, token = None, logits.argmax(-1, keepdim=True)  # [1]
-        # the draft distribution's top probability: it does not depend on which token was sampled, so stopping on
-        # it keeps speculative sampling exact. In float32 for half-precision models (numerics.widened): τ comes from
-        # shadow confidences computed so, and both must compare like with like
-        top = None if not confidence else q.max() if q is not None else widened(logits).softmax(-1).max()
+        # the draft distribution's top probability: it does not depend on which token was sampled, so stopping on it
+        # keeps speculative sampling exact. On τ's scale, as shadow confidences are computed: in float32 for
+        # half-precision models (numerics.widened), and with shadow_vocab=K normalised over the first K ids and the
+        # top token (top_confidence) — both must compare like with like
+        top = None
+        if method.wants_confidence:
+            top = top_confidence(q if q is not None else widened(logits).softmax(-1), method.shadow_vocab)
         return token, top, q
 
     def decide(self, draft: Draft, method: Method, candidate: int, confidence: float) -> bool | None:

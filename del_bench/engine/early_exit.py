@@ -57,7 +57,7 @@ def draft_ahead(engine, token: torch.Tensor, pos: int, E: int, budget: int, cach
         for j in range(k):
             if j:  # the previous candidate through layers 1..E, as if it kept drafting
                 draft_layers(engine, window[-1][0].view(1, 1), pos + j - 1, E, cache, draft)
-            window.append(engine.draft_head(draft, rng, confidence=True))
+            window.append(engine.draft_head(draft, rng, method))
         # one read: each candidate's token and confidence, [2k] (a token id is exact in float64)
         read = to_list(torch.cat([torch.cat([tok.double(), top.double()[None]]) for tok, top, _ in window]))
         for j, (token_j, _, q) in enumerate(window):

@@ -24,6 +24,15 @@ start-up (SmolLM2 on CPU: h ≈ 5), including the row of the candidate that stop
 dropped), and a verification batch of d + 1 positions through layers ℓ+1..L as c(d+1) single positions, c measured
 at start-up too (a batch is not free on a CPU; without it DEL with exit adapters drafted where drafting loses:
 0.81× Vanilla on SmolLM2 HumanEval); the default `layers` keeps the paper's d·ℓ + L so its numbers reproduce.
+Beyond the paper (`shadow_vocab: K`): shadow tokens scored over the first K token ids + the position's target
+(LayerStack.shadow_tokens), ~V/K times cheaper; their confidences are normalised over those ids only, which lifts
+them above the whole vocabulary's (on a tiny 8-layer model with K = 50 of 259 ids τ sat above every candidate). So a
+draft candidate is scored on the same scale: its top probability normalised over the first K ids and itself
+(layer_stack.top_confidence) — what the statistics record where it is the full model's token, so τ, a mean of such
+confidences, and the candidates it stops are like with like. The other way round (τ from whole-vocabulary
+confidences) would need the whole head over every shadow row, the cost K removes; scoring the candidate so costs
+nothing (its head row is whole anyway: the candidate is the whole vocabulary's argmax). Without K both are the whole
+vocabulary's top probability, as published.
 Beyond the paper (`defer_shadow: true`): while TPL provably keeps d = 0 whatever the pending rounds'
 shadow tokens are (`can_defer`), their scoring is batched — same statistics and decisions, fewer head passes.
 Beyond the paper, an approximation (`shadow_every: R`, default 1 = exact): shadow tokens are scored every R rounds,

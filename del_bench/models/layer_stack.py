@@ -111,6 +111,16 @@ def softcapped(x: torch.Tensor, cap: float) -> torch.Tensor:
     return torch.tanh(x / cap) * cap
 
 
+def top_confidence(probs: torch.Tensor, vocab: int | None = None) -> torch.Tensor:
+    """A draft candidate's confidence on the scale of LayerStack.shadow_tokens(vocab=K): probs [V] → the top
+    probability normalised over the first K ids and the top token itself (a scalar tensor: no host read) — what
+    shadow scoring gives a row whose target is that token. vocab None or ≥ V: the top probability as it is."""
+    top, token = probs.max(-1)
+    if vocab is None or vocab >= probs.shape[-1]:
+        return top
+    return top / (probs[:vocab].sum() + torch.where(token >= vocab, top, 0.0))  # the top joins where it lies outside
+
+
 def _fuse_rows(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One [Σout, in] matrix (HF's own layout, concatenated) for linears that read the same input (q|k|v, gate|up).
     The HF modules are re-pointed at row slices of it, so no weight is stored twice and the HF model still runs (on
@@ -585,7 +595,8 @@ class LayerStack:
         With `vocab`=K (and targets [N], the full model's token per row) only the first K vocabulary
         entries plus each row's target are scored: ~V/K times cheaper. It is exact whenever the true
         argmax is among them — in particular "matches the target" is never missed — and the confidence
-        is normalised over the scored tokens only (an overestimate).
+        is normalised over the scored tokens only (an overestimate; DEL scores its draft candidates the same way,
+        top_confidence, so that τ and what it is compared with share one scale).
 
         `layers` [N]: the 1-based layer of each row; with exit adapters loaded each row goes through its layer's
         adapter (exit_input), so shadow tokens are what the adapter-headed draft would have produced."""
