@@ -49,6 +49,11 @@ def test_bench_gpu_runs_every_row_at_a_tiny_shape(tmp_path, capsys):
     bytes_ = report["bytes"]
     assert bytes_["layer"] == 4 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128 + 2 * 64)  # q, o; k, v (GQA); MLP; norms
     assert bytes_["head"] == 4 * (128 * 64 + 64)
+    assert bytes_["kv_per_position"] == 4 * 2 * 2 * 2 * 16  # K and V, 2 layers, 2 KV heads of 16
+    token_bytes = 2 * bytes_["layer"] + bytes_["head"] + bytes_["kv_per_position"] * (6 + 6 / 2)  # mean context
+    roofline = report["bandwidth_gbps"] * 1e9 / token_bytes  # tok/s: bandwidth ÷ the bytes a token streams
+    for name, r in rows.items():
+        assert r["roofline_x"] == pytest.approx(r["tokens_per_s"] / roofline), name
     out = capsys.readouterr().out
     assert all(name in out for name in rows) and "tok/s per prompt" in out
 
@@ -92,11 +97,18 @@ def test_the_random_model_is_made_on_the_device_in_the_dtype_and_by_the_seed():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here: the on-device build ran on CPU only")
 def test_the_random_model_is_built_on_cuda_without_a_host_copy():
-    args = bench_gpu.parse_args([*TINY, "--dtype", "bfloat16"])
+    """On the device, in the dtype: the GPU's peak is the bf16 weights (a float32 build cast after would be 3×)."""
+    args = bench_gpu.parse_args([*TINY, "--dtype", "bfloat16", "--hidden", "512", "--intermediate", "1024",
+                                 "--vocab", "4096"])  # tensors large enough that the allocator's rounding is noise
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    models = [bench_gpu.build_model(args, torch.device("cuda")) for _ in range(2)]
-    assert {p.device.type for p in models[0].parameters()} == {"cuda"}
-    assert all(torch.equal(p, q) for p, q in zip(models[0].parameters(), models[1].parameters()))
+    model = bench_gpu.build_model(args, torch.device("cuda"))
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert {(p.device.type, p.dtype) for p in model.parameters()} == {("cuda", torch.bfloat16)}
+    assert torch.cuda.max_memory_allocated() - base < 1.2 * weights
+    again = bench_gpu.build_model(args, torch.device("cuda"))  # the same seed on the same device: the same weights
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), again.parameters()))
 
 
 def test_shapes_by_name_and_flags_over_them():
