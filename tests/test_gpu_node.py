@@ -86,6 +86,12 @@ def test_a_failing_step_is_reported_and_the_others_still_run(tmp_path):
     assert order == sorted(order) and "-m pytest" not in calls and "extension()" not in calls
 
 
+def test_a_step_stops_at_its_first_failing_command(tmp_path):
+    rc, _, calls = check(tmp_path, "--steps", "timing", STUB_FAIL="method=vanilla")
+    assert rc == 1 and "method=vanilla" in calls and "method=ls" not in calls and "per_prompt.py" not in calls
+    assert json.loads((tmp_path / "out" / "summary.json").read_text())["steps"]["timing"]["exit"] == 3
+
+
 def test_a_step_past_its_time_is_killed_with_its_children_and_the_budget_holds(tmp_path):
     t0 = time.monotonic()
     rc, stdout, _ = check(tmp_path, "--budget", "7", STUB_SLEEP="bench gpu --model testbed")
