@@ -76,7 +76,7 @@ bench-peer: setup ## our Vanilla/LS vs HF generate and assistant_early_exit (pee
 # bench-gpu runs in your CUDA environment's python (README "GPU": del-bench installed there, its torch kept), not in
 # .venv's CPU stack: GPU_PYTHON=/path/to/python to choose it, BENCH_GPU_ARGS="--layers 4 …" for other shapes.
 GPU_PYTHON ?= python3
-bench-gpu: ## Llama-2-7B-shaped random bf16 model on a GPU: our Vanilla/LS/DEL vs HF generate and assistant_early_exit, tok/s, HBM roofline, peak memory → $(RECORDS)/bench/gpu.json
+bench-gpu: ## on a GPU, a Llama-2-7B-shaped random bf16 model (BENCH_GPU_ARGS="--shape llama3-8b" or "--model testbed"): our Vanilla/LS/DEL eager and graph-captured vs HF generate and assistant_early_exit, tok/s, per-prompt speed, HBM roofline, = generate by the near-tie rule → $(RECORDS)/bench/gpu.json
 	$(GPU_PYTHON) -m del_bench bench gpu $(BENCH_GPU_ARGS) --root $(RECORDS)/bench/gpu_runs --out $(RECORDS)/bench/gpu.json
 
 # An air-gapped GPU node (README "GPU"): gpu-wheels on a networked machine fetches what a CUDA image lacks into .gpu-whl
