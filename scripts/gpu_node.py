@@ -140,9 +140,11 @@ def steps(out: Path, python: str, dry: bool) -> list[Step]:
     tiny_cpu = ["--loop", "eager", "--threads", "1", "--probe-mb", "8", "--set", "warmup_tokens=2"]
     small = (lambda real, tiny: tiny if dry else real)  # noqa: E731
     run = [*py, "-m", "del_bench", "run"]
+    # HumanEval (run's default task), as issue 36's per-prompt figures were taken; a root shell without bubblewrap
+    # (a container) scores its programs as a private uid instead of refusing (the sandbox keys are not the run's)
     run_model = small(["model=testbed", "model.device=cuda", "model.dtype=bfloat16", "limit=4", "max_new_tokens=96"],
                       ["model=tiny-random", "model.dtype=bfloat16", "limit=2", "max_new_tokens=4", "layers=eager",
-                       "threads=1", "warmup_tokens=2"])
+                       "threads=1", "warmup_tokens=2"]) + ["task.sandbox.allow_root_fallback=true"]
     timing = out / "timing"
     return [
         Step("env", 60, [[*py, "-c", ENV_CHECK, "cpu" if dry else "cuda", *WHEELS.values(), *IMAGE_MODULES,
