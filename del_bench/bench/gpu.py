@@ -2,9 +2,9 @@
 
 Rows, every one a run with records, interleaved prompt by prompt after the runner's untimed warm-up, clocks read
 after a device synchronisation:
-- eager (`compile=off`): our Vanilla, LS(E, γ) and DEL, and transformers' `generate` and
-  `generate(assistant_early_exit=E, num_assistant_tokens=γ)` († peers, on the same weights: LayerStack re-points
-  HF's modules at its own storage, one copy);
+- eager (`compile=off`: our layer loop, fused where it builds): our Vanilla, LS(E, γ) and DEL, and transformers'
+  `generate` and `generate(assistant_early_exit=E, num_assistant_tokens=γ)` († peers, on the same weights:
+  LayerStack re-points HF's modules at its own storage, one copy);
 - captured (`--captured on`, the default, or `auto`): the same methods of ours with the graph-captured steps
   (engine/compiled.py). A compile that is refused (`on`: CompileUnavailable, or any error of such a row) ends that
   row only: it is listed with the reason, the others go on.
@@ -239,10 +239,10 @@ def make_rows(args, base: list[str], load, grid: list[tuple[int, int]]) -> dict[
             rows.append(row(f"DEL ({path})", "method=del", f"compile={setting}", **options))
         return rows
 
-    peers = [] if args.no_peers else [row("HF generate †", "compile=off", method=peer_method("hf_generate"))]
-    if not args.no_peers:
-        peers += [row(f"HF assistant_early_exit(E{e}-γ{g}) †", "compile=off",
-                      method=peer_method("hf_assistant_early_exit", exit_layer=e, gamma=g)) for e, g in grid]
+    peers = [] if args.no_peers else [
+        row("HF generate †", "compile=off", method=peer_method("hf_generate")),
+        *(row(f"HF assistant_early_exit(E{e}-γ{g}) †", "compile=off",
+              method=peer_method("hf_assistant_early_exit", exit_layer=e, gamma=g)) for e, g in grid)]
     return {"eager": [*ours("off"), *peers], "captured": [] if args.captured == "off" else ours(args.captured)}
 
 
@@ -260,7 +260,7 @@ def bench(args) -> dict:
     shape = (f"{args.layers} layers × {args.hidden} ({args.heads}/{args.kv_heads} heads, {args.intermediate} MLP, "
              f"{args.vocab} vocab), random" if args.model == "random" else f"{args.model} ({L} layers)")
     print(f"{shape}, {args.dtype} on {device}, made in {model_info['build_s']:.1f} s; our loop: {stack.layer_path}; "
-          f"bandwidth {gbps:.0f} GB/s ({source})")
+          f"bandwidth {gbps:.3g} GB/s ({source})")
     rows = [r for path in by_path.values() for r in path]
     h.run_rows(rows, args.prompts)
     ran = h.finished(rows)
