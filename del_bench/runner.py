@@ -192,8 +192,9 @@ def decode_all(cfg, todo, task, method, sampling, run_dir: RunDir, load) -> None
         decode = decode_one if sample.turns is None else decode_turns
         record, rounds = decode(cfg, engine, tokenizer, task, method, sample, repeat, loaded)
         record.model_bytes, record.kv_cache_bytes = weights, memory.cache_bytes(engine.cache)
-        # the compiled steps round otherwise than either loop (tokens equal where checked): kept apart like them
-        record.layer_path = stack.layer_path + ("+compiled" if stack.compiled is not None else "")
+        # the compiled steps round otherwise than either loop (tokens equal where checked): kept apart like them; a
+        # peer never runs them (an earlier row's may still be installed on a shared stack)
+        record.layer_path = stack.layer_path + ("+compiled" if not peer and stack.compiled is not None else "")
         finished += 1
         run_dir.write_method_state(method.state(), finished)  # first: the sample line commits it (RunDir)
         run_dir.append(record.as_dict(), rounds)

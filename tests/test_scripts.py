@@ -57,7 +57,9 @@ NOT_HERE = {  # benches this file does not run, and why
     "memory": "tests/test_memory.py (in a subprocess: it sets the process's malloc for measuring)",
 }
 SCRIPTS = {"tag_experiments.py": ["smoke", "--records-root", "{tmp}/records"]}
-SCRIPTS_NOT_HERE = {"freeze_constraints.py": "writes constraints.txt from the environment"}
+SCRIPTS_NOT_HERE = {"freeze_constraints.py": "writes constraints.txt from the environment",
+                    "gpu_node.py": "tests/test_gpu_node.py (make gpu-check, make gpu-wheels)",
+                    "per_prompt.py": "tests/test_gpu_node.py (gpu-check's timing step)"}
 
 
 def run_bench(name: str, tmp: Path) -> dict:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +29,7 @@ from del_bench.config import CONFIG_DIR, check_overrides, ls_grid, ls_setting, r
 from del_bench.models.layer_stack import seconds_of
 from del_bench.records import read_jsonl, run_key_of, vanilla_baseline
 
+log = logging.getLogger(__name__)
 RESULTS = "results/runs/bench"  # where a bench writes by default (gitignored); make's RECORDS= moves it
 
 
@@ -124,34 +126,51 @@ class Row:
     cfg: DictConfig
     load: Callable | None = None  # (Loaded, LayerStack); None: the runner loads the model itself
     summary: dict = field(default_factory=dict)
+    may_fail: bool = False  # a row that may be refused (bench gpu's graph-captured rows: compile=on where it cannot)
+    failure: str | None = None  # why it stopped ("ExceptionType: message"); the other rows go on without it
 
 
 def row(label: str, root: str, experiment: str, *overrides: str, load=None, suffix: str = "",
-        method: dict | None = None) -> Row:
+        method: dict | None = None, may_fail: bool = False) -> Row:
     """A row: the run `overrides` compose, in <root>/<method tag><suffix> (a re-run resumes it), recording
     `experiment` in its run key (so a bench's runs reach no paper table); `method`: a method config composed in
-    code instead of the method group's (a peer: peers.peer_method)."""
+    code instead of the method group's (a peer: peers.peer_method); `may_fail`: an error in its run ends the row,
+    not the bench (Row.failure says why)."""
     cfg = compose(*overrides)
     if method is not None:
         cfg.method = method
     cfg.out_dir = f"{root}/{cfg.method.tag}{suffix}"
     cfg.experiment_name = experiment
-    return Row(label, cfg, load)
+    return Row(label, cfg, load, may_fail=may_fail)
 
 
 def run_rows(rows: list[Row], limit: int, before_prompt: Callable | None = None) -> list[Row]:
     """Every row's run grown one prompt at a time across all rows (`limit` is resumable: a run with limit i + 1
     decodes only what limit i did not); `before_prompt()` runs before each prompt's rows. Fills each row's
-    summary (summary.json of its finished run)."""
+    summary (summary.json of its finished run). A row that may fail and does is left with its `failure` (its
+    summary emptied: `finished` leaves it out of tables) and skipped from then on; any other error ends the bench."""
     from del_bench.runner import run
 
     for i in range(1, limit + 1):
         if before_prompt is not None:
             before_prompt()
         for r in rows:
+            if r.failure:
+                continue
             r.cfg.limit = i
-            r.summary = run(r.cfg, r.load)
+            try:
+                r.summary = run(r.cfg, r.load)
+            except Exception as err:
+                if not r.may_fail:
+                    raise
+                r.failure, r.summary = f"{type(err).__name__}: {err}", {}
+                log.warning("row %s stopped at prompt %d: %s", r.label, i, r.failure)
     return rows
+
+
+def finished(rows: list[Row]) -> list[Row]:
+    """The rows that ran to the end (no failure): what `table` takes."""
+    return [r for r in rows if not r.failure]
 
 
 def _ratio(value, base) -> float | None:
@@ -182,6 +201,42 @@ def table(rows: list[Row]) -> list[dict]:
         t["measured_over_predicted"] = _ratio(t["speedup"], t["predicted_speedup"])
         t["pooled_measured_over_predicted"] = _ratio(t["pooled_speedup"], t["pooled_predicted_speedup"])
     return out
+
+
+def per_prompt_speed(out_dir: str) -> dict:
+    """A run's tok/s prompt by prompt in the order they were decoded (samples.jsonl) and its first timed prompt
+    against the rest: `first`, `rest_median` (the median of the others) and `first_over_rest` (None with one
+    prompt). Far below 1, it says the untimed warm-up left decoding short of steady state."""
+    speeds = [s["tokens_per_s"] for s in read_jsonl(Path(out_dir) / "samples.jsonl")]
+    rest = statistics.median(speeds[1:]) if len(speeds) > 1 else None
+    return {"per_prompt": speeds, "first": speeds[0] if speeds else None, "rest_median": rest,
+            "first_over_rest": _ratio(speeds[0], rest) if speeds else None}
+
+
+def lossless_vs(out_dir: str, reference_dir: str, reference: str = "Vanilla") -> dict:
+    """A run's greedy outputs against a reference run's for the same samples, by the half-precision rule
+    (numerics.compare, judged by the reference's recorded top2_gap_ulps; DESIGN §2): outputs_equal of
+    outputs_compared, and the first-departure positions of the others, near_tie_at (allowed) and departs_at (real
+    departures; in full precision, where no gaps are recorded, every departure is one); `note`, the report's words
+    for it (tables.lossless_note, naming `reference`); `cell`, the table's: 'k/n' or 'k/n (j near-tie, r real)'."""
+    from del_bench.numerics import compare
+    from del_bench.report.tables import lossless_note
+
+    def by_key(path):
+        return {(s["sample_id"], s["repeat"]): s for s in read_jsonl(Path(path) / "samples.jsonl")}
+
+    ours, ref = by_key(out_dir), by_key(reference_dir)
+    judged = [compare(s["output_ids"], ref[k]["output_ids"], ref[k].get("top2_gap_ulps"))
+              for k, s in ours.items() if k in ref]
+    result = {"outputs_equal": sum(d.kind == "equal" for d in judged), "outputs_compared": len(judged),
+              "near_tie_at": sorted(d.position for d in judged if d.kind == "near_tie"),
+              "departs_at": sorted(d.position for d in judged if not d.lossless)}
+    extra = [f"{len(result[k])} {word}" for k, word in (("near_tie_at", "near-tie"), ("departs_at", "real"))
+             if result[k]]
+    result["cell"] = f"{result['outputs_equal']}/{result['outputs_compared']}" + (f" ({', '.join(extra)})"
+                                                                                   if extra else "")
+    result["note"] = lossless_note([result], reference).strip(" ()")
+    return result
 
 
 def outputs_equal(out_dir: str, reference_dir: str) -> tuple[int, int]:

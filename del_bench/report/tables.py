@@ -251,15 +251,16 @@ def lossless_counts(recs) -> tuple[int, int]:
     return int(equal), int(compared)
 
 
-def lossless_note(recs) -> str:
+def lossless_note(recs, reference: str = "Vanilla") -> str:
     """' (outputs = Vanilla k/n)' when some greedy outputs of these aggregated runs differ from their Vanilla
     partner's (summed over the runs); '' when all that could be compared are equal. Where the partner recorded its
     top-2 gaps (half precision), the note says how many of the others first depart at a near-tie (allowed) and how
-    many really depart, and at which tokens: ' (outputs = Vanilla 22/24; near-tie departures 2 at tokens 16, 63)'."""
+    many really depart, and at which tokens: ' (outputs = Vanilla 22/24; near-tie departures 2 at tokens 16, 63)'.
+    `reference` names the partner (bench gpu: 'generate')."""
     equal, compared = lossless_counts(recs)
     if equal >= compared:
         return ""
-    parts = [f"outputs = Vanilla {equal}/{compared}"]
+    parts = [f"outputs = {reference} {equal}/{compared}"]
     for label, column in (("near-tie departures", "near_tie_at"), ("real departures", "departs_at")):
         at = sorted(p for r in recs for p in (r.get(column) or []))
         if at:
