@@ -20,8 +20,8 @@ from omegaconf import OmegaConf
 from del_bench import bench, runner
 from del_bench.__main__ import cmd_show
 from del_bench.bench import harness
+from del_bench.bench.engine import ON_ACCEPTANCE
 from del_bench.bench.peers import cut
-from del_bench.engine.syncs import ON_ACCEPTANCE
 from del_bench.errors import ConfigError
 from del_bench.records import PEER_NOTE, RunKey, method_label, read_jsonl
 from del_bench.report import tables
