@@ -71,7 +71,7 @@ class Counting(Task):
 METHOD_YAML = f"""# Alternating(E, γ): a toy method from tests/test_recipes.py
 _target_: {__name__}.Alternating
 name: alternating
-exit_layer: 1
+exit_layer: 2
 drafts: 3
 tag: alternating-E${{.exit_layer}}-g${{.drafts}}
 """
@@ -109,7 +109,7 @@ def test_add_a_method_and_a_task_through_the_public_seams(recipe_runs):
     runs = recipe_runs
     vanilla, mine = (json.loads((runs / m / "summary.json").read_text()) for m in ("vanilla", "alternating"))
 
-    assert mine["method_tag"] == "alternating-E1-g3" and mine["drafted"] > 0
+    assert mine["method_tag"] == "alternating-E2-g3" and mine["drafted"] > 0
     assert set(mine["quality"]) == {"next"}
     outputs = {m: [json.loads(line)["output_ids"] for line in (runs / m / "samples.jsonl").read_text().splitlines()]
                for m in ("vanilla", "alternating")}
@@ -118,28 +118,28 @@ def test_add_a_method_and_a_task_through_the_public_seams(recipe_runs):
     L = vanilla["config"]["model"]["num_layers"]
     assert all(r["loaded_layers"] == r["drafted"] * (r["exit_layer"] or 0) + L for r in rounds)
     first = [r["exit_layer"] for r in rounds if r["round"] and r["sample_id"] == "n0"][:2]
-    assert first == [1, None]  # the policy's plan reached the engine: drafting every other round
+    assert first == [2, None]  # the policy's plan reached the engine: drafting every other round
     df = load_runs([runs]).set_index("method")
     assert df.loc["alternating", "has_vanilla"] and df.loc["alternating", "outputs_equal"] == 3
 
 
 def test_a_new_method_names_itself_in_show_and_the_report_and_shapes_its_compiled_graphs(recipe_runs, capsys):
     """What the toy method declares on its class — label with its hyperparameters, family, order, static shape —
-    comes out in `show`, in the report's rows (between Vanilla and LS, as its order says) and in the graphs the
-    compiled steps prepare for it."""
+    comes out in `show`, in the report's rows (between Vanilla and LS, as its order says, though its E sorts after
+    LS's) and in the graphs the compiled steps prepare for it."""
     runs = recipe_runs
     assert cmd_show([str(runs / m) for m in ("vanilla", "alternating")]) == 0
-    assert " Alternating(E1-γ3) " in capsys.readouterr().out
+    assert " Alternating(E2-γ3) " in capsys.readouterr().out
     df = load_runs([runs]).set_index("method")
-    assert (df.loc["alternating", "label"], df.loc["alternating", "family"]) == ("Alternating(E1-γ3)", EARLY_EXIT)
+    assert (df.loc["alternating", "label"], df.loc["alternating", "family"]) == ("Alternating(E2-γ3)", EARLY_EXIT)
     table = tables.wide_table(load_runs([runs]), 3, [tables.Col("counting:speedup", "Speedup", "counting", "speedup")],
                               "counting")
-    assert [r.label.split(" ")[0] for r in table.rows] == ["Vanilla", "Alternating(E1-γ3)", "LS(E1-γ3)"]  # no ‡
+    assert [r.label.split(" ")[0] for r in table.rows] == ["Vanilla", "Alternating(E2-γ3)", "LS(E1-γ3)"]  # no ‡
 
     stack = LayerStack(tiny_model()[0])  # 4 layers
     try:
-        info = compiled.choose(stack, "on", Alternating(1, 3), 24, backend=CompileCounterWithBackend("eager"))
+        info = compiled.choose(stack, "on", Alternating(2, 3), 24, backend=CompileCounterWithBackend("eager"))
     finally:
         stack.compiled = None
-    # Vanilla's step (all 4 layers), the draft (layers 1..1) and the verify widths 1, 2, 4 (≤ γ + 1 = 4) after it
+    # Vanilla's step (all 4 layers), the draft (layers 1..2) and the verify widths 1, 2, 4 (≤ γ + 1 = 4) after it
     assert info["compiled"] and info["graphs"] == 5
