@@ -27,7 +27,7 @@ from del_bench.bench import harness as h
 from del_bench.bench.peers import peer_method
 from del_bench.models.layer_stack import LayerStack
 from del_bench.models.loading import DTYPES, ByteTokenizer, Loaded
-from del_bench.records import PEER_LABELS, read_jsonl
+from del_bench.records import is_peer, read_jsonl
 
 NOMINAL_GBPS = (  # (substring of torch.cuda.get_device_name, GB/s): HBM bandwidth from the vendors' data sheets
     ("H200", 4800.0), ("H100 PCIe", 2000.0), ("H100 NVL", 3900.0), ("H100", 3350.0),  # first match wins
@@ -138,7 +138,7 @@ def with_roofline(r: dict, sizes: dict, gbps: float, context: float, generate_di
     samples = read_jsonl(Path(r["out_dir"]) / "samples.jsonl")
     token_bytes = sizes["layer"] * sizes["num_layers"] + sizes["head"] + sizes["kv_per_position"] * context
     r["roofline_x"] = r["tokens_per_s"] / (gbps * 1e9 / token_bytes)
-    if r["method"] not in PEER_LABELS:  # our rows: what our loop streamed
+    if not is_peer(r["method"]):  # our rows: what our loop streamed
         r["hbm_fraction"] = statistics.fmean(
             (s["loaded_layers"] * sizes["layer"] + (s["rounds"] + s["drafted"]) * sizes["head"]) / s["wall_s"]
             for s in samples) / (gbps * 1e9)

@@ -313,9 +313,9 @@ def choose(stack: LayerStack, setting: str, method, max_new_tokens: int, backend
         if reason:
             raise CompileUnavailable(reason)
         steps = Compiled(stack, backend=backend)
-        plan = method.describe()  # a fixed exit layer and budget (LS, FS): their graphs; else Vanilla's only
-        exit_layer = plan.get("exit_layer") if isinstance(plan.get("exit_layer"), int) else None
-        budget = min(int(plan.get("gamma") or plan.get("d_max") or 0), max(max_new_tokens - 1, 0))
+        shape = method.static_shape()  # a fixed exit layer and budget (LS, FS, DV, DEL-γ): their graphs; else Vanilla's
+        budget = min(shape.max_draft, max(max_new_tokens - 1, 0)) if shape else 0
+        exit_layer = shape.exit_layer if shape else None
         try:
             steps.prepare(exit_layer, budget)
             mismatch = check(stack, steps, method)

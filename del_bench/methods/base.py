@@ -1,9 +1,17 @@
 """What a method is: policy only. The engine asks it, before each round, for the exit layer and the
 draft budget; per drafted token, whether to keep drafting; after verification it hands it the round's
-evidence. The engine owns everything else (KV cache, RNG, accounting, timing)."""
+evidence. The engine owns everything else (KV cache, RNG, accounting, timing).
+
+A method also says what it is, on its class, so that nothing else names it: its label in tables and `show`
+(`label`, `label_hyperparameters`: LS(E4-γ4)), its family there (`family`), its place among a table's rows (`order`)
+and, on an instance, the fixed shape of its rounds (`static_shape`: the compiled steps' graphs). Labels are read from
+records — a run's method name and hyperparameters (RunKey) — without an instance or a model, so they are
+classmethods; each class registers under its config name (`name`, and `aliases`) when it is defined, and
+`del_bench.methods.method_class` finds it by that name."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -13,6 +21,14 @@ from del_bench.transfer import to_numpy
 
 # rounds whose shadow scoring a method may defer (Method.can_defer) before the engine scores them anyway
 MAX_DEFERRED = 16
+
+# a method's family in the tables (Method.family): Table 4 measures a layer-skipping method's gain over Vanilla (no
+# early-exit training) and an early-exit one's over LS; a peer is transformers' own decoding, marked † (records)
+BASELINE, EARLY_EXIT, LAYER_SKIPPING, PEER, OTHER = "baseline", "early exit", "layer skipping", "peer", "other"
+FAMILIES = (BASELINE, EARLY_EXIT, LAYER_SKIPPING, PEER, OTHER)
+
+# every class that says its config name (Method.name, Method.aliases), by that name: del_bench.methods.method_class
+REGISTRY: dict[str, type] = {}
 
 
 @dataclass(frozen=True)
@@ -49,6 +65,15 @@ class Probe:
     start: int
     length: int
     kind: str = "random"  # random | bayes | …: recorded in the round's trace
+
+
+@dataclass(frozen=True)
+class StaticShape:
+    """Rounds of one fixed shape: every draft through layers 1..exit_layer, at most max_draft tokens a round (LS, FS,
+    DV, DEL-γ). The compiled steps (engine/compiled.py) prepare this shape's graphs before the timed samples."""
+
+    exit_layer: int  # 1-based E
+    max_draft: int  # drafts a round at most (the verification batch is max_draft + 1 positions)
 
 
 @dataclass(frozen=True)
@@ -93,8 +118,26 @@ class RoundEvidence:
     shadow: Shadow | None = None  # for methods with wants_shadow: positions 0..accepted (the valid window)
 
 
+def _number(value) -> float | None:
+    """A hyperparameter as a number for a label ('' / None / NaN: none; records and the paper's CSV give strings)."""
+    if value in ("", None) or isinstance(value, bool) or (isinstance(value, float) and math.isnan(value)):
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
 class Method:
-    name = "method"
+    name = "method"  # the config's `name:`, which records keep (RunKey.method)
+    # ---- what the method is in tables and `show`, from its name and hyperparameters alone (classmethods below) ----
+    aliases: tuple[str, ...] = ()  # other config names this class runs under (DEL's ablations: del_e, …)
+    label = ""  # its name in tables ("LS"); "" = its config name
+    # hyperparameters (describe() keys) shown after the label where set: (key, prefix) or (key, prefix, value left
+    # out), e.g. (("exit_layer", "E"), ("gamma", "γ")) → LS(E4-γ4); DEL's ω is left out at its default 0.95
+    label_hyperparameters: tuple[tuple, ...] = ()
+    family = OTHER  # one of FAMILIES
+    order = 1000  # its place among a table block's rows, low first: Vanilla 0, LS 10, …, DEL 70, peers 100+
     wants_confidence = False  # True: the engine asks `keep_drafting` after every draft candidate
     drop_stopped_draft = False  # True: the candidate that stopped drafting is discarded (DEL's Algorithm 1)
     wants_shadow = False  # True: evidence carries shadow tokens; observe_prefill gets the prompt's last ones
@@ -106,6 +149,45 @@ class Method:
 
     def __init__(self, **_):  # config keys such as `name` and `tag` are not hyperparameters
         pass
+
+    def __init_subclass__(cls, **kwargs):
+        """A class that says its own `name` is registered under it and its aliases (a subclass that keeps its
+        parent's name — a test's spy, a bench's twin — is not: the name stays its parent's)."""
+        super().__init_subclass__(**kwargs)
+        if "name" in cls.__dict__:
+            for name in (cls.name, *cls.__dict__.get("aliases", ())):
+                REGISTRY[name] = cls
+
+    @classmethod
+    def table_label(cls, name: str, hyperparameters: dict) -> str:
+        """The method as tables and `show` name a run of it (`name`: its config name; `hyperparameters`: its
+        describe(), as records keep it): `label` with `label_hyperparameters`' values, LS(E4-γ4)."""
+        return cls.labelled(cls.label or name, hyperparameters)
+
+    @classmethod
+    def labelled(cls, base: str, hyperparameters: dict) -> str:
+        """`base` followed by the values of `label_hyperparameters` that are set (and not left out): LS(E4-γ4)."""
+        parts = []
+        for key, prefix, *left_out in cls.label_hyperparameters:
+            value = _number(hyperparameters.get(key))
+            if value is not None and (not left_out or value != left_out[0]):
+                parts.append(f"{prefix}{value:g}")
+        return f"{base}({'-'.join(parts)})" if parts else base
+
+    @classmethod
+    def table_order(cls, name: str, hyperparameters: dict) -> tuple:
+        """Where a run of it goes among a table block's rows (compared with other methods' orders, low first)."""
+        return (cls.order,)
+
+    @classmethod
+    def table_note(cls, name: str, hyperparameters: dict) -> str | None:
+        """A note under every table that has a row of this run (what its label means), or None."""
+        return None
+
+    def static_shape(self) -> StaticShape | None:
+        """The one shape all its rounds have (a fixed exit layer and draft budget), or None: the compiled steps then
+        prepare Vanilla's graph only (engine/compiled.py)."""
+        return None
 
     def validate(self, num_layers: int) -> None:
         """Raise ValueError for hyperparameters impossible on a model with `num_layers` layers."""

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from del_bench.methods.base import Method, Plan, SkipSet, check_gamma
+from del_bench.methods.base import LAYER_SKIPPING, Method, Plan, SkipSet, check_gamma
 from del_bench.methods.swift import skipping_plan
 from del_bench.numerics import widened
 
@@ -38,6 +38,7 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 class CLaSp(Method):
     name = "clasp"
+    label, family, order = "CLaSp", LAYER_SKIPPING, 50
     wants_confidence = True  # stop after a draft below `confidence` (kept: drop_stopped_draft stays False)
 
     def __init__(self, skip_layers: int = 8, gamma: int = 4, confidence: float = 0.7, interval: int = 64, **_):

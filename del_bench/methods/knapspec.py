@@ -37,7 +37,7 @@ from collections import deque
 import numpy as np
 import torch
 
-from del_bench.methods.base import Method, Plan, SkipSet, check_gamma
+from del_bench.methods.base import LAYER_SKIPPING, Method, Plan, SkipSet, check_gamma
 from del_bench.methods.clasp import cosine
 from del_bench.methods.swift import skipping_plan
 
@@ -46,6 +46,7 @@ CONTEXTS = (1024, 2048, 4096, 8192, 16384, 24576)
 
 class KnapSpec(Method):
     name = "knapspec"
+    label, family, order = "KnapSpec", LAYER_SKIPPING, 60
     wants_confidence = True
     wants_costs = True  # the latency model (set_costs' sublayer_s)
 

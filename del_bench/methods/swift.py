@@ -65,7 +65,7 @@ from pathlib import Path
 
 import numpy as np
 
-from del_bench.methods.base import Method, Plan, Probe, SkipSet, check_gamma
+from del_bench.methods.base import LAYER_SKIPPING, Method, Plan, Probe, SkipSet, check_gamma
 
 ENCODINGS = ("topk", "threshold")
 OPT_WINDOWS = ("first", "last")
@@ -169,6 +169,7 @@ def skip_set_of(run_dir: str | Path) -> SkipSet:
 # ---- the method --------------------------------------------------------------------------------------------------
 class Swift(Method):
     name = "swift"
+    label, family, order = "SWIFT", LAYER_SKIPPING, 40
     wants_confidence = True  # stop after a draft below `confidence` (kept: drop_stopped_draft stays False)
 
     def __init__(self, skip_ratio: float = 0.45, skip_set=None, optimise: bool = True, context_window: int = 32,
