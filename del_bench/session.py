@@ -1,9 +1,9 @@
 """One setup for every entry point that decodes: a run config → model, task, method and sampling, ready to decode.
 
-    session = build(cfg)  # or build(cfg, load, task=…, method=…, run_dir=…)
-    gen = session.engine.generate(prompt_ids, session.method, max_new_tokens, seed)
+    ready = build(cfg)  # or build(cfg, load, task=…, method=…, run_dir=…)
+    gen = ready.engine.generate(prompt_ids, ready.method, max_new_tokens, seed)
 
-`build` does, in this order and untimed (what each step cost goes into `session.setup`, the line the runner appends
+`build` does, in this order and untimed (what each step cost goes into `Session.setup`, the line the runner appends
 to a run's setup.jsonl):
 
 1. the model and its LayerStack: `load()`, or the config's model on its layer loop and product layouts
@@ -44,7 +44,7 @@ Load = Callable[[], tuple[loading.Loaded, LayerStack]]
 
 @dataclass
 class Session:
-    """Model, task, method and sampling ready to decode: engine.generate(prompt_ids, method, max_new_tokens, seed)."""
+    """Model, task, method and sampling ready to decode: Engine.generate(prompt_ids, method, max_new_tokens, seed)."""
 
     loaded: loading.Loaded  # the model and its tokenizer
     stack: LayerStack  # the model as our engine runs it
