@@ -107,7 +107,7 @@ def format_table(summaries: list[dict], keys: list | None = None) -> str:
     fused build shows here); methods labelled as the tables label them (RunKey.label; a note names the full tags
     where two labels coincide); then notes: runs timed on a busy machine (`*`, records.overloaded) and runs that
     drafted nothing (why their α is '-')."""
-    from del_bench.records import PEER_LABELS, PEER_MARK, PEER_NOTE, run_key_of, vanilla_baseline, vanilla_partners
+    from del_bench.records import PEER_MARK, PEER_NOTE, is_peer, run_key_of, vanilla_baseline, vanilla_partners
 
     keys = keys or [run_key_of(s) for s in summaries]
     labels, tag_notes = _show_labels(keys)
@@ -133,7 +133,7 @@ def format_table(summaries: list[dict], keys: list | None = None) -> str:
                          f"for) up to {loaded['max_other_cores']:.1f} CPUs where torch's threads left "
                          f"{loaded['free_cores']} free; its speed and the speedups against it are not to be trusted "
                          "(rerun on a quiet machine).")
-        if s["method"] != "vanilla" and s["method"] not in PEER_LABELS and not s.get("drafted"):
+        if s["method"] != "vanilla" and not is_peer(s["method"]) and not s.get("drafted"):
             notes.append(f"{label} drafted no token on {s['model']}: its policy never expected an early "
                          "exit to pay on this model, so every round was a full pass (eTPL = 1/L, α '-'), as Vanilla's.")
     peers = [PEER_NOTE] if any(PEER_MARK in label for label in labels) else []  # transformers' rows (bench peer)

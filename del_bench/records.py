@@ -230,12 +230,11 @@ class RunKey:
 
     def label(self) -> str:
         """The method as the tables name it (method_label: `DEL`, `LS(E4-γ4)`); the full tag stays method_tag."""
-        return method_label(self.method, self.hyperparameter("exit_layer", ""), self.hyperparameter("gamma", ""),
-                            self.hyperparameter("omega", ""), self.variant())
+        return self.entry().label
 
-    def variant(self) -> str:
-        """DEL's variant (del_variant: "", "CPU", "KnapSpec"); "" for every other method."""
-        return del_variant(dict(self.hyperparameters)) if self.method == "del" else ""
+    def entry(self) -> MethodEntry:
+        """The run's method as its class presents it: label, family, order, note (method_entry)."""
+        return method_entry(self.method, dict(self.hyperparameters))
 
     def with_experiment(self, name: str | None) -> RunKey:
         if not name or name in self.experiments:
@@ -273,59 +272,51 @@ def vanilla_baseline(key: RunKey, runs: Iterable[tuple[RunKey, dict]], metric: s
 
 # ---------------------------------------------------------------- how tables, show and the benches name methods
 
-METHOD_LABELS = {"vanilla": "Vanilla", "ls": "LS", "fs": "FS", "dv": "DV", "swift": "SWIFT", "del": "DEL",
-                 "del_e": "DEL-E", "del_gamma": "DEL-γ", "del_e_lim": "DEL-E-lim", "clasp": "CLaSp",
-                 "knapspec": "KnapSpec"}
-DEFAULT_OMEGA = 0.95
-# peers: transformers' own decoding measured beside ours and written as records (del_bench/bench/peers.py); their
-# labels carry PEER_MARK wherever a method is named (show, the tables), with PEER_NOTE under a table that has one
-PEER_LABELS = {"hf_generate": "HF generate", "hf_forward_loop": "HF forward loop",
-               "hf_assistant_early_exit": "HF assistant_early_exit"}
+# a peer's label (transformers' own decoding beside ours: del_bench/bench/peers.py) carries PEER_MARK wherever a
+# method is named (show, the tables), with PEER_NOTE under a table that has one
 PEER_MARK = "†"
 PEER_NOTE = (f"{PEER_MARK} = a peer: transformers' own decoding (generate, a plain loop over its forward, "
              "assistant_early_exit: LayerSkip's self-speculation in transformers) on the same weights and prompts, "
              "written as records like ours (work counted by hooks where it runs; del_bench/bench/peers.py).")
 
 
-def _number(value) -> float | None:
-    if value in ("", None) or (isinstance(value, float) and math.isnan(value)):
-        return None
-    return float(value)
+@dataclass(frozen=True)
+class MethodEntry:
+    """A run's method as tables and `show` present it, as its class declares it (Method.table_label, family,
+    table_order, table_note): read from the run's name and hyperparameters alone."""
+
+    label: str  # LS(E4-γ4), DEL-CPU, HF generate†
+    family: str  # methods.base.FAMILIES
+    order: tuple  # its place among a block's rows (compared with other entries' orders)
+    note: str | None = None  # a note under any table with this row
 
 
-def del_variant(hyperparameters: dict) -> str:
-    """Which DEL a run is, by the settings that make it so: "" = the paper's configuration (configs/method/del.yaml),
-    "CPU" = measured costs (del_cpu: a head row costs h layers, cheap shadow tokens), "KnapSpec" = as the KnapSpec
-    authors run it (del_knapspec: the stopped candidate kept, the first round at E = 1). Other settings that differ
-    (a `method.d_max=` override) keep the plain label, and the tables add the run's tag where two rows coincide."""
-    if hyperparameters.get("keep_stopped_draft"):
-        return "KnapSpec"
-    return "CPU" if hyperparameters.get("cost_model") == "measured" else ""
+def method_entry(method: str, hyperparameters: dict | None = None) -> MethodEntry:
+    """What the class of `method` (a config name, RunKey.method) says of a run of it with these hyperparameters (its
+    describe(), as records keep it; e.g. {"exit_layer": 24, "gamma": 4}). A name no class declares (a method whose
+    module this process cannot import) keeps its name, after every declared method."""
+    from del_bench.methods import method_class
+    from del_bench.methods.base import OTHER, PEER, Method
+
+    cls, hyperparameters = method_class(method), hyperparameters or {}
+    if cls is None:
+        return MethodEntry(method, OTHER, (Method.order,))
+    label = cls.table_label(method, hyperparameters) + (PEER_MARK if cls.family == PEER else "")
+    return MethodEntry(label, cls.family, cls.table_order(method, hyperparameters),
+                       cls.table_note(method, hyperparameters))
 
 
-DEL_VARIANT_LABELS = {"": "DEL", "CPU": "DEL-CPU", "KnapSpec": "DEL (KnapSpec's)"}
-DEL_VARIANT_NOTE = ("DEL = the paper's configuration (TPL counts layers; exact shadow tokens); DEL-CPU = as we run "
-                    "it on a CPU (configs/method/del_cpu.yaml: a head row costs its measured time in layers, shadow "
-                    "tokens over 1,024 ids + the target, batched while d = 0); DEL (KnapSpec's) = as the KnapSpec "
-                    "authors' code runs it (configs/method/del_knapspec.yaml). All three are lossless.")
+def method_label(method: str, hyperparameters: dict | None = None) -> str:
+    """Labels as in the paper, as each method's class declares them (method_entry): LS(E8-γ6), FS(E8-γ6), DV(E8),
+    DEL's variant (DEL-CPU) and its ω only when not the default; a peer's marked: HF assistant_early_exit(E8-γ6)†."""
+    return method_entry(method, hyperparameters).label
 
 
-def method_label(method: str, exit_layer="", gamma="", omega="", variant: str = "") -> str:
-    """Labels as in the paper: LS(E8-γ6), FS(E8-γ6), DV(E8); DEL's variant (del_variant: DEL-CPU) and its ω only
-    when not the default (RunKey.label); a peer's marked: HF generate†, HF assistant_early_exit(E8-γ6)†."""
-    base = METHOD_LABELS.get(method) or PEER_LABELS.get(method, method)
-    if method == "del":
-        base = DEL_VARIANT_LABELS.get(variant, base)
-    e, g, w = _number(exit_layer), _number(gamma), _number(omega)
-    parts = []
-    if e is not None and method != "vanilla":
-        parts.append(f"E{e:g}")
-    if g is not None and method in ("ls", "fs", "hf_assistant_early_exit"):
-        parts.append(f"γ{g:g}")
-    if w is not None and w != DEFAULT_OMEGA and method.startswith("del"):
-        parts.append(f"ω{w:g}")
-    label = f"{base}({'-'.join(parts)})" if parts else base
-    return label + (PEER_MARK if method in PEER_LABELS else "")
+def is_peer(method: str) -> bool:
+    """True for a peer's run (transformers decoded it, not our engine: del_bench/bench/peers.py)."""
+    from del_bench.methods.base import PEER
+
+    return method_entry(method).family == PEER
 
 
 def run_key_of(summary: dict, samples: list[dict] | None = None) -> RunKey:

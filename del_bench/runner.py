@@ -19,15 +19,10 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from del_bench import memory, tracking
+from del_bench import memory, session, tracking
 from del_bench.config import validate
-from del_bench.engine import compiled
-from del_bench.engine.decode import Engine
-from del_bench.engine.sampling import Sampling
 from del_bench.machine_load import LoadProbe
-from del_bench.models import exit_adapters, loading
-from del_bench.models.layer_stack import LayerStack
-from del_bench.models.products import Products
+from del_bench.models import exit_adapters
 from del_bench.records import (
     RunDir,
     RunKey,
@@ -52,50 +47,14 @@ def sample_seed(seed: int, sample_id: str, repeat: int) -> int:
     return zlib.crc32(f"{seed}:{sample_id}:{repeat}".encode())
 
 
-def eos_ids(model, tokenizer) -> set[int]:
-    ids = model.generation_config.eos_token_id
-    ids = set(ids if isinstance(ids, list) else [ids] if ids is not None else [])
-    if getattr(tokenizer, "eos_token_id", None) is not None:
-        ids.add(tokenizer.eos_token_id)
-    return ids
-
-
-def stop_strings(strings: list[str], tokenizer, tail_tokens: int = 16):
-    """A stop condition for the engine: the decoded tail of the output contains one of `strings`.
-
-    Only the last `tail_tokens` are decoded per check (stop strings are short; the check runs after
-    every emitted token, so a string is caught the moment it completes)."""
-    if not strings:
-        return None
-
-    def stop(output_ids: list[int]) -> bool:
-        tail = tokenizer.decode(output_ids[-tail_tokens:], skip_special_tokens=True)
-        return any(s in tail for s in strings)
-
-    return stop
-
-
-def load_model(model_cfg, layers: str = "auto", products: str = "auto") -> tuple[loading.Loaded, LayerStack]:
-    """The model and its LayerStack; layers: the decoder-layer loop (auto | fused | eager: models/fused.py); products:
-    the matrix products' layout (auto | wt_x | x_wt: models/products.py)."""
-    loaded = loading.load(model_cfg)
-    stack = LayerStack(loaded.model, layers=layers, products=products)
-    exit_adapters.attach(stack, model_cfg)  # model.exit_adapters=D: the early-exit heads (else the own head)
-    return loaded, stack
-
-
 def run(cfg: DictConfig, load=None) -> dict:
     """load: optional zero-argument callable → (Loaded, LayerStack), called only if something is left to
-    decode (`calibrate` passes one that loads the model once for its whole grid)."""
+    decode (`calibrate` passes one that loads the model once for its whole grid; session.loader)."""
     validate(cfg)
     if cfg.threads:
         torch.set_num_threads(int(cfg.threads))
     task = instantiate(cfg.task)
     method = instantiate(cfg.method)
-    generation = OmegaConf.to_container(cfg.generation, resolve=True)
-    if cfg.task.get("generation"):  # a task may fix its decoding (HumanEval pass@10 samples at T = 0.6)
-        generation.update(OmegaConf.to_container(cfg.task.generation, resolve=True))
-    sampling = Sampling(**generation)
     repeats = int(cfg.task.get("samples_per_prompt", 1))
     samples = select_samples(task, cfg)
 
@@ -111,8 +70,7 @@ def run(cfg: DictConfig, load=None) -> dict:
     info = task.scoring_info() if scoring else {}
 
     if todo:
-        load = load or (lambda: load_model(cfg.model, cfg.layers, cfg.products))
-        decode_all(cfg, todo, task, method, sampling, run_dir, load)
+        decode_all(cfg, todo, task, method, run_dir, load)
     if scoring:
         score_pending(task, samples, run_dir, info)
 
@@ -148,73 +106,40 @@ def run_key(cfg: DictConfig, method, task, samples: list, records: list[dict], p
     return key.with_experiment(cfg.get("experiment_name"))
 
 
-def decode_all(cfg, todo, task, method, sampling, run_dir: RunDir, load) -> None:
-    """Generate every (sample, repeat) in `todo`, appending its records (and its peak memory) as it finishes."""
-    t0 = time.perf_counter()
-    loaded, stack = load()
-    earlier = products_before(run_dir, cfg.products)
-    if earlier is not None:  # a resume decodes in its first session's layouts: one run, one layout's bits
-        stack.use_products(earlier)
-    setup = {"layer_path": stack.layer_path, "load_s": time.perf_counter() - t0, "layer_setup_s": stack.layer_setup_s,
-             # the layouts chosen, and under auto the timings behind them (or an earlier session's, reused)
-             "products": stack.products.as_dict(), "products_reused": earlier is not None}
-    log.info("decoder layers: %s (built and checked in %.1f s)", stack.layer_path, stack.layer_setup_s)
-    log.info("matrix products: %s (products=%s, timed in %.1f s)", stack.products.summary(), stack.products.setting,
-             stack.products.setup_s)
-    tokenizer = loaded.tokenizer
-    task.bind_tokenizer(tokenizer)  # multi-turn tasks render chat turns with it
-    eos, stop = eos_ids(loaded.model, tokenizer), stop_strings(task.stop_strings, tokenizer)
-    peer = getattr(method, "decoder", None)  # a peer row (del_bench/bench/peers.py): transformers decodes, not ours
-    engine = peer(loaded.model, eos, stop, sampling) if peer else Engine(stack, sampling, eos, stop=stop)
-    t0 = time.perf_counter()
-    if method.wants_costs:  # the calibrated cost model: measured once per run (a resume reuses it)
-        costs = run_dir.costs()
-        if costs is None or (method.latency_contexts and "sublayer_s" not in costs):
-            costs = engine.stack.measure_costs(contexts=method.latency_contexts)
-        run_dir.write_costs(costs)
-        method.set_costs(**costs)
-    setup["costs_s"] = time.perf_counter() - t0
-    if not peer and method.wants_shadow:  # where DEL's statistics reach the host (engine/shadow.py)
-        setup["shadow_with_acceptance"] = engine.shadow_with_acceptance
-    if not peer:  # the static-shape compiled steps (compile: off | auto | on): compiled and checked here, untimed
-        setup.update(compiled.choose(stack, cfg.get("compile", "auto"), method, int(cfg.max_new_tokens),
-                                     cache_len=longest_prompt(todo, task, tokenizer) + int(cfg.max_new_tokens) + 1))
+def decode_all(cfg, todo, task, method, run_dir: RunDir, load=None) -> None:
+    """Generate every (sample, repeat) in `todo`, appending its records (and its peak memory) as it finishes: the
+    session set up (session.build: model, engine, costs, compiled steps), the method's carried state restored, the
+    warm-up, then the timed samples."""
+    ready = session.build(cfg, load, task=task, method=method, run_dir=run_dir, samples=[s for s, _ in todo])
+    if ready.costs is not None:  # the calibrated cost model: measured once per run (a resume reuses it)
+        run_dir.write_costs(ready.costs)
     finished = restore_method_state(method, run_dir)
-    t0 = time.perf_counter()
-    if cfg.warmup_tokens:  # untimed: first-call allocations and kernel selection
-        first = todo[0][0]
-        warm = first.prompt if first.turns is None else task.render(first, [])
-        # a throwaway copy: the warm-up must leave no trace in what the method carries across prompts
-        engine.generate(tokenizer(warm)["input_ids"], copy.deepcopy(method), cfg.warmup_tokens, 0)
-    run_dir.append_setup({**setup, "warmup_s": time.perf_counter() - t0, "samples_before": finished})
+    warmup_s = warm_up(cfg, ready, todo[0][0])
+    run_dir.append_setup({**ready.setup, "warmup_s": warmup_s, "samples_before": finished})
+    engine, stack, loaded = ready.engine, ready.stack, ready.loaded
+    is_peer = getattr(method, "decoder", None) is not None
     weights = memory.model_bytes(loaded.model)
     for sample, repeat in tqdm(todo, desc=f"{cfg.method.tag} on {cfg.task.name}", unit="sample"):
         decode = decode_one if sample.turns is None else decode_turns
-        record, rounds = decode(cfg, engine, tokenizer, task, method, sample, repeat, loaded)
+        record, rounds = decode(cfg, engine, ready.tokenizer, task, method, sample, repeat, loaded)
         record.model_bytes, record.kv_cache_bytes = weights, memory.cache_bytes(engine.cache)
         # the compiled steps round otherwise than either loop (tokens equal where checked): kept apart like them; a
         # peer never runs them (an earlier row's may still be installed on a shared stack)
-        record.layer_path = stack.layer_path + ("+compiled" if not peer and stack.compiled is not None else "")
+        record.layer_path = stack.layer_path + ("+compiled" if not is_peer and stack.compiled is not None else "")
         finished += 1
         run_dir.write_method_state(method.state(), finished)  # first: the sample line commits it (RunDir)
         run_dir.append(record.as_dict(), rounds)
 
 
-def longest_prompt(todo, task, tokenizer) -> int:
-    """Tokens of the longest prompt left to decode (a multi-turn sample's first turn: later turns grow with the
-    answers, and a step past what the graphs were captured for runs on the stack's loop)."""
-    prompts = {s.id: s.prompt if s.turns is None else task.render(s, []) for s, _ in todo}
-    return max(len(tokenizer(p)["input_ids"]) for p in prompts.values())
-
-
-def products_before(run_dir: RunDir, setting: str) -> Products | None:
-    """The product layouts the first earlier session of this run chose under the same `products` setting (its setup
-    line), or None: a fresh run, or one whose setting changed."""
-    for line in run_dir.setup():
-        recorded = line.get("products")
-        if recorded and recorded["setting"] == setting:
-            return Products.of(recorded)
-    return None
+def warm_up(cfg, ready: session.Session, first) -> float:
+    """Untimed, before the timed samples: `cfg.warmup_tokens` tokens of the first sample's prompt (first-call
+    allocations, kernel selection), decoded with a throwaway copy of the method, which must carry no trace of it into
+    the prompts that follow. → its seconds (the setup line's warmup_s)."""
+    t0 = time.perf_counter()
+    if cfg.warmup_tokens:
+        prompt = first.prompt if first.turns is None else ready.task.render(first, [])
+        ready.engine.generate(ready.tokenizer(prompt)["input_ids"], copy.deepcopy(ready.method), cfg.warmup_tokens, 0)
+    return time.perf_counter() - t0
 
 
 def decode_one(cfg, engine, tokenizer, task, method, sample, repeat, loaded) -> tuple[SampleRecord, list[dict]]:

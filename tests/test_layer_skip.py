@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from del_bench import runner
+from del_bench import runner, session
 from del_bench.engine.decode import Engine
 from del_bench.engine.sampling import Sampling
 from del_bench.errors import ConfigError
@@ -206,7 +206,7 @@ def test_invalid_hyperparameters_fail_before_the_model_loads(run_cfg, monkeypatc
     def no_loading(*_, **__):
         raise AssertionError("weights loaded before validation")
 
-    monkeypatch.setattr(runner, "load_model", no_loading)
+    monkeypatch.setattr(session, "load_model", no_loading)
     with pytest.raises(ConfigError, match=re.escape(message)):
         runner.run(run_cfg(*override.split()))
 

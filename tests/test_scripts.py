@@ -20,10 +20,10 @@ from omegaconf import OmegaConf
 from del_bench import bench, runner
 from del_bench.__main__ import cmd_show
 from del_bench.bench import harness
+from del_bench.bench.engine import ON_ACCEPTANCE
 from del_bench.bench.peers import cut
-from del_bench.engine.syncs import ON_ACCEPTANCE
 from del_bench.errors import ConfigError
-from del_bench.records import PEER_NOTE, RunKey, del_variant, method_label, read_jsonl
+from del_bench.records import PEER_NOTE, RunKey, method_label, read_jsonl
 from del_bench.report import tables
 from del_bench.report.tables import Row, Table
 from tests.conftest import compose_run
@@ -180,10 +180,11 @@ def test_a_bench_row_is_its_summary_paired_with_its_vanilla():
 
 
 def test_tables_mark_a_peer_and_say_why():
-    assert method_label("hf_assistant_early_exit", 24, 4) == "HF assistant_early_exit(E24-γ4)†"
-    assert method_label("hf_generate") == "HF generate†" and method_label("ls", 24, 4) == "LS(E24-γ4)"
-    # DEL's variants by their settings (records.del_variant), whatever the tag says
-    assert [method_label("del", variant=del_variant(h)) for h in
+    assert method_label("hf_assistant_early_exit", {"exit_layer": 24, "gamma": 4}) == "HF assistant_early_exit(E24-γ4)†"
+    assert method_label("hf_generate") == "HF generate†"
+    assert method_label("ls", {"exit_layer": 24, "gamma": 4}) == "LS(E24-γ4)"
+    # DEL's variants by their settings (methods.dynamic_exit.variant), whatever the tag says
+    assert [method_label("del", h) for h in
             ({"cost_model": "layers"}, {"cost_model": "measured", "shadow_vocab": 1024},
              {"cost_model": "layers", "keep_stopped_draft": True}, {"d_max": 4})] == \
         ["DEL", "DEL-CPU", "DEL (KnapSpec's)", "DEL"]

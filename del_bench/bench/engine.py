@@ -19,9 +19,11 @@ from __future__ import annotations
 import statistics
 
 import torch
+from hydra.utils import get_class
 
+from del_bench import session
 from del_bench.bench import harness as h
-from del_bench.engine.syncs import bench_syncs, print_syncs
+from del_bench.engine.syncs import SyncReport, measure, print_syncs
 from del_bench.models.layer_stack import _linear
 from del_bench.models.products import layer_matrices
 from del_bench.records import RunDir
@@ -83,6 +85,39 @@ def decode_ms_per_token(out_dir: str) -> float:
     rounds = [r for r in RunDir(out_dir).rounds() if r["round"] > 0]
     seconds = sum(r["draft_s"] + r["verify_s"] + r["policy_s"] for r in rounds)
     return 1000 * seconds / max(1, sum(r["emitted"] for r in rounds))
+
+
+# ---- host syncs of a run config (the rows'), counted after the timed rows ------------------------------------------
+ON_ACCEPTANCE = " (stats on acceptance)"  # a DEL row counted again with Engine(shadow_with_acceptance=True)
+
+
+def config_syncs(cfg, load, prompt_ids: list[list[int]], shadow_with_acceptance: bool | None = None) -> SyncReport:
+    """A run config's method and decoding on these prompts (token ids), set up as its run was (session.build: the
+    task's generation settings and stop strings, the costs and product layouts its out_dir holds, its compiled steps),
+    counted by engine/syncs.py's measure, untimed. load: () → (Loaded, LayerStack), as runner.run takes it (None: the
+    config's model loaded here). shadow_with_acceptance: the Engine's (None: as the device decides)."""
+    run_dir = RunDir(cfg.out_dir) if cfg.get("out_dir") else None
+    ready = session.build(cfg, load, run_dir=run_dir, shadow_with_acceptance=shadow_with_acceptance)
+    return measure(ready.engine, ready.method, prompt_ids, int(cfg.max_new_tokens), seed=int(cfg.seed))
+
+
+def run_syncs(cfg, load, prompts: int = 2, shadow_with_acceptance: bool | None = None) -> SyncReport:
+    """A finished run's syncs: config_syncs on the first `prompts` prompts it decoded (their ids from its records)."""
+    records = RunDir(cfg.out_dir).finished()[:prompts]
+    return config_syncs(cfg, load, [r["prompt_ids"] for r in records], shadow_with_acceptance)
+
+
+def bench_syncs(rows, prompts: int = 2) -> list[dict]:
+    """The host-sync rows, after the timed runs: for each finished bench row (a `label`, its run's `cfg`, its `load`),
+    run_syncs on its first `prompts` prompts → SyncReport.as_dict() with its "row" label (print_syncs prints them;
+    the result file keeps them). A method with shadow statistics (DEL) is counted a second time with them on the
+    acceptance read, as an accelerator runs it, whatever this device's default."""
+    out = []
+    for r in rows:
+        out.append({"row": r.label, **run_syncs(r.cfg, r.load, prompts).as_dict()})
+        if get_class(r.cfg.method._target_).wants_shadow:
+            out.append({"row": r.label + ON_ACCEPTANCE, **run_syncs(r.cfg, r.load, prompts, True).as_dict()})
+    return out
 
 
 def bench_model(model: str, args) -> dict:

@@ -40,7 +40,7 @@ from del_bench.bench import harness as h
 from del_bench.bench.peers import peer_method
 from del_bench.models.layer_stack import LayerStack
 from del_bench.models.loading import DTYPES, ByteTokenizer, Loaded, random_llama
-from del_bench.records import PEER_LABELS, read_jsonl
+from del_bench.records import is_peer, read_jsonl
 
 SHAPES = {  # the matrix sizes of the checkpoints (their HF configs); "tiny": the suite's CPU smoke shape
     "llama2-7b": dict(layers=32, hidden=4096, heads=32, kv_heads=32, intermediate=11008, vocab=32000),
@@ -170,7 +170,7 @@ def with_figures(r: dict, sizes: dict, gbps: float, generate_dir: str | None, va
     context = statistics.fmean(len(s["prompt_ids"]) + s["generated_tokens"] / 2 for s in samples)
     token_bytes = sizes["layer"] * sizes["num_layers"] + sizes["head"] + sizes["kv_per_position"] * context
     r["roofline_x"] = r["tokens_per_s"] / (gbps * 1e9 / token_bytes)
-    if r["method"] not in PEER_LABELS:  # our rows: what our loop streamed
+    if not is_peer(r["method"]):  # our rows: what our loop streamed
         r["hbm_fraction"] = statistics.fmean(
             (s["loaded_layers"] * sizes["layer"] + (s["rounds"] + s["drafted"]) * sizes["head"]) / s["wall_s"]
             for s in samples) / (gbps * 1e9)
@@ -279,7 +279,7 @@ def bench(args) -> dict:
                 results.append({"row": r.label, "path": path, "failure": r.failure, "out_dir": r.cfg.out_dir})
                 continue
             t = with_figures({**table[id(r)], "path": path}, sizes, gbps, generate_dir, vanilla_dir)
-            results.append(t if t["method"] in PEER_LABELS else {**t, **compile_state(r.summary)})
+            results.append(t if is_peer(t["method"]) else {**t, **compile_state(r.summary)})
     h.print_table(results, COLUMNS)
     print_notes(results)
     report = {"model": args.model, "layer_path": stack.layer_path, "build_s": model_info["build_s"],

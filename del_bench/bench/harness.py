@@ -15,6 +15,7 @@ engine) use `timings`, and write the raw seconds they print a median of.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import statistics
@@ -67,16 +68,9 @@ def model_config(name: str, *overrides: str) -> DictConfig:
 
 def shared_load(cfg: DictConfig) -> Callable:
     """A loader for `runner.run` that loads the run config's model (and layer loop) once for every row sharing it."""
-    from del_bench.runner import load_model
+    from del_bench.session import loader
 
-    loaded = []
-
-    def load():
-        if not loaded:
-            loaded.append(load_model(cfg.model, cfg.layers, cfg.products))
-        return loaded[0]
-
-    return load
+    return functools.cache(loader(cfg))
 
 
 def parser(name: str, doc: str, runs: bool = True, limit: int | None = None,

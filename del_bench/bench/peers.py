@@ -5,7 +5,8 @@ for our engine), whose class says it decodes by itself (`Peer.decoder`): the run
 peer's decoder instead of our Engine, and writes a SampleRecord per prompt as for any run (no rounds.jsonl lines:
 transformers exposes no rounds). Its RunKey's method is the peer's (`hf_generate`, `hf_assistant_early_exit`,
 `hf_forward_loop`), so `show` and the report list it beside our rows and pair it with our Vanilla
-(RunKey.pairs_with), labelled with a † (records.PEER_LABELS, method_label) and a note under a table.
+(RunKey.pairs_with), labelled as their classes say (family PEER: records.method_label marks them †) and a note
+under a table.
 
 What a peer record holds, counted where it runs (forward hooks on the decoder layers and the LM head, never
 claimed): loaded_layers = decoder-layer calls (each call over any number of positions is one load, as in ours),
@@ -30,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from del_bench.errors import ConfigError
-from del_bench.methods.base import Method, check_exit_layer, check_gamma
+from del_bench.methods.base import PEER, Method, check_exit_layer, check_gamma
 from del_bench.numerics import gap_ulps, is_half
 
 
@@ -97,6 +98,7 @@ class Peer(Method):
     """A peer: transformers decodes greedily; no policy of ours runs."""
 
     name = "peer"
+    family, order = PEER, 100  # after ours, in the tables and `show`
 
     def decoder(self, model, eos_ids: set[int], stop, sampling) -> PeerDecoder:
         if sampling.do_sample:
@@ -135,6 +137,7 @@ class HFGenerate(Peer):
     (del_bench/numerics.py)."""
 
     name = "hf_generate"
+    label, order = "HF generate", 100
 
     def keeps_logits(self, model) -> bool:
         return is_half(model.dtype)
@@ -145,6 +148,8 @@ class HFAssistantEarlyExit(Peer):
     confidence threshold 0 and a constant schedule, so it drafts exactly γ tokens a round, as LS(E, γ)."""
 
     name = "hf_assistant_early_exit"
+    label, order = "HF assistant_early_exit", 102
+    label_hyperparameters = (("exit_layer", "E"), ("gamma", "γ"))
 
     def __init__(self, exit_layer: int, gamma: int, **_):
         self.exit_layer, self.gamma = exit_layer, gamma
@@ -166,6 +171,7 @@ class HFForwardLoop(Peer):
     per-call overhead costs."""
 
     name = "hf_forward_loop"
+    label, order = "HF forward loop", 101
 
     def decode(self, model, ids: torch.Tensor, max_new_tokens: int, eos_ids: set[int]) -> tuple[list[int], tuple]:
         from transformers import DynamicCache

@@ -48,6 +48,7 @@ from collections.abc import Callable
 
 import torch
 
+from del_bench.methods.base import LAYER_SKIPPING
 from del_bench.models.layer_stack import KVCache, LayerStack
 from del_bench.numerics import compare, gap_ulps, is_half
 
@@ -442,7 +443,7 @@ def _padded(h: torch.Tensor, width: int) -> torch.Tensor:
 
 
 class StepShapes:
-    """Which graphs a method can call, from what it declares (Method.static_shape, Method.draft_shape): a fixed exit
+    """Which graphs a method can call, from what it declares (Method.static_shape, Method.family): a fixed exit
     layer E and budget γ (LS, FS) get their two chains as one graph each; any other early-exit method (DEL picks E
     each round) composes layer by layer at every width up to its budget + 1; a skipping draft (SWIFT, CLaSp,
     KnapSpec) composes sublayers at width 1 and verifies all L layers at every width up to its budget + 1."""
@@ -456,9 +457,9 @@ class StepShapes:
 
     @staticmethod
     def of(method, max_new_tokens: int) -> "StepShapes":
-        exit_layer, budget = method.static_shape()
-        budget = min(budget, max(max_new_tokens - 1, 0))
-        return StepShapes(exit_layer, budget, skips=method.draft_shape == "skipping", collects=method.wants_shadow)
+        shape = method.static_shape()
+        budget = min(shape.max_draft, max(max_new_tokens - 1, 0))
+        return StepShapes(shape.exit_layer, budget, skips=method.family == LAYER_SKIPPING, collects=method.wants_shadow)
 
     def plans(self, L: int, buckets) -> list[tuple[list[Step], int]]:
         """(steps, width) to make: chains where the shape is fixed, single layers / sublayers where it is not."""

@@ -57,7 +57,37 @@ from functools import lru_cache
 
 import numpy as np
 
-from del_bench.methods.base import MAX_DEFERRED, Method, Plan, RoundEvidence, Shadow, check_exit_layer, check_gamma
+from del_bench.methods.base import (
+    EARLY_EXIT,
+    MAX_DEFERRED,
+    Method,
+    Plan,
+    RoundEvidence,
+    Shadow,
+    StaticShape,
+    check_exit_layer,
+    check_gamma,
+)
+
+DEFAULT_OMEGA = 0.95  # configs/method/del.yaml's ω: a label names ω only when a run's differs
+# the ablations' config names and labels, in the tables' order (DEL itself last)
+LABELS = {"del_gamma": "DEL-γ", "del_e": "DEL-E", "del_e_lim": "DEL-E-lim", "del": "DEL"}
+# DEL's variants by the settings that make them (variant()), in the tables' order, with their labels
+VARIANT_LABELS = {"": "DEL", "CPU": "DEL-CPU", "KnapSpec": "DEL (KnapSpec's)"}
+VARIANT_NOTE = ("DEL = the paper's configuration (TPL counts layers; exact shadow tokens); DEL-CPU = as we run "
+                "it on a CPU (configs/method/del_cpu.yaml: a head row costs its measured time in layers, shadow "
+                "tokens over 1,024 ids + the target, batched while d = 0); DEL (KnapSpec's) = as the KnapSpec "
+                "authors' code runs it (configs/method/del_knapspec.yaml). All three are lossless.")
+
+
+def variant(hyperparameters: dict) -> str:
+    """Which DEL a run is, by the settings that make it so: "" = the paper's configuration (configs/method/del.yaml),
+    "CPU" = measured costs (del_cpu: a head row costs h layers, cheap shadow tokens), "KnapSpec" = as the KnapSpec
+    authors run it (del_knapspec: the stopped candidate kept, the first round at E = 1). Other settings that differ
+    (a `method.d_max=` override) keep the plain label, and the tables add the run's tag where two rows coincide."""
+    if hyperparameters.get("keep_stopped_draft"):
+        return "KnapSpec"
+    return "CPU" if hyperparameters.get("cost_model") == "measured" else ""
 
 
 def tpl_table(alpha, num_layers: int, d_max: int, head_cost: float = 0.0, stop_head: bool = False,
@@ -133,6 +163,9 @@ def drafting_alpha(num_layers: int, d_max: int, head_cost: float = 0.0, stop_hea
 
 class DEL(Method):
     name = "del"
+    aliases = ("del_gamma", "del_e", "del_e_lim")  # the ablations: configs/method/del_*.yaml
+    label, family, order = "DEL", EARLY_EXIT, 70
+    label_hyperparameters = (("exit_layer", "E"), ("omega", "ω", DEFAULT_OMEGA))
     wants_shadow = True
 
     def __init__(self, omega: float = 0.95, d_max: int = 18, dynamic_draft_exit: bool = True,
@@ -339,8 +372,26 @@ class DEL(Method):
     def keep_drafting(self, drafted: int, confidence: float) -> bool:
         return confidence >= self.threshold
 
-    def static_shape(self) -> tuple[int | None, int]:
-        return self.fixed_exit_layer, self.d_max
+    @classmethod
+    def table_label(cls, name: str, hyperparameters: dict) -> str:
+        """DEL, its variant (DEL-CPU, DEL (KnapSpec's): variant()) or its ablation (DEL-γ, DEL-E, DEL-E-lim), with
+        a fixed E and an ω other than 0.95: DEL-γ(E24), DEL(ω0.9)."""
+        base = VARIANT_LABELS[variant(hyperparameters)] if name == "del" else LABELS.get(name, name)
+        return cls.labelled(base, hyperparameters)
+
+    @classmethod
+    def table_order(cls, name: str, hyperparameters: dict) -> tuple:
+        """The ablations, then DEL; DEL's variants in VARIANT_LABELS' order."""
+        kind = list(LABELS).index(name) if name in LABELS else len(LABELS)
+        return (cls.order, kind, list(VARIANT_LABELS).index(variant(hyperparameters)) if name == "del" else 0)
+
+    @classmethod
+    def table_note(cls, name: str, hyperparameters: dict) -> str | None:
+        return VARIANT_NOTE if name == "del" and variant(hyperparameters) else None
+
+    def static_shape(self) -> StaticShape:
+        """Up to d_max drafts a round, at DEL-γ's fixed E; DEL chooses E every round (exit_layer None)."""
+        return StaticShape(self.fixed_exit_layer, self.d_max)
 
     def describe(self) -> dict:
         return {"omega": self.omega, "d_max": self.d_max, "dynamic_draft_exit": self.dynamic_draft_exit,

@@ -33,8 +33,9 @@ DEFAULT_ROOTS = (REFERENCE_ROOT,)
 # a Vanilla partner must match on all of these (RunKey.PAIR_FIELDS: the one pairing rule)
 PAIR_KEYS = list(RunKey.PAIR_FIELDS)
 # runs sharing all of these are repeats of one configuration (averaged as mean ± std); the seed is not a key,
-# so runs that differ only in seed (same prompts) or repeated runs into other out_dirs are repeats
-CONFIG_KEYS = PAIR_KEYS + ["method", "method_tag", "del_variant", "exit_layer", "gamma", "omega"]
+# so runs that differ only in seed (same prompts) or repeated runs into other out_dirs are repeats. label, family,
+# order and note are what the method's class says of the run (records.method_entry), functions of its hyperparameters
+CONFIG_KEYS = PAIR_KEYS + ["method", "method_tag", "label", "family", "order", "note", "exit_layer", "gamma", "omega"]
 GIB = 2**30  # memory is reported in GiB, as torch.cuda.max_memory_allocated figures usually are
 
 
@@ -69,6 +70,7 @@ def load_run(run_dir: str | Path) -> dict:
     tps = _mean([s.get("tokens_per_s") for s in samples]) if samples else summary.get("tokens_per_s")
     etpl = _mean([s.get("etpl") for s in samples]) if samples else summary.get("etpl")
     load = load_summary(samples) or {}
+    entry = key.entry()
     row = {
         "run_dir": str(run_dir),
         "run_key": key,
@@ -76,7 +78,10 @@ def load_run(run_dir: str | Path) -> dict:
         "max_new_tokens": str(key.max_new_tokens),
         "method": key.method,
         "method_tag": key.method_tag,
-        "del_variant": key.variant(),  # "", "CPU", "KnapSpec": DEL's label (records.del_variant)
+        "label": entry.label,  # as the method's class names the run: LS(E4-γ4), DEL-CPU (records.method_entry)
+        "family": entry.family,
+        "order": entry.order,
+        "note": entry.note or "",
         "exit_layer": key.hyperparameter("exit_layer"),
         "gamma": key.hyperparameter("gamma"),
         "omega": key.hyperparameter("omega"),
