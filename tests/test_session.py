@@ -28,5 +28,5 @@ def test_a_session_takes_the_costs_its_run_measured_and_the_tasks_stop_strings(r
     assert ready.costs == COSTS and ready.method.head_cost == pytest.approx(5.0)  # head_s / layer_s, not re-measured
     ids = ready.tokenizer("ab xyz")["input_ids"]
     assert ready.engine.stop is ready.stop and ready.stop(ids) and not ready.stop(ids[:-1])
-    assert ready.setup["layer_path"] == "eager" and ready.setup["compile"] == "off"
+    assert ready.setup["layer_path"] == "eager" and ready.setup["compile"] == "auto" and not ready.setup["compiled"]
     assert ready.engine.sampling == Sampling() and ready.eos == session.eos_ids(ready.loaded.model, ready.tokenizer)
