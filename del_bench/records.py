@@ -1,7 +1,8 @@
 """A run's records in its out_dir, and resuming them safely.
 
     run_config.json   the settings that define the run (resume refuses a different one)
-    costs.json        measured layer/head costs of a calibrated run (reused on resume)
+    costs.json        measured layer/head costs of a calibrated run and the device they were measured on (reused
+                      by a resume on that device only)
     method_state.json what a method carries across prompts (Method.state: SWIFT's search with scope run, DV
                       without reset), as it stood after the `samples` finished samples, and the one before it
                       (`previous`): written before a sample's records, so a resume finds the one that matches
@@ -406,6 +407,14 @@ def write_json(path: Path, obj: Any) -> None:
     os.replace(tmp, path)
 
 
+# what a method's set_costs takes of a costs.json: the measured seconds (its `device` says where they were measured)
+COST_UNITS = ("layer_s", "head_s", "batch_s", "sublayer_s")
+
+
+def cost_units(costs: dict) -> dict:
+    return {k: costs[k] for k in COST_UNITS if k in costs}
+
+
 def key_of(record: dict) -> Key:
     return record["sample_id"], record.get("repeat", 0)
 
@@ -481,7 +490,8 @@ class RunDir:
         return _read_jsonl(self.rounds_path)
 
     def costs(self) -> dict | None:
-        """Measured per-layer / per-head-row seconds of a calibrated run, if any."""
+        """Measured per-layer / per-head-row seconds of a calibrated run (LayerStack.measure_costs), with the
+        `device` they were measured on (absent in costs measured before it was kept), if any."""
         return json.loads(self.costs_path.read_text()) if self.costs_path.exists() else None
 
     def write_costs(self, costs: dict) -> None:

@@ -32,6 +32,7 @@ from del_bench.records import (
     RunDir,
     RunKey,
     SampleRecord,
+    cost_units,
     key_of,
     load_summary,
     machine_of,
@@ -167,12 +168,11 @@ def decode_all(cfg, todo, task, method, sampling, run_dir: RunDir, load) -> None
     peer = getattr(method, "decoder", None)  # a peer row (del_bench/bench/peers.py): transformers decodes, not ours
     engine = peer(loaded.model, eos, stop, sampling) if peer else Engine(stack, sampling, eos, stop=stop)
     t0 = time.perf_counter()
-    if method.wants_costs:  # the calibrated cost model: measured once per run (a resume reuses it)
-        costs = run_dir.costs()
-        if costs is None or (method.latency_contexts and "sublayer_s" not in costs):
-            costs = engine.stack.measure_costs(contexts=method.latency_contexts)
+    if method.wants_costs:  # the calibrated cost model: measured once per run and device (a resume there reuses it)
+        costs, measured = method_costs(method, engine.stack, run_dir)
         run_dir.write_costs(costs)
-        method.set_costs(**costs)
+        method.set_costs(**cost_units(costs))
+        setup.update(costs_device=costs["device"], costs_measured=measured)
     setup["costs_s"] = time.perf_counter() - t0
     if not peer and method.wants_shadow:  # where DEL's statistics reach the host (engine/shadow.py)
         setup["shadow_with_acceptance"] = engine.shadow_with_acceptance
@@ -196,6 +196,21 @@ def decode_all(cfg, todo, task, method, sampling, run_dir: RunDir, load) -> None
         finished += 1
         run_dir.write_method_state(method.state(), finished)  # first: the sample line commits it (RunDir)
         run_dir.append(record.as_dict(), rounds)
+
+
+def method_costs(method, stack: LayerStack, run_dir: RunDir) -> tuple[dict, bool]:
+    """(the calibrated cost model of this session, whether it was measured now): the run's costs.json where it was
+    measured on this device (LayerStack.cost_device) and holds what the method needs, else measured here. Costs from
+    another device (or from before costs.json named one) are never reused: a resume there re-measures, says so, and
+    its setup line records the device (costs_device) and that it measured (costs_measured)."""
+    costs, here = run_dir.costs(), stack.cost_device()
+    if costs is not None and costs.get("device") != here:
+        log.warning("%s: costs.json was measured on %s, this session runs on %s: measuring them again", run_dir.path,
+                    costs.get("device") or "an unrecorded device", here)
+        costs = None
+    if costs is None or (method.latency_contexts and "sublayer_s" not in costs):
+        return stack.measure_costs(contexts=method.latency_contexts), True
+    return costs, False
 
 
 def products_before(run_dir: RunDir, setting: str) -> Products | None:

@@ -336,3 +336,22 @@ def test_the_cli_records_an_aliased_task_under_its_canonical_name(tmp_path, caps
     assert all(r["layer_path"] == "eager" for r in read_jsonl(path.parent / "samples.jsonl"))
     row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("tiny-random"))
     assert row.split()[1:3] == ["cnndm_sum", "Vanilla"] and " eager " in row  # show labels methods as the tables do
+
+
+# ---- costs.json: measured on the device at hand, never reused from another
+
+def test_costs_are_reused_only_on_the_device_they_were_measured_on(run_cfg, tmp_path, caplog):
+    over = ("method=del_cpu", "max_new_tokens=4")
+    runner.run(run_cfg(*over, "limit=1"))
+    run_dir = RunDir(tmp_path / "run")
+    here = run_dir.costs()["device"]
+    assert here.startswith("cpu ") and "(1 threads), float64, " in here and here.endswith(" layers")
+    runner.run(run_cfg(*over, "limit=2"))  # a resume here reuses them
+    costs = run_dir.costs()
+    costs["device"] = "NVIDIA H100 80GB HBM3, bfloat16, fused layers"
+    run_dir.write_costs(costs)
+    summary = runner.run(run_cfg(*over, "limit=3"))  # a resume elsewhere measures again
+    assert [(s["costs_device"], s["costs_measured"]) for s in summary["setup"]] == [(here, True), (here, False),
+                                                                                   (here, True)]
+    assert run_dir.costs()["device"] == here and summary["measured_costs"]["device"] == here
+    assert "costs.json was measured on NVIDIA H100 80GB HBM3" in caplog.text

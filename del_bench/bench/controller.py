@@ -19,7 +19,7 @@ from del_bench.engine.decode import Engine
 from del_bench.engine.sampling import Sampling
 from del_bench.methods.base import Shadow
 from del_bench.methods.dynamic_exit import DEL
-from del_bench.records import RunDir, read_jsonl
+from del_bench.records import RunDir, cost_units, read_jsonl
 from del_bench.runner import eos_ids
 
 COLUMNS = ["row", "tok/s", "speedup", "eTPL", "α", "ctrl", ("= Vanilla", "equal_vanilla", "", 9)]
@@ -118,7 +118,7 @@ def agreement(args, load, prompts: list[list[int]], costs: dict) -> dict:
                   for r in args.every.split(",") if r})
     for twin in twins.values():
         if twin.cost_model == "measured":
-            twin.set_costs(**costs)
+            twin.set_costs(**cost_units(costs))
         for p in prompts:
             engine.generate(p, twin, args.max_new_tokens, seed=0)
     return {name: twin.pairs for name, twin in twins.items()}

@@ -411,8 +411,8 @@ def config_syncs(cfg, load, prompt_ids: list[list[int]], shadow_with_acceptance:
 
     from del_bench.engine.decode import Engine
     from del_bench.engine.sampling import Sampling
-    from del_bench.records import RunDir
-    from del_bench.runner import eos_ids
+    from del_bench.records import RunDir, cost_units
+    from del_bench.runner import eos_ids, method_costs
 
     if load is None:  # as the runner: the model of the run's config, on its layer loop
         from del_bench.runner import load_model
@@ -421,9 +421,9 @@ def config_syncs(cfg, load, prompt_ids: list[list[int]], shadow_with_acceptance:
     else:
         loaded, stack = load()
     method = instantiate(cfg.method)
-    if method.wants_costs:
-        costs = RunDir(cfg.out_dir).costs() if cfg.get("out_dir") else None
-        method.set_costs(**(costs or stack.measure_costs(contexts=method.latency_contexts)))
+    if method.wants_costs:  # the run's own costs where they were measured on this device
+        costs = method_costs(method, stack, RunDir(cfg.out_dir))[0] if cfg.get("out_dir") else None
+        method.set_costs(**cost_units(costs or stack.measure_costs(contexts=method.latency_contexts)))
     generation = OmegaConf.to_container(cfg.generation, resolve=True)
     if cfg.task.get("generation"):  # as runner.run: a task may fix its decoding
         generation.update(OmegaConf.to_container(cfg.task.generation, resolve=True))
