@@ -28,6 +28,7 @@ import math
 import os
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
+from statistics import median
 from typing import Any, Iterable
 
 from del_bench.errors import RunConflict
@@ -38,8 +39,9 @@ Key = tuple[str, int]  # (sample_id, repeat)
 # (data_dir, calibration and rows only feed other keys — task paths, method E/γ — which are compared resolved)
 # (records_root and scale only feed out_dir and experiment_name, which says which sweep asked for the run: one run
 # serves several)
-RESUMABLE_KEYS = ("limit", "out_dir", "logger", "threads", "warmup_tokens", "data_dir", "calibration", "rows",
-                  "records_root", "scale", "experiment_name", "layers", "products")
+RESUMABLE_KEYS = ("limit", "out_dir", "logger", "threads", "warmup", "warmup_tokens", "warmup_passes",
+                  "warmup_tolerance", "data_dir", "calibration", "rows", "records_root", "scale", "experiment_name",
+                  "layers", "products")
 # task settings of how outputs are scored, not of what the scores are (HumanEval's sandbox and its pool)
 RESUMABLE_TASK_KEYS = ("score_workers", "sandbox")
 # model options added later, at the value that means "as before" (model.exit_adapters: null = the own head)
@@ -154,6 +156,65 @@ def load_summary(samples: list[dict]) -> dict | None:
     others = [o for o in map(other_cores, loads) if o is not None]
     return {"samples": len(loads), "overloaded": sum(map(overloaded, loads)),
             "max_other_cores": max(others) if others else None, "free_cores": min(map(free_cores, loads))}
+
+
+# ---------------------------------------------------------------- steady state (summary's steady_state)
+
+# the run's first timed sample may take up to this many times the median decode seconds per loaded layer of its other
+# samples before the run is flagged as not timed at steady state. On the committed CPU reference records (2-core CPU,
+# 0.1–0.3 s samples, other jobs beside them) the ratio reaches 1.72 (99th percentile 1.47 over the 569 runs of two or
+# more samples); the failure it is for (issue 36: the first prompts on a GPU after a 16-token warm-up) was 7
+STEADY_SLOWDOWN = 2.0
+
+
+def _seconds(round_: dict) -> float:
+    return round_["draft_s"] + round_["verify_s"] + round_["policy_s"]
+
+
+def decode_seconds_per_layer(sample: dict, rounds: list[dict]) -> float | None:
+    """A sample's decode seconds per loaded layer: its rounds after the prefill (round 0 of every turn: a prefill's
+    cost grows with the prompt) ÷ the layers they loaded; for a sample without round lines (a peer's: transformers
+    decodes), its wall seconds ÷ loaded layers. None when nothing was decoded after the prefill.
+
+    Per loaded layer, not per token: a token's time depends on how many drafts were accepted, a layer's much less —
+    on the reference records the first sample's ratio to the rest spreads 0.90–1.27 (5th–95th percentile) per layer
+    against 0.76–1.41 per token."""
+    if not rounds:
+        layers = sample.get("loaded_layers")
+        return sample["wall_s"] / layers if layers and sample.get("wall_s") else None
+    decode = [r for r in rounds if r["round"] > 0]
+    layers = sum(r["loaded_layers"] for r in decode)
+    return sum(map(_seconds, decode)) / layers if layers else None
+
+
+def steady_state(samples: list[dict], rounds: list[dict], setup: list[dict] = ()) -> dict | None:
+    """Whether a run's samples were timed at steady state — the one rule `show`, the report and the benches apply,
+    from the records alone (samples.jsonl in decoding order, rounds.jsonl, setup.jsonl). A run is not at steady
+    state when
+    - a session's warm-up did not converge (its setup line's warmup.converged is false: `warmup: steady` decoded its
+      cap of passes without two in a row agreeing on their per-token time), or
+    - its first timed sample took more than STEADY_SLOWDOWN times the median decode seconds per loaded layer of the
+      other samples (decode_seconds_per_layer): a cold start that the warm-up did not absorb. Only slower counts (a
+      faster first sample is no warm-up's failure), and the median keeps half of the others slow from hiding it.
+    Returns {"first_slowdown": that ratio (None with fewer than two timed samples), "warmups_unconverged": sessions,
+    "steady": bool}, or None when there is nothing to judge (one sample and no warm-up recorded)."""
+    by_sample: dict[Key, list[dict]] = {}
+    for r in rounds:
+        by_sample.setdefault(key_of(r), []).append(r)
+    per_layer = [decode_seconds_per_layer(s, by_sample.get(key_of(s), [])) for s in samples]
+    per_layer = [v for v in per_layer if v]
+    slowdown = per_layer[0] / median(per_layer[1:]) if len(per_layer) > 1 else None
+    warmups = [line["warmup"] for line in setup if isinstance(line.get("warmup"), dict)]
+    unconverged = sum(w.get("converged") is False for w in warmups)
+    if slowdown is None and not warmups:
+        return None
+    return {"first_slowdown": slowdown, "warmups_unconverged": unconverged,
+            "steady": not unconverged and (slowdown is None or slowdown <= STEADY_SLOWDOWN)}
+
+
+def unsteady(state: dict | None) -> bool:
+    """A run's steady_state says it was not timed at steady state (False for None: nothing to judge)."""
+    return bool(state) and not state["steady"]
 
 
 def machine_of(provenance: dict) -> str:
