@@ -240,3 +240,27 @@ def test_the_bench_predicts_speedups_from_the_measured_costs():
     cpu = cost_predicted_speedup(ls, L16, {**costs, "batch_s": CPU_BATCH})
     assert cpu == pytest.approx((L16 + 0.6) / ((4 * 4 + 12 * 2.0 + 0.6 * 4) / 4))  # c(4) = 2 measured
     assert cost_predicted_speedup([prefill], L16, costs) is None
+
+
+def test_the_bench_prices_rounds_with_costs_measured_on_this_device(tmp_path):
+    from del_bench.bench.engine import loop_costs
+    from del_bench.records import RunDir
+
+    class Stack:
+        def cost_device(self):
+            return "here"
+
+        def measure_costs(self):
+            return {"device": "here", "measured_now": True}
+
+    rows = []
+    for name, costs in (("elsewhere", {"device": "NVIDIA H100 80GB HBM3, bfloat16, fused layers"}), ("none", None),
+                        ("older", {"layer_s": 1.0})):  # costs.json from before it named its device
+        RunDir(tmp_path / name).path.mkdir()
+        if costs:
+            RunDir(tmp_path / name).write_costs(costs)
+        rows.append({"out_dir": str(tmp_path / name)})
+    assert loop_costs(rows, Stack()) == {"device": "here", "measured_now": True}
+    RunDir(tmp_path / "here").path.mkdir()
+    RunDir(tmp_path / "here").write_costs({"device": "here", "layer_s": 1.0})  # what a del_cpu row planned on here
+    assert loop_costs([*rows, {"out_dir": str(tmp_path / "here")}], Stack()) == {"device": "here", "layer_s": 1.0}

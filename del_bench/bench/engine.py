@@ -100,9 +100,11 @@ def cost_predicted_speedup(rounds: list[dict], num_layers: int, costs: dict) -> 
 
 
 def loop_costs(rows: list[dict], stack) -> dict:
-    """The measured costs of one layer loop's rows: a row's own costs.json (what its DEL planned on, measured on this
-    device in this bench), else measured now on `stack` (untimed, after the rows)."""
-    return next((c for r in rows if (c := RunDir(r["out_dir"]).costs()) is not None), None) or stack.measure_costs()
+    """The measured costs of one layer loop's rows: a row's own costs.json where it was measured on this device (what
+    its DEL planned on), else measured now on `stack` (untimed, after the rows)."""
+    here = stack.cost_device()
+    own = (RunDir(r["out_dir"]).costs() for r in rows)
+    return next((c for c in own if c is not None and c.get("device") == here), None) or stack.measure_costs()
 
 
 def add_cost_predictions(rows: list[dict], stack, num_layers: int) -> dict:
