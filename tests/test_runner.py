@@ -413,6 +413,22 @@ class GlobalRngDV(DraftVerify):
         torch.rand(1)
 
 
+def test_a_multi_turn_sample_is_warmed_up_to_the_longest_conversation_it_can_reach():
+    from del_bench.tasks.base import Sample
+
+    class Turns:  # a conversation rendered as its text; each answer in the history follows its user turn
+        def render(self, sample, history):
+            return sample.prompt + "".join(f"|{u}|{a}" for u, a in history) + f"|{sample.turns[len(history)]}"
+
+    def tokenizer(text):
+        return {"input_ids": list(text.encode())}
+
+    samples = [Sample("a", "xy"), Sample("b", "p", turns=["one", "three"])]
+    shortest, longest, reach = runner.warmup_prompts(Turns(), tokenizer, samples, 10)
+    assert bytes(shortest) == b"xy" and bytes(longest) == b"p|one"  # first turns: what the timed prefills start at
+    assert reach == len("p|one||three") + 2 * 10  # the last turn with empty answers + max_new_tokens a turn
+
+
 def test_the_steady_warm_up_decodes_past_eos_and_stop_strings(tiny):
     from del_bench.engine.sampling import Sampling
     from del_bench.methods.vanilla import Vanilla
