@@ -13,8 +13,9 @@
 
 This module is the record contract every reader shares: the per-round line (`Round`, defined beside the engine
 that fills it: del_bench/engine/rounds.py), the per-sample line (`SampleRecord`), the run's identity (`RunKey`)
-and the one pairing rule (`RunKey.pairs_with`). The runner writes them; `show`, `report`, `calibrate` and the
-bench scripts read them through `run_key_of`, which also adapts records written before run_key existed.
+and the one pairing rule (`RunKey.pairs_with`), and the two rules of whether a run's timing can be trusted
+(`overloaded`: a busy machine; `steady_state`: a cold start). The runner writes them; `show`, `report`, `calibrate`
+and the bench scripts read them through `run_key_of`, which also adapts records written before run_key existed.
 
 A sample counts as finished once its samples.jsonl line is complete. On resume, a torn last line and
 the rounds of unfinished samples are dropped, so nothing is lost or duplicated.
