@@ -284,7 +284,8 @@ def steady_warm_up(cfg, engine, method, prompts: tuple[list[int], list[int], int
     with decoding_past_stops(engine):
         while len(passes) < max(2, cfg.warmup_passes) and not converged(passes, cfg.warmup_tolerance):
             engine.generate(longest, copy.deepcopy(method), 1, 0)
-            passes.append(ms_per_token(engine.generate(shortest, copy.deepcopy(method), reach - len(shortest), 0)))
+            tokens = max(1, reach - len(shortest))  # (a reach clamped to the model's positions: still one token)
+            passes.append(ms_per_token(engine.generate(shortest, copy.deepcopy(method), tokens, 0)))
     record.update(ms_per_token=passes, converged=converged(passes, cfg.warmup_tolerance))
     if record["converged"]:
         done.append((len(shortest), reach))
