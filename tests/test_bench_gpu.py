@@ -194,7 +194,7 @@ def test_a_peer_on_a_stack_left_with_captured_steps_is_recorded_as_the_loop_it_r
     """Interleaved rows share one stack: a captured row leaves its steps installed (stack.compiled) for the next row;
     a peer after it never runs them, so its records must not say '+compiled' (it would pair with the wrong Vanilla)."""
     from del_bench.bench.peers import peer_method
-    from del_bench.runner import load_model
+    from del_bench.session import load_model
 
     cfg = compose_run("model=tiny-random", "task=humaneval", "data=local", "max_new_tokens=2", "limit=1",
                       "warmup_tokens=0", "threads=1", "layers=eager", f"out_dir={tmp_path / 'peer'}")

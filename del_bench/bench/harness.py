@@ -28,7 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from del_bench.config import CONFIG_DIR, check_overrides, ls_grid, ls_setting, resolve_aliases
 from del_bench.models.layer_stack import seconds_of
-from del_bench.records import read_jsonl, run_key_of, vanilla_baseline
+from del_bench.records import STEADY_SLOWDOWN, read_jsonl, run_key_of, unsteady, vanilla_baseline
 
 log = logging.getLogger(__name__)
 RESULTS = "results/runs/bench"  # where a bench writes by default (gitignored); make's RECORDS= moves it
@@ -186,7 +186,9 @@ def table(rows: list[Row]) -> list[dict]:
                     "pooled_tokens_per_s": _ratio(s["generated_tokens"], s["wall_s"]), "pooled_etpl": pooled_etpl,
                     "pooled_predicted_speedup": pooled_etpl * L if pooled_etpl is not None else None,
                     "acceptance": s["acceptance_rate"], "controller_share": s["time_split"]["policy"],
-                    "busy_samples": (s.get("load") or {}).get("overloaded", 0), "out_dir": r.cfg.out_dir})
+                    "busy_samples": (s.get("load") or {}).get("overloaded", 0),
+                    "unsteady": unsteady(s.get("steady_state")), "first_slowdown": first_slowdown(s),
+                    "out_dir": r.cfg.out_dir})
     keys = [run_key_of(r.summary) for r in rows]
     runs = list(zip(keys, out))
     for key, t in runs:
@@ -233,6 +235,11 @@ def lossless_vs(out_dir: str, reference_dir: str, reference: str = "Vanilla") ->
     return result
 
 
+def first_slowdown(summary: dict) -> float | None:
+    """The run's first timed sample's decode seconds per loaded layer ÷ the others' median (records.steady_state)."""
+    return (summary.get("steady_state") or {}).get("first_slowdown")
+
+
 def outputs_equal(out_dir: str, reference_dir: str) -> tuple[int, int]:
     """(outputs equal to the reference run's for the same sample, outputs compared), from samples.jsonl."""
     reference = {(s["sample_id"], s["repeat"]): s["output_ids"] for s in read_jsonl(Path(reference_dir) /
@@ -268,8 +275,9 @@ COLUMNS = {
 
 def print_table(rows: list[dict], columns: list, title: str = "") -> None:
     """rows under `columns` (names of COLUMNS, or (header, key, spec, width) tuples); text left, numbers right; a row
-    timed on a busy machine (records.overloaded around some sample) marked * with a note."""
-    rows = [{**r, "row": f"{r['row']} *"} if r.get("busy_samples") and "row" in r else r for r in rows]
+    timed on a busy machine (records.overloaded around some sample) marked * with a note, one not timed at steady
+    state (records.steady_state) ~ with a note."""
+    rows = [{**r, "row": f"{r['row']} {marks}"} if (marks := _marks(r)) and "row" in r else r for r in rows]
     cols = [COLUMNS[c] if isinstance(c, str) else c for c in columns]
     cols = [(hd, k, spec, w if spec else max([w, *(len(str(r.get(k, ""))) for r in rows)])) for hd, k, spec, w in cols]
     if title:
@@ -281,6 +289,14 @@ def print_table(rows: list[dict], columns: list, title: str = "") -> None:
     if any(r.get("busy_samples") for r in rows):
         print("* timed on a busy machine: other processes kept more CPUs busy than torch's threads left free around "
               "some of its samples (records.overloaded); its speed and speedups are not to be trusted")
+    if any(r.get("unsteady") for r in rows):
+        print("~ not timed at steady state: its warm-up did not converge, or its first timed sample took more than "
+              f"{STEADY_SLOWDOWN:g}× the others' median decode time per loaded layer (records.steady_state; the result "
+              "file's first_slowdown); its speed and speedups are not to be trusted (rerun with --set warmup=steady)")
+
+
+def _marks(row: dict) -> str:
+    return "*" * bool(row.get("busy_samples")) + "~" * bool(row.get("unsteady"))
 
 
 def write_result(path: str | Path, bench: str, settings: dict, **payload) -> Path:

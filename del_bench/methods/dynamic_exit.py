@@ -109,6 +109,31 @@ def tpl_table(alpha, num_layers: int, d_max: int, head_cost: float = 0.0, stop_h
     return expected_tokens / cost
 
 
+def batch_factors(batch_s: list, rows: int) -> tuple[float, ...]:
+    """c(T) for T = 1..rows: the measured seconds of T positions through every layer ÷ of one (LayerStack.measure_costs'
+    batch_s: [[T, seconds], …]), linear in T between measured sizes and beyond the largest along the last segment's
+    slope, at least 1. On a CPU a batch is not free (SmolLM2: c(2) ≈ 1.5, c(4..8) ≈ 2); on a GPU, where a layer's
+    weights stream once for every row, c stays near 1 — whatever the device measured."""
+    sizes, seconds = np.array(batch_s, dtype=np.float64).T
+    wanted = np.arange(1, rows + 1)
+    slope = (seconds[-1] - seconds[-2]) / (sizes[-1] - sizes[-2]) if len(sizes) > 1 else 0.0
+    total = np.where(wanted <= sizes[-1], np.interp(wanted, sizes, seconds), seconds[-1] + slope * (wanted - sizes[-1]))
+    return tuple(float(c) for c in np.maximum(total / seconds[0], 1.0))
+
+
+def round_cost(drafted: int, exit_layer: int | None, loaded_layers: float, head_rows: int, num_layers: int,
+               head_cost: float, batch_cost: tuple[float, ...]) -> float:
+    """A recorded round's cost in one-position layers, priced as tpl_table prices a plan: the layers it loaded one
+    position at a time, but the verification's layers over the d + 1 positions at c(d + 1) each (early exit: layers
+    E+1..L; a skipping draft, exit_layer None with d > 0: all L), and every head row h except the verification's,
+    whose d + 1 rows are one product priced as one row. A round's policy passes (SWIFT's optimiser, a selection)
+    count at one position a layer. For rounds.jsonl fields: (drafted, exit_layer, loaded_layers, head_calls)."""
+    L, d = num_layers, drafted
+    batched = 0 if d == 0 else L - exit_layer if exit_layer is not None else L  # layers verified over d + 1 rows
+    c = batch_cost[d] if batch_cost else 1.0
+    return loaded_layers - batched + batched * c + head_cost * (head_rows - d)
+
+
 @lru_cache(maxsize=64)
 def _round_costs(num_layers: int, n: int, d_max: int, head_cost: float, stop_head: bool,
                  batch_cost: tuple[float, ...] = ()):
@@ -224,15 +249,7 @@ class DEL(Method):
         positions through every layer], …] (LayerStack.measure_costs), interpolated for T = 1..d_max+1; absent
         in costs measured before it existed (then a batch costs what one position does, as before)."""
         self.head_cost = head_s / layer_s
-        self.batch_cost = ()
-        if batch_s:
-            sizes, seconds = np.array(batch_s, dtype=np.float64).T
-            wanted = np.arange(1, self.d_max + 2)
-            # linear in T between measured sizes, and beyond the largest along the last segment's slope
-            slope = (seconds[-1] - seconds[-2]) / (sizes[-1] - sizes[-2]) if len(sizes) > 1 else 0.0
-            total = np.where(wanted <= sizes[-1], np.interp(wanted, sizes, seconds),
-                             seconds[-1] + slope * (wanted - sizes[-1]))
-            self.batch_cost = tuple(float(c) for c in np.maximum(total / seconds[0], 1.0))
+        self.batch_cost = batch_factors(batch_s, self.d_max + 1) if batch_s else ()
 
     # ---- statistics ---------------------------------------------------------------------------
     def start(self, num_layers: int) -> None:

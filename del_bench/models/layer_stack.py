@@ -11,6 +11,7 @@ model's own rotary module, SDPA); tests/test_engine.py proves the greedy outputs
 
 from __future__ import annotations
 
+import platform
 import statistics
 import time
 from collections.abc import Iterator
@@ -430,13 +431,24 @@ class LayerStack:
     def measure_costs(self, context: int = 128, reps: int = 5, batch_sizes=(1, 2, 4, 8, 16, 32),
                       contexts=()) -> dict:
         """Seconds for one token through one decoder layer (mean over all layers) and for one LM-head
-        row, at `context` cached positions: the calibrated cost model's units. Median of `reps`.
-        batch_s: [[T, seconds for T positions through every layer], …] (what a verification batch costs).
-        contexts (KnapSpec's latency model): also sublayer_s, measure_sublayers(contexts)."""
-        costs = self._measure_layer_costs(context, reps, batch_sizes)
+        row, at `context` cached positions: the calibrated cost model's units. Median of `reps`, every device
+        synchronised around each. batch_s: [[T, seconds for T positions through every layer], …] (what a
+        verification batch costs there: on a CPU several single positions' worth, on a GPU about one).
+        contexts (KnapSpec's latency model): also sublayer_s, measure_sublayers(contexts). `device`: where they were
+        measured (cost_device): costs measured elsewhere are not this stack's."""
+        costs = {"device": self.cost_device(), **self._measure_layer_costs(context, reps, batch_sizes)}
         if contexts:
             costs["sublayer_s"] = self.measure_sublayers(contexts)
         return costs
+
+    def cost_device(self) -> str:
+        """What a measured cost depends on besides the model: the devices (a GPU's name; the CPU's and torch's threads),
+        the dtype and the decoder-layer loop. A costs.json recording another is never reused
+        (session.measured_costs)."""
+        names = [torch.cuda.get_device_name(d) if d.type == "cuda" else
+                 f"cpu {platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)"
+                 for d in self.devices]
+        return f"{' + '.join(dict.fromkeys(names))}, {str(self.dtype).removeprefix('torch.')}, {self.layer_path} layers"
 
     def _seconds(self, fn, reps: int, warmup: int = 1) -> list[float]:
         """Seconds of each of `reps` calls of fn after `warmup` untimed ones, every device synchronised around each."""
@@ -444,7 +456,10 @@ class LayerStack:
 
     @torch.inference_mode()
     def _measure_layer_costs(self, context: int, reps: int, batch_sizes) -> dict:
-        cache = self.new_cache(context + max(batch_sizes))
+        # on the path that decodes: graph-captured steps run on the cache they were captured on
+        captured = self.compiled.cache_for(context + max(batch_sizes)) if self.compiled is not None else None
+        cache = captured or self.new_cache(context + max(batch_sizes))
+        cache.crop(0)
         self.forward_layers(self.embed(torch.zeros(1, context, dtype=torch.long)), 0, self.num_layers, 0, cache)
         x = self.embed(torch.zeros(1, 1, dtype=torch.long))
 
