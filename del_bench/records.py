@@ -1,7 +1,8 @@
 """A run's records in its out_dir, and resuming them safely.
 
     run_config.json   the settings that define the run (resume refuses a different one)
-    costs.json        measured layer/head costs of a calibrated run (reused on resume)
+    costs.json        measured layer/head costs of a calibrated run and the device they were measured on (reused
+                      by a resume on that device only)
     method_state.json what a method carries across prompts (Method.state: SWIFT's search with scope run, DV
                       without reset), as it stood after the `samples` finished samples, and the one before it
                       (`previous`): written before a sample's records, so a resume finds the one that matches
@@ -12,8 +13,9 @@
 
 This module is the record contract every reader shares: the per-round line (`Round`, defined beside the engine
 that fills it: del_bench/engine/rounds.py), the per-sample line (`SampleRecord`), the run's identity (`RunKey`)
-and the one pairing rule (`RunKey.pairs_with`). The runner writes them; `show`, `report`, `calibrate` and the
-bench scripts read them through `run_key_of`, which also adapts records written before run_key existed.
+and the one pairing rule (`RunKey.pairs_with`), and the two rules of whether a run's timing can be trusted
+(`overloaded`: a busy machine; `steady_state`: a cold start). The runner writes them; `show`, `report`, `calibrate`
+and the bench scripts read them through `run_key_of`, which also adapts records written before run_key existed.
 
 A sample counts as finished once its samples.jsonl line is complete. On resume, a torn last line and
 the rounds of unfinished samples are dropped, so nothing is lost or duplicated.
@@ -27,6 +29,7 @@ import math
 import os
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
+from statistics import median
 from typing import Any, Iterable
 
 from del_bench.errors import RunConflict
@@ -37,8 +40,9 @@ Key = tuple[str, int]  # (sample_id, repeat)
 # (data_dir, calibration and rows only feed other keys — task paths, method E/γ — which are compared resolved)
 # (records_root and scale only feed out_dir and experiment_name, which says which sweep asked for the run: one run
 # serves several)
-RESUMABLE_KEYS = ("limit", "out_dir", "logger", "threads", "warmup_tokens", "data_dir", "calibration", "rows",
-                  "records_root", "scale", "experiment_name", "layers", "products")
+RESUMABLE_KEYS = ("limit", "out_dir", "logger", "threads", "warmup", "warmup_tokens", "warmup_passes",
+                  "warmup_tolerance", "data_dir", "calibration", "rows", "records_root", "scale", "experiment_name",
+                  "layers", "products", "compile")
 # task settings of how outputs are scored, not of what the scores are (HumanEval's sandbox and its pool)
 RESUMABLE_TASK_KEYS = ("score_workers", "sandbox")
 # model options added later, at the value that means "as before" (model.exit_adapters: null = the own head)
@@ -156,6 +160,65 @@ def load_summary(samples: list[dict]) -> dict | None:
     others = [o for o in map(other_cores, loads) if o is not None]
     return {"samples": len(loads), "overloaded": sum(map(overloaded, loads)),
             "max_other_cores": max(others) if others else None, "free_cores": min(map(free_cores, loads))}
+
+
+# ---------------------------------------------------------------- steady state (summary's steady_state)
+
+# the run's first timed sample may take up to this many times the median decode seconds per loaded layer of its other
+# samples before the run is flagged as not timed at steady state. On the committed CPU reference records (2-core CPU,
+# 0.1–0.3 s samples, other jobs beside them) the ratio reaches 1.72 (99th percentile 1.47 over the 569 runs of two or
+# more samples); the failure it is for (issue 36: the first prompts on a GPU after a 16-token warm-up) was 7
+STEADY_SLOWDOWN = 2.0
+
+
+def _seconds(round_: dict) -> float:
+    return round_["draft_s"] + round_["verify_s"] + round_["policy_s"]
+
+
+def decode_seconds_per_layer(sample: dict, rounds: list[dict]) -> float | None:
+    """A sample's decode seconds per loaded layer: its rounds after the prefill (round 0 of every turn: a prefill's
+    cost grows with the prompt) ÷ the layers they loaded; for a sample without round lines (a peer's: transformers
+    decodes), its wall seconds ÷ loaded layers. None when nothing was decoded after the prefill.
+
+    Per loaded layer, not per token: a token's time depends on how many drafts were accepted, a layer's much less —
+    on the reference records the first sample's ratio to the rest spreads 0.90–1.27 (5th–95th percentile) per layer
+    against 0.76–1.41 per token."""
+    if not rounds:
+        layers = sample.get("loaded_layers")
+        return sample["wall_s"] / layers if layers and sample.get("wall_s") else None
+    decode = [r for r in rounds if r["round"] > 0]
+    layers = sum(r["loaded_layers"] for r in decode)
+    return sum(map(_seconds, decode)) / layers if layers else None
+
+
+def steady_state(samples: list[dict], rounds: list[dict], setup: list[dict] = ()) -> dict | None:
+    """Whether a run's samples were timed at steady state — the one rule `show`, the report and the benches apply,
+    from the records alone (samples.jsonl in decoding order, rounds.jsonl, setup.jsonl). A run is not at steady
+    state when
+    - a session's warm-up did not converge (its setup line's warmup.converged is false: `warmup: steady` decoded its
+      cap of passes without two in a row agreeing on their per-token time), or
+    - its first timed sample took more than STEADY_SLOWDOWN times the median decode seconds per loaded layer of the
+      other samples (decode_seconds_per_layer): a cold start that the warm-up did not absorb. Only slower counts (a
+      faster first sample is no warm-up's failure), and the median keeps half of the others slow from hiding it.
+    Returns {"first_slowdown": that ratio (None with fewer than two timed samples), "warmups_unconverged": sessions,
+    "steady": bool}, or None when there is nothing to judge (one sample and no warm-up recorded)."""
+    by_sample: dict[Key, list[dict]] = {}
+    for r in rounds:
+        by_sample.setdefault(key_of(r), []).append(r)
+    per_layer = [decode_seconds_per_layer(s, by_sample.get(key_of(s), [])) for s in samples]
+    per_layer = [v for v in per_layer if v]
+    slowdown = per_layer[0] / median(per_layer[1:]) if len(per_layer) > 1 else None
+    warmups = [line["warmup"] for line in setup if isinstance(line.get("warmup"), dict)]
+    unconverged = sum(w.get("converged") is False for w in warmups)
+    if slowdown is None and not warmups:
+        return None
+    return {"first_slowdown": slowdown, "warmups_unconverged": unconverged,
+            "steady": not unconverged and (slowdown is None or slowdown <= STEADY_SLOWDOWN)}
+
+
+def unsteady(state: dict | None) -> bool:
+    """A run's steady_state says it was not timed at steady state (False for None: nothing to judge)."""
+    return bool(state) and not state["steady"]
 
 
 def machine_of(provenance: dict) -> str:
@@ -400,6 +463,14 @@ def write_json(path: Path, obj: Any) -> None:
     os.replace(tmp, path)
 
 
+# what a method's set_costs takes of a costs.json: the measured seconds (its `device` says where they were measured)
+COST_UNITS = ("layer_s", "head_s", "batch_s", "sublayer_s")
+
+
+def cost_units(costs: dict) -> dict:
+    return {k: costs[k] for k in COST_UNITS if k in costs}
+
+
 def key_of(record: dict) -> Key:
     return record["sample_id"], record.get("repeat", 0)
 
@@ -480,7 +551,8 @@ class RunDir:
         return _read_jsonl(self.rounds_path)
 
     def costs(self) -> dict | None:
-        """Measured per-layer / per-head-row seconds of a calibrated run, if any."""
+        """Measured per-layer / per-head-row seconds of a calibrated run (LayerStack.measure_costs), with the
+        `device` they were measured on (absent in costs measured before it was kept), if any."""
         return json.loads(self.costs_path.read_text()) if self.costs_path.exists() else None
 
     def write_costs(self, costs: dict) -> None:

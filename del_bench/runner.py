@@ -10,8 +10,10 @@ import platform
 import statistics
 import subprocess
 import time
+import weakref
 import zlib
 from collections import Counter
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -33,6 +35,7 @@ from del_bench.records import (
     prompt_digest,
     prompts_fingerprint,
     run_key_of,
+    steady_state,
     write_json,
 )
 from del_bench.selection import select_samples, selection
@@ -80,6 +83,7 @@ def run(cfg: DictConfig, load=None) -> dict:
     summary = summarize(cfg, records, rounds, task)
     summary["measured_costs"] = run_dir.costs()
     summary["setup"] = run_dir.setup()  # untimed: model load, layer-loop build/check, cost measurement, warm-up
+    summary["steady_state"] = steady_state(records, rounds, summary["setup"])  # records.steady_state: the rule
     summary["selection"] = selection(cfg)
     summary["run_key"] = run_key(cfg, method, task, samples, records, summary["provenance"], run_dir).as_dict()
     write_json(run_dir.summary_path, summary)
@@ -108,36 +112,130 @@ def run_key(cfg: DictConfig, method, task, samples: list, records: list[dict], p
 
 def decode_all(cfg, todo, task, method, run_dir: RunDir, load=None) -> None:
     """Generate every (sample, repeat) in `todo`, appending its records (and its peak memory) as it finishes: the
-    session set up (session.build: model, engine, costs, compiled steps), the method's carried state restored, the
-    warm-up, then the timed samples."""
-    ready = session.build(cfg, load, task=task, method=method, run_dir=run_dir)
-    if ready.costs is not None:  # the calibrated cost model: measured once per run (a resume reuses it)
+    session set up (session.build: model, engine, costs, graph-captured steps), the method's carried state restored,
+    the warm-up, then the timed samples."""
+    samples = [s for s, _ in todo]
+    ready = session.build(cfg, load, task=task, method=method, run_dir=run_dir, samples=samples)
+    if ready.costs is not None:  # the calibrated cost model: measured once per run and device (a resume reuses it)
         run_dir.write_costs(ready.costs)
     finished = restore_method_state(method, run_dir)
-    warmup_s = warm_up(cfg, ready, todo[0][0])
-    run_dir.append_setup({**ready.setup, "warmup_s": warmup_s, "samples_before": finished})
+    t0 = time.perf_counter()
+    warmup = warm_up(cfg, ready, samples)
+    run_dir.append_setup({**ready.setup, "warmup": warmup, "warmup_s": time.perf_counter() - t0,
+                          "samples_before": finished})
     engine, stack, loaded = ready.engine, ready.stack, ready.loaded
+    is_peer = getattr(method, "decoder", None) is not None
     weights = memory.model_bytes(loaded.model)
     for sample, repeat in tqdm(todo, desc=f"{cfg.method.tag} on {cfg.task.name}", unit="sample"):
         decode = decode_one if sample.turns is None else decode_turns
         record, rounds = decode(cfg, engine, ready.tokenizer, task, method, sample, repeat, loaded)
         record.model_bytes, record.kv_cache_bytes = weights, memory.cache_bytes(engine.cache)
-        # the compiled steps round otherwise than either loop (tokens equal where checked): kept apart like them
-        record.layer_path = stack.layer_path + ("+compiled" if stack.compiled is not None else "")
+        # the compiled steps round otherwise than either loop (tokens equal where checked): kept apart like them; a
+        # peer never runs them (an earlier row's may still be installed on a shared stack)
+        record.layer_path = stack.layer_path + ("+compiled" if not is_peer and stack.compiled is not None else "")
         finished += 1
         run_dir.write_method_state(method.state(), finished)  # first: the sample line commits it (RunDir)
         run_dir.append(record.as_dict(), rounds)
 
 
-def warm_up(cfg, ready: session.Session, first) -> float:
-    """Untimed, before the timed samples: `cfg.warmup_tokens` tokens of the first sample's prompt (first-call
-    allocations, kernel selection), decoded with a throwaway copy of the method, which must carry no trace of it into
-    the prompts that follow. → its seconds (the setup line's warmup_s)."""
-    t0 = time.perf_counter()
-    if cfg.warmup_tokens:
-        prompt = first.prompt if first.turns is None else ready.task.render(first, [])
-        ready.engine.generate(ready.tokenizer(prompt)["input_ids"], copy.deepcopy(ready.method), cfg.warmup_tokens, 0)
-    return time.perf_counter() - t0
+# ---------------------------------------------------------------- the untimed warm-up
+
+# steady warm-ups that converged in this process: model → {method tag: [(shortest prompt, cache length), …]}. A
+# later session of the same run on the same loaded model (a bench grows its runs a prompt at a time) whose shapes
+# lie within one is at steady state already
+_STEADY = weakref.WeakKeyDictionary()
+
+
+def warmup_mode(cfg, device: str) -> str:
+    """The warm-up a run gets: `warmup` (auto = steady on CUDA, quick elsewhere; YAML reads a bare off as false),
+    off whenever warmup_tokens is 0."""
+    mode = cfg.get("warmup", "auto")
+    mode = "off" if mode is False or not cfg.warmup_tokens else mode
+    if mode == "auto":
+        return "steady" if str(device).startswith("cuda") else "quick"
+    return mode
+
+
+def warm_up(cfg, ready: session.Session, samples: list) -> dict:
+    """The untimed warm-up before the session's first timed sample, as its setup line records it (`warmup`):
+    - quick: one generation of warmup_tokens tokens on the first prompt (first-call allocations and kernel choices);
+    - steady: until decoding is at steady state for the session's real shapes (steady_warm_up).
+    Each pass decodes with a throwaway copy of the method, under a forked RNG: the method's carried state and the
+    global RNG the timed samples meet are as if no warm-up had run (the engine's own draws are seeded per sample)."""
+    engine, method, task, tokenizer, loaded = ready.engine, ready.method, ready.task, ready.tokenizer, ready.loaded
+    mode = warmup_mode(cfg, loaded.device)
+    if mode == "off" or not samples:
+        return {"mode": "off"}
+    cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=cuda):
+        if mode == "quick":
+            first = samples[0]
+            warm = first.prompt if first.turns is None else task.render(first, [])
+            gen = engine.generate(tokenizer(warm)["input_ids"], copy.deepcopy(method), cfg.warmup_tokens, 0)
+            return {"mode": "quick", "tokens": len(gen.output_ids), "ms_per_token": [ms_per_token(gen)],
+                    "converged": None}
+        return steady_warm_up(cfg, engine, method, warmup_prompts(task, tokenizer, samples, cfg.max_new_tokens),
+                              loaded.model)
+
+
+def warmup_prompts(task, tokenizer, samples: list, max_new_tokens: int) -> tuple[list[int], list[int], int]:
+    """(the shortest prompt's ids, the longest's, the longest sequence the samples reach: prompt + max_new_tokens).
+    A multi-turn sample reaches, at most, its last turn rendered with empty answers plus max_new_tokens a turn."""
+    prompts = [list(tokenizer(s.prompt if s.turns is None else task.render(s, []))["input_ids"]) for s in samples]
+    return min(prompts, key=len), max(prompts, key=len), session.longest_sequence(samples, task, tokenizer,
+                                                                                   max_new_tokens)
+
+
+def steady_warm_up(cfg, engine, method, prompts: tuple[list[int], list[int], int], model) -> dict:
+    """Passes until two in a row agree on their decode ms/token within warmup_tolerance (at most warmup_passes).
+    A pass prefills the longest prompt, then decodes the shortest, past EOS and stop strings, to the longest sequence
+    the session reaches: every prefill and key length of the timed samples (the kernels, attention variants and
+    cuBLAS/cuDNN plans each first use of a shape loads), the run's cache size, and the widths the method's decisions
+    take on these prompts. Skipped when a steady warm-up of this run's method on this model already converged over
+    these shapes in this process."""
+    shortest, longest, reach = prompts
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    reach = min(reach, limit) if limit else reach
+    record = {"mode": "steady", "prompt_tokens": [len(shortest), len(longest)], "cache_length": reach,
+              "tolerance": cfg.warmup_tolerance}
+    done = _STEADY.setdefault(model, {}).setdefault(cfg.method.tag, [])
+    if any(low <= len(shortest) and reach <= high for low, high in done):
+        return {**record, "ms_per_token": [], "converged": True, "covered": "by an earlier session of this process"}
+    passes: list[float] = []
+    with decoding_past_stops(engine):
+        while len(passes) < max(2, cfg.warmup_passes) and not converged(passes, cfg.warmup_tolerance):
+            engine.generate(longest, copy.deepcopy(method), 1, 0)
+            tokens = max(1, reach - len(shortest))  # (a reach clamped to the model's positions: still one token)
+            passes.append(ms_per_token(engine.generate(shortest, copy.deepcopy(method), tokens, 0)))
+    record.update(ms_per_token=passes, converged=converged(passes, cfg.warmup_tolerance))
+    if record["converged"]:
+        done.append((len(shortest), reach))
+    return record
+
+
+def converged(ms: list[float], tolerance: float) -> bool:
+    """The last two passes' ms/token differ by at most `tolerance` of the smaller."""
+    return len(ms) >= 2 and abs(ms[-1] - ms[-2]) <= tolerance * min(ms[-2:])
+
+
+def ms_per_token(gen) -> float:
+    """A generation's decode milliseconds per emitted token: its rounds after the prefill, or for a peer (no round
+    lines) its wall time per token."""
+    if not gen.rounds:
+        return 1e3 * gen.wall_s / max(1, len(gen.output_ids))
+    decode = [r for r in gen.rounds if r.round > 0]
+    return 1e3 * sum(r.draft_s + r.verify_s + r.policy_s for r in decode) / max(1, sum(r.emitted for r in decode))
+
+
+@contextmanager
+def decoding_past_stops(engine):
+    """The engine (ours or a peer's) decodes to max_new_tokens whatever it emits: no EOS, no stop string."""
+    eos, stop = engine.eos_ids, engine.stop
+    engine.eos_ids, engine.stop = set(), None
+    try:
+        yield engine
+    finally:
+        engine.eos_ids, engine.stop = eos, stop
 
 
 def decode_one(cfg, engine, tokenizer, task, method, sample, repeat, loaded) -> tuple[SampleRecord, list[dict]]:

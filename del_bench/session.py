@@ -12,7 +12,8 @@ to a run's setup.jsonl):
 3. the sampling: the run's generation settings with the task's own over them (HumanEval pass@10 samples at T 0.6);
 4. the engine: ours (`Engine`), or a peer's decoder where the method decodes by itself (bench/peers.py);
 5. measured costs for a method that wants them (`Method.wants_costs`): those `run_dir` holds, else measured here;
-6. the static-shape compiled steps (`compile`: off | auto | on, engine/compiled.py), compiled and checked here.
+6. the graph-captured steps (`compile`: auto | on | off, engine/compiled.py), made and checked here (CUDA graphs on a
+   cache long enough for the longest of `samples`' prompts + max_new_tokens).
 
 The warm-up is not part of it: the runner warms up before its timed samples, as a step of its own (runner.warm_up).
 Entry points: runner.decode_all (every run), bench-engine's host-sync rows, bench-controller's twins; calibration and
@@ -35,7 +36,7 @@ from del_bench.engine.sampling import Sampling
 from del_bench.models import exit_adapters, loading
 from del_bench.models.layer_stack import LayerStack
 from del_bench.models.products import Products
-from del_bench.records import RunDir
+from del_bench.records import RunDir, cost_units
 
 log = logging.getLogger(__name__)
 
@@ -121,13 +122,14 @@ def products_before(run_dir: RunDir, setting: str) -> Products | None:
 
 
 def build(cfg: DictConfig, load: Load | None = None, *, task=None, method=None, run_dir: RunDir | None = None,
-          shadow_with_acceptance: bool | None = None) -> Session:
+          shadow_with_acceptance: bool | None = None, samples=()) -> Session:
     """The run config's model, task, method and sampling, ready to decode (the module docstring: every step).
 
     cfg: a run config, validated (config.validate); load: () → (Loaded, LayerStack), e.g. a loader shared by many
     runs (None: `loader(cfg)`); task, method: instances to use (None: instantiated from cfg.task, cfg.method);
     run_dir: the run's directory, whose first session's product layouts and measured costs are reused (None: fresh);
-    shadow_with_acceptance: the Engine's (None: as the device decides)."""
+    shadow_with_acceptance: the Engine's (None: as the device decides); samples: the samples it will decode (their
+    longest prompt sizes the graphs' cache; none: 1,024 slots)."""
     task = instantiate(cfg.task) if task is None else task
     method = instantiate(cfg.method) if method is None else method
     t0 = time.perf_counter()
@@ -148,23 +150,45 @@ def build(cfg: DictConfig, load: Load | None = None, *, task=None, method=None, 
     peer = getattr(method, "decoder", None)  # a peer row (del_bench/bench/peers.py): transformers decodes, not ours
     engine = (peer(loaded.model, eos, stop, sampling) if peer
               else Engine(stack, sampling, eos, stop=stop, shadow_with_acceptance=shadow_with_acceptance))
-    t0 = time.perf_counter()
-    costs = measured_costs(method, stack, run_dir)
-    setup["costs_s"] = time.perf_counter() - t0
     if not peer and method.wants_shadow:  # where DEL's statistics reach the host (engine/shadow.py)
         setup["shadow_with_acceptance"] = engine.shadow_with_acceptance
-    if not peer:  # the static-shape compiled steps (compile: off | auto | on): compiled and checked here, untimed
-        setup.update(compiled.choose(stack, cfg.get("compile", "off"), method, int(cfg.max_new_tokens)))
+    if not peer:  # the graph-captured steps (compile: auto | on | off): made and checked here, untimed
+        reach = longest_sequence(samples, task, loaded.tokenizer, int(cfg.max_new_tokens)) + 1 if samples else 1024
+        setup.update(compiled.choose(stack, cfg.get("compile", "auto"), method, int(cfg.max_new_tokens),
+                                     cache_len=reach))
+    t0 = time.perf_counter()  # after the graphs: the costs are timed on the path that decodes
+    costs, measured = measured_costs(method, stack, run_dir)
+    setup["costs_s"] = time.perf_counter() - t0
+    if costs is not None:
+        setup.update(costs_device=costs["device"], costs_measured=measured)
     return Session(loaded, stack, task, method, sampling, eos, stop, engine, costs, setup)
 
 
-def measured_costs(method, stack: LayerStack, run_dir: RunDir | None) -> dict | None:
-    """The calibrated cost model of a method that wants one, given to it (Method.set_costs): measured once per run, so
-    those `run_dir` holds are reused unless they lack what the method needs (sublayer timings); None: it wants none."""
+def longest_sequence(samples, task, tokenizer, max_new_tokens: int) -> int:
+    """The longest sequence the samples reach: a prompt + max_new_tokens; a multi-turn sample, at most its last turn
+    rendered with empty answers + max_new_tokens a turn (the graphs' cache, the steady warm-up's reach)."""
+    reach = 0
+    for s in samples:
+        last = s.prompt if s.turns is None else task.render(s, [(u, "") for u in s.turns[:-1]])
+        reach = max(reach, len(tokenizer(last)["input_ids"]) + max_new_tokens * len(s.turns or [None]))
+    return reach
+
+
+def measured_costs(method, stack: LayerStack, run_dir: RunDir | None) -> tuple[dict | None, bool]:
+    """(the calibrated cost model of a method that wants one, given to it (Method.set_costs), or None: it wants none;
+    whether it was measured now). Measured once per run and device: the costs `run_dir` holds are reused where they
+    were measured on this device (LayerStack.cost_device) and hold what the method needs (sublayer timings). Costs
+    from another device (or from before costs.json named one) are never reused: a resume there measures again and
+    says so."""
     if not method.wants_costs:
-        return None
-    costs = run_dir.costs() if run_dir is not None else None
-    if costs is None or (method.latency_contexts and "sublayer_s" not in costs):
+        return None, False
+    costs, here = run_dir.costs() if run_dir is not None else None, stack.cost_device()
+    if costs is not None and costs.get("device") != here:
+        log.warning("%s: costs.json was measured on %s, this session runs on %s: measuring them again", run_dir.path,
+                    costs.get("device") or "an unrecorded device", here)
+        costs = None
+    measured = costs is None or bool(method.latency_contexts and "sublayer_s" not in costs)
+    if measured:
         costs = stack.measure_costs(contexts=method.latency_contexts)
-    method.set_costs(**costs)
-    return costs
+    method.set_costs(**cost_units(costs))
+    return costs, measured

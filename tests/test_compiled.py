@@ -1,10 +1,15 @@
-"""engine/compiled.py: static-shape draft and verify steps that compile whole (fullgraph=True), one graph per step
-shape for every position, giving the eager path's greedy tokens in float64.
+"""engine/compiled.py: static-shape steps built from LayerStack's public per-layer math, run as graphs — compiled whole
+(fullgraph=True) or captured as CUDA graphs — lossless by the project's rule for every method and family.
 
-Most tests capture with dynamo alone (fullgraph=True raises at any graph break; each new graph is counted); one
-compiles with inductor (C++ codegen on CPU), the backend the engine uses; LS rounds through inductor are `slow`."""
+Most tests compile with dynamo alone (fullgraph=True raises at any graph break; each new graph is counted); one
+compiles with inductor (C++ codegen on CPU), the backend the engine uses off CUDA. The CUDA-graph runner's
+bookkeeping (static buffers, composition, the captured cache, no host read inside a step) is replayed on the CPU by
+a runner that records each step's body where CUDA would capture it."""
 
 from __future__ import annotations
+
+import copy
+import logging
 
 import pytest
 import torch
@@ -13,19 +18,28 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from del_bench import runner
 from del_bench.config import ConfigError, validate
 from del_bench.engine import compiled
-from del_bench.engine.compiled import Compiled, bucket_of, static_mask
+from del_bench.engine.compiled import Graphs, StaticSteps, StepShapes, _CudaGraphs, bucket_of, static_mask
 from del_bench.engine.decode import Engine
 from del_bench.engine.sampling import Sampling
+from del_bench.engine.syncs import count_syncs
+from del_bench.methods.clasp import CLaSp
+from del_bench.methods.dynamic_exit import DEL
+from del_bench.methods.knapspec import KnapSpec
 from del_bench.methods.ls import LayerSkip
+from del_bench.methods.swift import Swift
 from del_bench.methods.vanilla import Vanilla
 from del_bench.models.layer_stack import LayerStack
+from del_bench.numerics import compare
 from tests.conftest import tiny_model
+from tests.test_families import FAMILIES, PROMPTS, hf_greedy, tiny_family
 
 # dynamo's whole-graph capture, run as captured: graph breaks and recompiles show here as under inductor, in a fraction
 # of the time (inductor's own lowering and AOT's functionalisation of the cache writes: the inductor test below)
 BACKEND = "eager"
 PROMPT = "def add(a, b):\n"
 TOKENS = 24
+METHODS = {"vanilla": Vanilla(), "ls": LayerSkip(1, 5), "del": DEL(), "swift": Swift(context_window=8, seed=0),
+           "clasp": CLaSp(skip_layers=1, interval=4), "knapspec": KnapSpec(warmup_rounds=1, interval=4)}
 
 
 @pytest.fixture(scope="module")
@@ -34,169 +48,274 @@ def stack_and_prompt():
     return LayerStack(model), tok(PROMPT)["input_ids"]
 
 
-def eager_tokens(stack, prompt, method) -> list[int]:
-    """The engine on the stack's own loop (tests/test_engine.py holds it equal to HF generate)."""
-    return Engine(stack, Sampling(), set()).generate(prompt, method, TOKENS, seed=0).output_ids
+def decode(stack, prompt, method, tokens: int = TOKENS) -> list[int]:
+    return Engine(stack, Sampling(), set()).generate(prompt, copy.deepcopy(method), tokens, seed=0).output_ids
 
 
-def prefilled(stack, prompt) -> tuple[object, int]:
-    """A cache holding the prompt (the eager prefill) and the first greedy token; NaN in every slot after it, as
-    torch.empty may leave them (the steps must not let a masked slot's garbage through)."""
-    cache = stack.new_cache(64)
-    for k, v in zip(cache.k, cache.v):
-        k.fill_(float("nan"))
-        v.fill_(float("nan"))
-    h = stack.forward_layers(stack.embed(torch.tensor([prompt])), 0, stack.num_layers, 0, cache)  # [1, P, D]
-    return cache, int(stack.logits(h[:, -1:])[0, -1].argmax())
+def set_costs(method, stack) -> None:
+    if method.wants_costs:  # as the runner measures them (KnapSpec's latency model)
+        method.set_costs(**stack.measure_costs(reps=1, batch_sizes=(1, 2), contexts=method.latency_contexts))
 
 
-@torch.inference_mode()
-def vanilla_with_steps(steps: Compiled, stack, prompt) -> list[int]:
-    """Vanilla from the draft step at E = L (the final norm and head): one graph for every position."""
-    cache, first = prefilled(stack, prompt)
-    out = [first]
-    while len(out) < TOKENS:
-        pos = torch.tensor([len(prompt) + len(out) - 1])  # the pending token's position, a tensor
-        _, _, token = steps.draft(torch.tensor([[out[-1]]]), pos, stack.num_layers, cache)
-        out.append(int(token))
-    return out
+class Replayed(_CudaGraphs):
+    """The CUDA-graph runner with each capture replaced by a recording: the step's body, run again on every replay
+    (as a CUDA graph replays its kernels on the same buffers), under a host-read counter that must stay at zero."""
 
+    def _capture(self, body, width):
+        body()  # capture's warm-up writes, as on CUDA
 
-@torch.inference_mode()
-def ls_with_steps(steps: Compiled, stack, prompt, exit_layer: int, gamma: int) -> list[int]:
-    """LS(E, γ) rounds from the steps: d + 1 draft steps (the pending token and each draft through layers 1..E; the
-    last one's head is unused), one verify step over their layer-E states, the longest agreeing prefix and the
-    verifier's next token. No crop: a rejected position's slots are overwritten before any query's mask reaches them."""
-    cache, first = prefilled(stack, prompt)
-    out = [first]
-    while len(out) < TOKENS:
-        n = len(prompt) + len(out)
-        d = min(gamma, TOKENS - len(out) - 1)
-        token, states, drafts = torch.tensor([[out[-1]]]), [], []
-        for j in range(d + 1):
-            h, _, greedy = steps.draft(token, torch.tensor([n - 1 + j]), exit_layer, cache)
-            states.append(h)
-            drafts.append(int(greedy))
-            token = greedy[None]
-        _, targets = steps.verify(torch.cat(states, dim=1), torch.arange(n - 1, n + d), exit_layer, cache)
-        targets = targets.tolist()  # [d + 1]
-        k = next((i for i in range(d) if drafts[i] != targets[i]), d)
-        out += drafts[:k] + [targets[k]]
-    return out
+        def replay():
+            with count_syncs() as reads:
+                body()
+            assert reads.total == 0, f"a step read from the device: {reads.sites}"
+
+        return type("Recorded", (), {"replay": staticmethod(replay)})()
 
 
 def test_bucket_and_mask():
-    assert [bucket_of(t) for t in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, None]
-    mask = static_mask(torch.tensor([2, 3]), 5)
-    assert mask.tolist() == [[True, True, True, False, False], [True, True, True, True, False]]
+    assert [bucket_of(t) for t in (1, 2, 3, 5, 8, 9, 17, 33)] == [1, 2, 4, 8, 8, 16, 32, None]
+    mask = static_mask(torch.tensor([[2, 3], [0, 1]]), 5)  # [B=2, 1, T=2, S=5]: each row at its own positions
+    assert mask.shape == (2, 1, 2, 5)
+    assert mask[0, 0].tolist() == [[True, True, True, False, False], [True, True, True, True, False]]
+    assert mask[1, 0].tolist() == [[True, False, False, False, False], [True, True, False, False, False]]
+    windowed = static_mask(torch.tensor([[4]]), 6, window=2)  # the last 2 positions, itself included
+    assert windowed[0, 0, 0].tolist() == [False, False, False, True, True, False]
 
 
-def test_steps_trace_whole_once_per_shape_and_give_eager_tokens(stack_and_prompt):
-    """fullgraph=True (a graph break raises), and each step shape compiles once for every position and every padded
-    width of its bucket: Vanilla's one draft graph; LS's draft graph and a verify graph per bucket it reached."""
+@pytest.mark.parametrize("name", METHODS, ids=list(METHODS))
+def test_every_method_on_the_graphs_gives_eager_tokens(stack_and_prompt, name):
+    """compile=on, whole graphs (fullgraph): each method's greedy output is the eager engine's (float64), the layers
+    counted where they ran are the rounds' own, every step the method calls was prepared (no graph made inside the
+    decode: the compile counter stands still) and the graphs served it — early-exit chains, DEL's layer-by-layer
+    steps with every layer's state kept, the skipping drafts' sublayer steps."""
+    stack, prompt = stack_and_prompt
+    method = METHODS[name]
+    set_costs(method, stack)
+    reference = decode(stack, prompt, method)
+    counter = CompileCounterWithBackend(BACKEND)
+    try:
+        info = compiled.choose(stack, "on", method, TOKENS, backend=counter)
+        graphs, frames = stack.compiled, counter.frame_count
+        assert info["compiled"] and info["graph_kind"] == "compiled" and info["compile_s"] > 0
+        with stack.counting() as work:
+            gen = Engine(stack, Sampling(), set()).generate(prompt, copy.deepcopy(method), TOKENS, seed=0)
+        assert gen.output_ids == reference
+        assert work.layers == sum(r.loaded_layers for r in gen.rounds)
+        assert counter.frame_count == frames  # prepared: nothing compiles inside a timed decode
+        assert set(graphs.declined) <= {"steps wider than 32 positions", "steps of a shape not prepared",
+                                        "a padded step past the cache's last slot"}
+        assert graphs.declined.get("steps of a shape not prepared", 0) <= 1  # the prefill alone
+    finally:
+        stack.compiled = None
+
+
+def test_one_graph_serves_every_layer_and_position(stack_and_prompt):
+    """The layer's tensors are arguments: DEL's layer-by-layer steps compile once per width, not once per layer or
+    per position (dynamo guards on shapes, not on which layer's tensors)."""
     stack, prompt = stack_and_prompt
     counter = CompileCounterWithBackend(BACKEND)
-    steps = Compiled(stack, backend=counter)
-    assert vanilla_with_steps(steps, stack, prompt) == eager_tokens(stack, prompt, Vanilla())
-    assert counter.frame_count == 1
-    assert ls_with_steps(steps, stack, prompt, 1, 5) == eager_tokens(stack, prompt, LayerSkip(1, 5))
-    verify_graphs = {key for key in steps._seen if key[0] == "verify"}
-    assert len(verify_graphs) >= 2  # several widths, padded (d + 1 = 6 → 8, 3 → 4): the test's reach
-    assert counter.frame_count == 2 + len(verify_graphs)  # no graph per position or per width within a bucket
+    graphs = Graphs(stack, backend=counter)
+    graphs.prepare(StepShapes(None, 3, collects=True), 64)
+    widths = [b for b in compiled.BUCKETS if b <= 4]
+    assert counter.frame_count == 1 + len(widths)  # Vanilla's chain, then one single-layer graph per width
+    assert graphs.graphs == 1 + stack.num_layers * len(widths)
 
 
 @torch.inference_mode()
 def test_a_padded_verify_gives_the_eager_rows_and_cache(stack_and_prompt):
-    """Three positions through layers E+1..L, padded to a bucket of 4: the three rows' logits and every late layer's
-    keys and values at their slots are the eager loop's (float64, up to summation order); the padded row writes only
-    past them."""
+    """Three positions through layers E+1..L, padded to a bucket of 4: the three rows and every late layer's keys and
+    values at their slots are the eager loop's (float64, up to summation order); NaN in every slot never written (as
+    torch.empty may leave them) never reaches an output."""
     stack, prompt = stack_and_prompt
     E, L, P, T = 2, stack.num_layers, len(prompt), 3
-    steps = Compiled(stack, backend=CompileCounterWithBackend(BACKEND))
-    (eager, _), (static, _) = prefilled(stack, prompt), prefilled(stack, prompt)
+    graphs = Graphs(stack, backend=CompileCounterWithBackend(BACKEND))
+    caches = []
+    for _ in range(2):
+        cache = stack.new_cache(64)
+        for k, v in zip(cache.k, cache.v):
+            k.fill_(float("nan"))
+            v.fill_(float("nan"))
+        stack.forward_layers(stack.embed(torch.tensor([prompt])), 0, L, 0, cache)
+        caches.append(cache)
+    eager, static = caches
     ids = torch.tensor([[7, 11, 13]])
     states = stack.forward_layers(stack.embed(ids), 0, E, P, eager)  # [1, T, D] layer-E states
     stack.forward_layers(stack.embed(ids), 0, E, P, static)
-    expected = stack.logits(stack.forward_layers(states, E, L, P, eager))[0]  # [T, V]
-    logits, tokens = steps.verify(states, torch.arange(P, P + T), E, static)
-    torch.testing.assert_close(logits, expected, rtol=0, atol=1e-12)
-    assert tokens.tolist() == expected.argmax(-1).tolist()
+    expected = stack.forward_layers(states, E, L, P, eager)
+    out = graphs.forward_layers(states, E, L, P, static)
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
+    assert static.lengths[E:] == [P + T] * (L - E)
     for i in range(E, L):
         torch.testing.assert_close(static.k[i][:, :, : P + T], eager.k[i][:, :, : P + T], rtol=0, atol=1e-12)
         torch.testing.assert_close(static.v[i][:, :, : P + T], eager.v[i][:, :, : P + T], rtol=0, atol=1e-12)
 
 
+@torch.inference_mode()
+def test_rows_of_a_batch_are_each_their_own(stack_and_prompt):
+    """The steps carry a batch dimension (B rows, each at its own positions, in its own row of the cache): two rows of
+    different lengths through all layers give what each gives alone, and write each only its own slots — a row that
+    read another's positions or cache row would not."""
+    stack, _ = stack_and_prompt
+    steps, L, D = StaticSteps(stack), stack.num_layers, stack.embed_weight.shape[1]
+    S, lengths = 16, (5, 9)
+    gen = torch.Generator().manual_seed(1)
+    h = [torch.randn(1, 2, D, generator=gen, dtype=stack.dtype) for _ in lengths]
+    alone, batched = [], stack.new_cache(S)
+    batched.k = [torch.zeros(2, *k.shape[1:], dtype=k.dtype) for k in batched.k]
+    batched.v = [torch.zeros(2, *v.shape[1:], dtype=v.dtype) for v in batched.v]
+    for row, n in enumerate(lengths):
+        cache = stack.new_cache(S)
+        for i in range(L):
+            cache.k[i].zero_()
+            cache.v[i].zero_()
+            cache.k[i][:, :, :n].normal_(generator=gen)
+            cache.v[i][:, :, :n].normal_(generator=gen)
+            batched.k[i][row], batched.v[i][row] = cache.k[i][0], cache.v[i][0]
+        positions = torch.arange(n, n + 2)[None]
+        alone.append((steps.layers(stack.layers, h[row], positions, cache.k, cache.v), cache))
+    positions = torch.stack([torch.arange(n, n + 2) for n in lengths])  # [2, 2]
+    out = steps.layers(stack.layers, torch.cat(h), positions, batched.k, batched.v)
+    for row, (expected, cache) in enumerate(alone):
+        torch.testing.assert_close(out[row : row + 1], expected, rtol=0, atol=1e-12)
+        for i in range(L):
+            torch.testing.assert_close(batched.k[i][row], cache.k[i][0], rtol=0, atol=1e-12)
+
+
 def test_inductor_step_gives_eager_tokens(stack_and_prompt):
-    """The backend the engine uses: inductor's C++ kernels. One graph (Vanilla's step: every layer, the cache writes,
-    the masked SDPA, the head) keeps the compile to seconds once inductor's on-disk cache is warm."""
+    """The backend the engine uses off CUDA: inductor's C++ kernels. One graph (Vanilla's step: every layer, the cache
+    writes, the masked SDPA) keeps the compile to seconds once inductor's on-disk cache is warm."""
     stack, prompt = stack_and_prompt
-    steps = Compiled(stack)
-    assert vanilla_with_steps(steps, stack, prompt) == eager_tokens(stack, prompt, Vanilla())
-    assert len(steps._seen) == 1 and steps.compile_s > 0
-
-
-@pytest.mark.slow
-def test_inductor_ls_rounds_give_eager_tokens(stack_and_prompt):
-    """LS rounds (draft and padded verify graphs) through inductor: `pytest -m slow` (a minute or more of C++)."""
-    stack, prompt = stack_and_prompt
-    steps = Compiled(stack)
-    assert ls_with_steps(steps, stack, prompt, 2, 2) == eager_tokens(stack, prompt, LayerSkip(2, 2))
-
-
-@pytest.mark.parametrize("method", [Vanilla(), LayerSkip(1, 2)], ids=lambda m: m.name + str(m.describe()))
-def test_engine_with_compile_on_gives_eager_tokens(stack_and_prompt, method):
-    """compile=on: the engine's chain calls run the prepared graphs (LayerStack.forward_layers), the rest (prefill)
-    the stack's loop; the tokens are the eager engine's, the counted layers the rounds' own, and nothing compiles
-    after prepare (frozen): a shape not prepared (Vanilla's graphs under LS) runs on the stack's loop."""
-    stack, prompt = stack_and_prompt
-    other = LayerSkip(2, 3)
-    reference, other_reference = eager_tokens(stack, prompt, method), eager_tokens(stack, prompt, other)
-    counter = CompileCounterWithBackend(BACKEND)
+    graphs = Graphs(stack)
+    graphs.prepare(StepShapes(None, 0), 64)
+    stack.compiled = graphs
     try:
-        info = compiled.choose(stack, "on", method, TOKENS, backend=counter)
-        graphs = counter.frame_count
-        assert info["compiled"] and stack.compiled is not None and info["graphs"] == graphs
-        assert info["compile_s"] > 0
-        with stack.counting() as work:
-            gen = Engine(stack, Sampling(), set()).generate(prompt, method, TOKENS, seed=0)
-        assert gen.output_ids == reference
-        assert work.layers == sum(r.loaded_layers for r in gen.rounds)  # the graphs count their layers too
-        if method.name == "vanilla":
-            assert eager_tokens(stack, prompt, other) == other_reference
-        assert counter.frame_count == graphs  # prepared before: no compile inside a timed decode
+        assert decode(stack, prompt, Vanilla()) == decode_eager(stack, prompt, Vanilla())
+    finally:
+        stack.compiled = None
+    assert graphs.graphs == 1 and graphs.compile_s > 0
+
+
+def decode_eager(stack, prompt, method) -> list[int]:
+    graphs, stack.compiled = stack.compiled, None
+    try:
+        return decode(stack, prompt, method)
+    finally:
+        stack.compiled = graphs
+
+
+@pytest.mark.parametrize("name", ["vanilla", "ls", "del", "swift"])
+def test_the_cuda_graph_runner_replays_the_engines_steps(stack_and_prompt, name, caplog):
+    """The CUDA path's bookkeeping, replayed on the CPU: every step reads and writes its width's static buffers, so
+    chains, layer-by-layer and sublayer steps compose; the engine decodes in the cache the graphs were captured on;
+    no step reads from the device; the tokens are the eager engine's. A prompt longer than that cache decodes on the
+    stack's loop, with a warning, the same tokens."""
+    stack, prompt = stack_and_prompt
+    method = METHODS[name]
+    reference = decode(stack, prompt, method)
+    try:
+        info = compiled.choose(stack, "on", method, TOKENS, cache_len=len(prompt) + TOKENS + 1, capture=True,
+                               runner=Replayed)
+        graphs = stack.compiled
+        assert info["graph_kind"] == "cuda_graphs" and graphs.cache.max_len == compiled.CACHE_QUANTUM
+        engine = Engine(stack, Sampling(), set())
+        assert engine.generate(prompt, copy.deepcopy(method), TOKENS, seed=0).output_ids == reference
+        assert engine.cache is graphs.cache
+        long_prompt = prompt * (compiled.CACHE_QUANTUM // len(prompt) + 1)
+        with caplog.at_level(logging.WARNING):
+            assert engine.generate(long_prompt, copy.deepcopy(method), 4, seed=0).output_ids == \
+                decode_eager(stack, long_prompt, method)[:4]
+        assert engine.cache is not graphs.cache and "were captured on" in caplog.text
     finally:
         stack.compiled = None
 
 
-def test_compile_off_and_unsupported(stack_and_prompt):
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_every_family_runs_on_the_graphs_like_generate(name):
+    """One layer math: the steps are LayerStack's per-layer functions, so each described family (biases, q/k norms,
+    sandwich norms, windows shorter than the prompt, soft caps, per-layer rotary tables) runs on them — DEL (layer by
+    layer, every state kept) and SWIFT (sublayer steps) equal `generate` in float64."""
+    model = tiny_family(name)
+    stack = LayerStack(model)
+    for method in (DEL(d_max=3), Swift(skip_set={"attn": [1], "mlp": [2]}, d_max=3)):
+        try:
+            compiled.choose(stack, "on", method, 20, backend=CompileCounterWithBackend(BACKEND))
+            prompt = PROMPTS[0]  # longer than the window
+            assert decode(stack, prompt, method, 20) == hf_greedy(model, prompt, 20)
+        finally:
+            stack.compiled = None
+
+
+def test_half_precision_is_held_to_the_near_tie_rule():
+    """bfloat16 on the CPU: the graphs attend a verification batch as one (the eager loop goes row by row for a decode
+    step's bits), so their bits differ from every other kernel's; `check` accepts them because each greedy decode
+    equals generate's or first departs at a near-tie of generate's logits (numerics.compare), and so does a run."""
+    model, tok = tiny_model(torch.bfloat16)
+    stack = LayerStack(model)
+    method = LayerSkip(1, 3)
+    try:
+        info = compiled.choose(stack, "on", method, 16, backend=CompileCounterWithBackend(BACKEND))
+        assert info["compiled"], info
+        prompt = tok(PROMPT)["input_ids"]
+        gen = Engine(stack, Sampling(), set()).generate(prompt, copy.deepcopy(method), 16, seed=0)
+        reference, gaps = compiled.generate_reference(model, prompt, 16)
+        assert compare(gen.output_ids, reference, gaps).lossless
+    finally:
+        stack.compiled = None
+
+
+def test_check_applies_the_rule_of_the_dtype(stack_and_prompt, monkeypatch):
+    """check's verdict against generate: in half precision a first departure at a near-tie of generate's logits
+    passes and one at a clear preference fails; in float32/float64 any departure fails (no near-tie excuse)."""
+    stack, _ = stack_and_prompt
+    graphs = Graphs(stack, backend=CompileCounterWithBackend(BACKEND))
+    graphs.prepare(StepShapes(None, 0), 64)
+    ours = []
+
+    def reference_departing_at(position: int, gap: float):
+        def reference(model, prompt, tokens):
+            ours[:] = [decode(stack, prompt, Vanilla(), tokens)]
+            out = list(ours[0])
+            out[position] = (out[position] + 1) % stack.vocab_size
+            return out, [100.0] * position + [gap] + [100.0] * (tokens - position - 1)
+        return reference
+
+    monkeypatch.setattr(compiled, "generate_reference", reference_departing_at(3, 100.0))
+    assert "departs from generate's at token 3" in compiled.check(stack, graphs, Vanilla())
+    monkeypatch.setattr(compiled, "generate_reference", reference_departing_at(3, 1.0))
+    assert "at token 3" in compiled.check(stack, graphs, Vanilla())  # float64: a near-tie excuses nothing
+    monkeypatch.setattr(compiled, "is_half", lambda dtype: True)
+    assert compiled.check(stack, graphs, Vanilla()) is None  # half precision: a near-tie departure is lossless
+    monkeypatch.setattr(compiled, "generate_reference", reference_departing_at(3, 100.0))
+    assert compiled.check(stack, graphs, Vanilla()) is not None
+
+
+def test_compile_off_auto_off_cuda_and_bad_settings(stack_and_prompt):
+    """off, and auto (the default) on a CPU: the stack's loop, nothing compiled (auto captures on CUDA only)."""
     stack, _ = stack_and_prompt
     assert compiled.choose(stack, "off", Vanilla(), TOKENS) == {"compile": "off", "compiled": False}
     assert stack.compiled is None
+    auto = compiled.choose(stack, "auto", Vanilla(), TOKENS)
+    assert not auto["compiled"] and "CUDA only" in auto["reason"] and stack.compiled is None
     with pytest.raises(ValueError, match="compile='sometimes'"):
         compiled.choose(stack, "sometimes", Vanilla(), TOKENS)
     assert compiled.unsupported(stack) is None
-    half = LayerStack(tiny_model(torch.bfloat16)[0])  # its verification rows are decode steps' bits: not batchable
-    with pytest.raises(compiled.CompileUnavailable, match="row by row"):
-        compiled.choose(half, "on", Vanilla(), TOKENS)
-    assert compiled.choose(half, "auto", Vanilla(), TOKENS)["reason"].startswith("half precision on CPU")
-    assert half.compiled is None
 
 
 def test_a_run_validates_and_records_its_compile_setting(run_cfg):
     """compile is validated before the model loads (a boolean, as YAML reads a bare off, is off or on), and the run's
-    setup line says what was chosen: off by default, the samples decoded by the stack's loop alone."""
+    setup line says what was chosen: auto by default, which on a CPU leaves the samples to the stack's loop alone."""
     with pytest.raises(ConfigError, match="compile='sometimes' is not a choice"):
         validate(run_cfg("method=vanilla", "compile=sometimes"))
     validate(run_cfg("method=vanilla", "compile=false"))  # a boolean: off
     summary = runner.run(run_cfg("method=vanilla", "limit=1", "max_new_tokens=4", "layers=eager"))
     (setup,) = summary["setup"]
-    assert setup["compile"] == "off" and setup["compiled"] is False
+    assert setup["compile"] == "auto" and setup["compiled"] is False
     assert summary["provenance"]["layer_path"] == "eager"
 
 
 @pytest.mark.slow
 def test_a_run_with_compile_on_decodes_on_the_steps_and_says_so(run_cfg):
-    """compile=on through the runner (inductor): the graphs compile before the timed samples (compile_s in the setup
+    """compile=on through the runner (inductor): the graphs are made before the timed samples (compile_s in the setup
     line), the records say `eager+compiled` and so the run never pairs with an eager one (RunKey.machine)."""
     cfg = run_cfg("method=ls", "method.exit_layer=2", "method.gamma=2", "limit=1", "max_new_tokens=8", "layers=eager",
                   "compile=on")

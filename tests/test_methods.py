@@ -5,7 +5,7 @@ from hydra.utils import get_class, instantiate
 
 from del_bench.config import CONFIG_DIR
 from del_bench.methods import method_class
-from del_bench.methods.base import LAYER_SKIPPING, PEER, RoundEvidence, StaticShape
+from del_bench.methods.base import LAYER_SKIPPING, PEER, UNBOUNDED, RoundEvidence, StaticShape
 from del_bench.methods.dv import DraftVerify
 from del_bench.methods.fs import FiniteState
 from del_bench.records import method_entry
@@ -84,12 +84,18 @@ def test_every_method_config_runs_under_a_name_its_class_answers_to(run_cfg, con
 
 @pytest.mark.parametrize("config", METHOD_CONFIGS)
 def test_a_methods_static_shape_is_what_its_hyperparameters_fix(run_cfg, config):
-    """A fixed exit layer and the budget that bounds its rounds (γ, else d_max), as compiled.choose read them from
-    describe() before methods declared them; none where the exit layer is not fixed."""
+    """The exit layer its hyperparameters fix (None where it is chosen round by round) and the budget that bounds its
+    rounds (γ, else d_max; FS's γ grows without a cap; plain decoding and AdaDecode's layer-parallel steps: none):
+    the graphs compiled.choose makes before the timed samples."""
     method = instantiate(run_cfg(f"method={config}").method)
     plan = method.describe()
     fixed = plan.get("exit_layer") if isinstance(plan.get("exit_layer"), int) else None
-    expected = StaticShape(fixed, int(plan.get("gamma") or plan.get("d_max") or 0)) if fixed else None
+    if config in ("vanilla", "adadecode"):
+        expected = StaticShape(None, 0)
+    elif config == "fs":
+        expected = StaticShape(fixed, UNBOUNDED)
+    else:
+        expected = StaticShape(fixed, int(plan.get("gamma") or plan.get("d_max")))
     assert method.static_shape() == expected
 
 

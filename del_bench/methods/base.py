@@ -21,6 +21,7 @@ from del_bench.transfer import to_numpy
 
 # rounds whose shadow scoring a method may defer (Method.can_defer) before the engine scores them anyway
 MAX_DEFERRED = 16
+UNBOUNDED = 1 << 30  # a draft budget with no cap (Method.static_shape)
 
 # a method's family in the tables (Method.family): Table 4 measures a layer-skipping method's gain over Vanilla (no
 # early-exit training) and an early-exit one's over LS; a peer is transformers' own decoding, marked † (records)
@@ -69,10 +70,11 @@ class Probe:
 
 @dataclass(frozen=True)
 class StaticShape:
-    """Rounds of one fixed shape: every draft through layers 1..exit_layer, at most max_draft tokens a round (LS, FS,
-    DV, DEL-γ). The compiled steps (engine/compiled.py) prepare this shape's graphs before the timed samples."""
+    """What a method's rounds can be: every draft through layers 1..exit_layer (LS, FS, DV, DEL-γ), or an exit layer
+    (or skip set) chosen round by round (None: DEL, SWIFT, CLaSp, KnapSpec), at most max_draft tokens a round. The
+    graph-captured steps (engine/compiled.py StepShapes) are made for these shapes before the timed samples."""
 
-    exit_layer: int  # 1-based E
+    exit_layer: int | None  # 1-based E; None: it varies by round
     max_draft: int  # drafts a round at most (the verification batch is max_draft + 1 positions)
 
 
@@ -139,6 +141,7 @@ class Method:
     family = OTHER  # one of FAMILIES
     order = 1000  # its place among a table block's rows, low first: Vanilla 0, LS 10, …, DEL 70, peers 100+
     wants_confidence = False  # True: the engine asks `keep_drafting` after every draft candidate
+    lookahead = 1  # wants_confidence: candidates drafted before their confidences are read (early_exit.draft_ahead)
     drop_stopped_draft = False  # True: the candidate that stopped drafting is discarded (DEL's Algorithm 1)
     wants_shadow = False  # True: evidence carries shadow tokens; observe_prefill gets the prompt's last ones
     prefill_window = 32  # prompt positions whose shadow tokens seed the statistics
@@ -184,10 +187,10 @@ class Method:
         """A note under every table that has a row of this run (what its label means), or None."""
         return None
 
-    def static_shape(self) -> StaticShape | None:
-        """The one shape all its rounds have (a fixed exit layer and draft budget), or None: the compiled steps then
-        prepare Vanilla's graph only (engine/compiled.py)."""
-        return None
+    def static_shape(self) -> StaticShape:
+        """The shape of its rounds (a fixed exit layer or none; its draft budget): which graph-captured steps a run
+        makes (engine/compiled.py). Plain decoding: no drafts."""
+        return StaticShape(None, 0)
 
     def validate(self, num_layers: int) -> None:
         """Raise ValueError for hyperparameters impossible on a model with `num_layers` layers."""

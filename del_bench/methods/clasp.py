@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from del_bench.methods.base import LAYER_SKIPPING, Method, Plan, SkipSet, check_gamma
+from del_bench.methods.base import LAYER_SKIPPING, Method, Plan, SkipSet, StaticShape, check_gamma
 from del_bench.methods.swift import skipping_plan
 from del_bench.numerics import widened
 
@@ -56,6 +56,11 @@ class CLaSp(Method):
             raise ValueError(f"method.confidence={self.confidence!r} must be in [0, 1]")
         if not isinstance(self.interval, int) or isinstance(self.interval, bool) or self.interval < 1:
             raise ValueError(f"method.interval={self.interval!r} must be an integer ≥ 1 (rounds between selections)")
+
+
+    def static_shape(self) -> StaticShape:
+        """A skip set chosen as it goes, up to gamma drafts a round."""
+        return StaticShape(None, self.gamma)
 
     def describe(self) -> dict:
         return {"skip_layers": self.skip_layers, "gamma": self.gamma, "confidence": self.confidence,

@@ -39,6 +39,9 @@ Beyond the paper, an approximation (`shadow_every: R`, default 1 = exact): shado
 R rounds in one head pass (a batched row costs ~0.6 of a lone one on a CPU, and the per-round ops go), and TPL
 plans on statistics up to R − 1 rounds old; the statistics themselves end up the same. `make bench-controller`
 measures how often the plan (E, γ) differs from the exact one's on the same rounds.
+Beyond the paper, engine-side (`lookahead: K`, default 1): the stop decision on τ is read K candidates at a time
+(early_exit.draft_ahead) — identical drafts and decisions, one host read per K candidates (a read drains a GPU's
+queue), the passes of candidates drafted past the stop counted in loaded layers (so eTPL says what it cost).
 Ablations: DEL-E = no dynamic draft-exiting, γ from TPL; DEL-γ = fixed E (`exit_layer`), τ on;
 DEL-E-lim = E restricted to 3 < ℓ < L (`min_exit_layer: 4`).
 DEL as the KnapSpec authors' code runs it (`del_knapspec`, a peer's reading, not the paper; docs/design.md §3.8):
@@ -106,6 +109,31 @@ def tpl_table(alpha, num_layers: int, d_max: int, head_cost: float = 0.0, stop_h
     return expected_tokens / cost
 
 
+def batch_factors(batch_s: list, rows: int) -> tuple[float, ...]:
+    """c(T) for T = 1..rows: the measured seconds of T positions through every layer ÷ of one (LayerStack.measure_costs'
+    batch_s: [[T, seconds], …]), linear in T between measured sizes and beyond the largest along the last segment's
+    slope, at least 1. On a CPU a batch is not free (SmolLM2: c(2) ≈ 1.5, c(4..8) ≈ 2); on a GPU, where a layer's
+    weights stream once for every row, c stays near 1 — whatever the device measured."""
+    sizes, seconds = np.array(batch_s, dtype=np.float64).T
+    wanted = np.arange(1, rows + 1)
+    slope = (seconds[-1] - seconds[-2]) / (sizes[-1] - sizes[-2]) if len(sizes) > 1 else 0.0
+    total = np.where(wanted <= sizes[-1], np.interp(wanted, sizes, seconds), seconds[-1] + slope * (wanted - sizes[-1]))
+    return tuple(float(c) for c in np.maximum(total / seconds[0], 1.0))
+
+
+def round_cost(drafted: int, exit_layer: int | None, loaded_layers: float, head_rows: int, num_layers: int,
+               head_cost: float, batch_cost: tuple[float, ...]) -> float:
+    """A recorded round's cost in one-position layers, priced as tpl_table prices a plan: the layers it loaded one
+    position at a time, but the verification's layers over the d + 1 positions at c(d + 1) each (early exit: layers
+    E+1..L; a skipping draft, exit_layer None with d > 0: all L), and every head row h except the verification's,
+    whose d + 1 rows are one product priced as one row. A round's policy passes (SWIFT's optimiser, a selection)
+    count at one position a layer. For rounds.jsonl fields: (drafted, exit_layer, loaded_layers, head_calls)."""
+    L, d = num_layers, drafted
+    batched = 0 if d == 0 else L - exit_layer if exit_layer is not None else L  # layers verified over d + 1 rows
+    c = batch_cost[d] if batch_cost else 1.0
+    return loaded_layers - batched + batched * c + head_cost * (head_rows - d)
+
+
 @lru_cache(maxsize=64)
 def _round_costs(num_layers: int, n: int, d_max: int, head_cost: float, stop_head: bool,
                  batch_cost: tuple[float, ...] = ()):
@@ -169,7 +197,7 @@ class DEL(Method):
                  draft_budget: str = "d_max", exit_layer: int | None = None, min_exit_layer: int = 1,
                  prefill_window: int = 32, cost_model: str = "layers", shadow_vocab: int | None = None,
                  defer_shadow: bool = False, shadow_every: int = 1, min_draft: int = 0,
-                 keep_stopped_draft: bool = False, first_exit_layer: int | None = None, **_):
+                 keep_stopped_draft: bool = False, first_exit_layer: int | None = None, lookahead: int = 1, **_):
         self.omega, self.d_max = omega, d_max
         self.dynamic_draft_exit, self.draft_budget = dynamic_draft_exit, draft_budget
         self.fixed_exit_layer, self.min_exit_layer = exit_layer, min_exit_layer
@@ -184,6 +212,7 @@ class DEL(Method):
         self.wants_confidence = dynamic_draft_exit
         self.min_draft, self.keep_stopped_draft, self.first_exit_layer = min_draft, keep_stopped_draft, first_exit_layer
         self.drop_stopped_draft = not keep_stopped_draft
+        self.lookahead = lookahead  # candidates drafted before one read of their confidences (engine: draft_ahead)
 
     def validate(self, num_layers: int) -> None:
         if not 0 <= self.omega <= 1:
@@ -211,21 +240,16 @@ class DEL(Method):
                              "defer_shadow=false and shadow_every=1")
         if self.first_exit_layer is not None:
             check_exit_layer(self.first_exit_layer, num_layers, "method.first_exit_layer")
+        if not isinstance(self.lookahead, int) or self.lookahead < 1:
+            raise ValueError(f"method.lookahead={self.lookahead!r} must be a positive integer (1: read each draft "
+                             "candidate's confidence before drafting the next)")
 
     def set_costs(self, layer_s: float, head_s: float, batch_s: list | None = None, **_) -> None:
         """Measured once per model/device at start-up (cost_model=measured). batch_s: [[T, seconds of T
         positions through every layer], …] (LayerStack.measure_costs), interpolated for T = 1..d_max+1; absent
         in costs measured before it existed (then a batch costs what one position does, as before)."""
         self.head_cost = head_s / layer_s
-        self.batch_cost = ()
-        if batch_s:
-            sizes, seconds = np.array(batch_s, dtype=np.float64).T
-            wanted = np.arange(1, self.d_max + 2)
-            # linear in T between measured sizes, and beyond the largest along the last segment's slope
-            slope = (seconds[-1] - seconds[-2]) / (sizes[-1] - sizes[-2]) if len(sizes) > 1 else 0.0
-            total = np.where(wanted <= sizes[-1], np.interp(wanted, sizes, seconds),
-                             seconds[-1] + slope * (wanted - sizes[-1]))
-            self.batch_cost = tuple(float(c) for c in np.maximum(total / seconds[0], 1.0))
+        self.batch_cost = batch_factors(batch_s, self.d_max + 1) if batch_s else ()
 
     # ---- statistics ---------------------------------------------------------------------------
     def start(self, num_layers: int) -> None:
@@ -382,9 +406,9 @@ class DEL(Method):
     def table_note(cls, name: str, hyperparameters: dict) -> str | None:
         return VARIANT_NOTE if name == "del" and variant(hyperparameters) else None
 
-    def static_shape(self) -> StaticShape | None:
-        """DEL-γ's fixed E with up to d_max drafts; DEL chooses E every round: none."""
-        return None if self.fixed_exit_layer is None else StaticShape(self.fixed_exit_layer, self.d_max)
+    def static_shape(self) -> StaticShape:
+        """Up to d_max drafts a round, at DEL-γ's fixed E; DEL chooses E every round (exit_layer None)."""
+        return StaticShape(self.fixed_exit_layer, self.d_max)
 
     def describe(self) -> dict:
         return {"omega": self.omega, "d_max": self.d_max, "dynamic_draft_exit": self.dynamic_draft_exit,
@@ -396,4 +420,5 @@ class DEL(Method):
                 **({"shadow_every": self.shadow_every} if self.shadow_every != 1 else {}),  # old keys stay as they were
                 **({"min_draft": self.min_draft} if self.min_draft else {}),
                 **({"keep_stopped_draft": True} if self.keep_stopped_draft else {}),
-                **({"first_exit_layer": self.first_exit_layer} if self.first_exit_layer is not None else {})}
+                **({"first_exit_layer": self.first_exit_layer} if self.first_exit_layer is not None else {}),
+                **({"lookahead": self.lookahead} if self.lookahead != 1 else {})}

@@ -5,7 +5,16 @@ Choices made explicit (docs/design.md §4.3): the paper's controller keeps γ �
 code has no floor (`floor: 0`: γ can reach 0, and a round with no drafts then counts as all accepted).
 `reset_per_prompt: true` restarts γ at every prompt, so results do not depend on prompt order."""
 
-from del_bench.methods.base import EARLY_EXIT, Method, Plan, RoundEvidence, StaticShape, check_exit_layer, check_gamma
+from del_bench.methods.base import (
+    EARLY_EXIT,
+    UNBOUNDED,
+    Method,
+    Plan,
+    RoundEvidence,
+    StaticShape,
+    check_exit_layer,
+    check_gamma,
+)
 
 
 class FiniteState(Method):
@@ -47,5 +56,5 @@ class FiniteState(Method):
         return {"exit_layer": self.exit_layer, "gamma": self.initial_gamma, "floor": self.floor}
 
     def static_shape(self) -> StaticShape:
-        """E and the initial γ: a γ grown beyond it verifies on the stack's own loop (no graph of that width)."""
-        return StaticShape(self.exit_layer, self.initial_gamma)
+        """E, and γ as far as it may grow (max_gamma; without one, every width the steps have)."""
+        return StaticShape(self.exit_layer, UNBOUNDED if self.max_gamma is None else self.max_gamma)

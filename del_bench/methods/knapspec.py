@@ -37,7 +37,7 @@ from collections import deque
 import numpy as np
 import torch
 
-from del_bench.methods.base import LAYER_SKIPPING, Method, Plan, SkipSet, check_gamma
+from del_bench.methods.base import LAYER_SKIPPING, Method, Plan, SkipSet, StaticShape, check_gamma
 from del_bench.methods.clasp import cosine
 from del_bench.methods.swift import skipping_plan
 
@@ -79,6 +79,11 @@ class KnapSpec(Method):
                              "(the attention latency is fitted as a line)")
         if num_layers < 3:
             raise ValueError(f"KnapSpec needs ≥ 3 layers (the first and last are never skipped), not {num_layers}")
+
+
+    def static_shape(self) -> StaticShape:
+        """A skip set chosen as it goes, up to gamma drafts a round."""
+        return StaticShape(None, self.gamma)
 
     def describe(self) -> dict:
         return {"gamma": self.gamma, "confidence": self.confidence, "interval": self.interval,

@@ -65,7 +65,7 @@ from pathlib import Path
 
 import numpy as np
 
-from del_bench.methods.base import LAYER_SKIPPING, Method, Plan, Probe, SkipSet, check_gamma
+from del_bench.methods.base import LAYER_SKIPPING, Method, Plan, Probe, SkipSet, StaticShape, check_gamma
 
 ENCODINGS = ("topk", "threshold")
 OPT_WINDOWS = ("first", "last")
@@ -235,6 +235,11 @@ class Swift(Method):
                              f"method.tree_confidences ({len(confidences)}), the last for confidences below them all")
         if any(not 0 <= c <= 1 for c in confidences) or list(confidences) != sorted(confidences, reverse=True):
             raise ValueError(f"method.tree_confidences={confidences!r} must be in [0, 1], decreasing")
+
+
+    def static_shape(self) -> StaticShape:
+        """A skip set chosen as it goes, up to d_max drafts a round."""
+        return StaticShape(None, self.d_max)
 
     def describe(self) -> dict:
         fixed = parse_skip_set(self.skip_set_arg)

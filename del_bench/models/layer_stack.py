@@ -11,6 +11,7 @@ model's own rotary module, SDPA); tests/test_engine.py proves the greedy outputs
 
 from __future__ import annotations
 
+import platform
 import statistics
 import time
 from collections.abc import Iterator
@@ -140,19 +141,23 @@ def _fuse_rows(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | N
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual=None,
             layout: Layout = TUNED) -> torch.Tensor:
-    """x: [1, T, in] @ weight: [out, in]ᵀ (+ bias) (+ residual [1, T, out]) → [1, T, out], in the layout chosen for
-    this shape class at T rows (LayerStack.products; models/products.py: x_wt = x @ Wᵀ, HF's; wt_x = W @ Xᵀ with X at
+    """x: [B, T, in] @ weight: [out, in]ᵀ (+ bias) (+ residual [B, T, out]) → [B, T, out], the B·T rows as one
+    product (B = 1: the engine's chains; B > 1: rows of a static-shape step), in the layout chosen for
+    this shape class at B·T rows (LayerStack.products; models/products.py: x_wt = x @ Wᵀ, HF's; wt_x = W @ Xᵀ with X at
     least two rows, MKL's few-column GEMM); fused_layers.cpp's `product` does the same ops. wt_x, measured on SmolLM2 /
     the testbed at 2 threads on the AMD host it was tuned on (the fused loop; the layers were stored [in, out] for
     x @ W before): a token's layers at one position 0.96× / 1.03× the time, at 2 positions 0.63× / 0.73×, at 5
     0.72× / 0.86×; the LM head at 2 rows 5.2 vs 8.5 ms, at 5 rows 7.0 vs 20 ms. Half precision always x_wt, HF's own
     product, which rounds as HF's nn.Linear does (float16's CPU GEMM gives other bits as W @ Xᵀ; bfloat16's the same),
     the residual added as its own op as in LlamaDecoderLayer (products.product)."""
-    kind = X_WT if x.dtype in HALF_DTYPES else layout.at(x.shape[1])
+    rows = x.reshape(-1, x.shape[-1])  # [B·T, in]: for B = 1 the view x[0] (the same strides, the same bits)
+    kind = X_WT if x.dtype in HALF_DTYPES else layout.at(rows.shape[0])
+    shape = (*x.shape[:-1], weight.shape[0])
     if bias is None:
-        return product(x[0], weight, kind, None if residual is None else residual[0])[None]
-    y = product(x[0], weight, kind) + bias  # [T, out]
-    return (y if residual is None else residual[0] + y)[None]
+        flat = None if residual is None else residual.reshape(-1, residual.shape[-1])
+        return product(rows, weight, kind, flat).view(shape)
+    y = (product(rows, weight, kind) + bias).view(shape)  # [B, T, out]
+    return y if residual is None else residual + y
 
 
 @dataclass
@@ -426,13 +431,24 @@ class LayerStack:
     def measure_costs(self, context: int = 128, reps: int = 5, batch_sizes=(1, 2, 4, 8, 16, 32),
                       contexts=()) -> dict:
         """Seconds for one token through one decoder layer (mean over all layers) and for one LM-head
-        row, at `context` cached positions: the calibrated cost model's units. Median of `reps`.
-        batch_s: [[T, seconds for T positions through every layer], …] (what a verification batch costs).
-        contexts (KnapSpec's latency model): also sublayer_s, measure_sublayers(contexts)."""
-        costs = self._measure_layer_costs(context, reps, batch_sizes)
+        row, at `context` cached positions: the calibrated cost model's units. Median of `reps`, every device
+        synchronised around each. batch_s: [[T, seconds for T positions through every layer], …] (what a
+        verification batch costs there: on a CPU several single positions' worth, on a GPU about one).
+        contexts (KnapSpec's latency model): also sublayer_s, measure_sublayers(contexts). `device`: where they were
+        measured (cost_device): costs measured elsewhere are not this stack's."""
+        costs = {"device": self.cost_device(), **self._measure_layer_costs(context, reps, batch_sizes)}
         if contexts:
             costs["sublayer_s"] = self.measure_sublayers(contexts)
         return costs
+
+    def cost_device(self) -> str:
+        """What a measured cost depends on besides the model: the devices (a GPU's name; the CPU's and torch's threads),
+        the dtype and the decoder-layer loop. A costs.json recording another is never reused
+        (session.measured_costs)."""
+        names = [torch.cuda.get_device_name(d) if d.type == "cuda" else
+                 f"cpu {platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)"
+                 for d in self.devices]
+        return f"{' + '.join(dict.fromkeys(names))}, {str(self.dtype).removeprefix('torch.')}, {self.layer_path} layers"
 
     def _seconds(self, fn, reps: int, warmup: int = 1) -> list[float]:
         """Seconds of each of `reps` calls of fn after `warmup` untimed ones, every device synchronised around each."""
@@ -440,7 +456,10 @@ class LayerStack:
 
     @torch.inference_mode()
     def _measure_layer_costs(self, context: int, reps: int, batch_sizes) -> dict:
-        cache = self.new_cache(context + max(batch_sizes))
+        # on the path that decodes: graph-captured steps run on the cache they were captured on
+        captured = self.compiled.cache_for(context + max(batch_sizes)) if self.compiled is not None else None
+        cache = captured or self.new_cache(context + max(batch_sizes))
+        cache.crop(0)
         self.forward_layers(self.embed(torch.zeros(1, context, dtype=torch.long)), 0, self.num_layers, 0, cache)
         x = self.embed(torch.zeros(1, 1, dtype=torch.long))
 
@@ -472,7 +491,7 @@ class LayerStack:
     def head(self, h_normed: torch.Tensor) -> torch.Tensor:
         """h_normed: [1, T, D] → logits [1, T, V] (the model's own LM head, full vocabulary): T head rows."""
         if self.counter is not None:
-            self.counter.head_rows += h_normed.shape[1]
+            self.counter.head_rows += h_normed.shape[:-1].numel()
         return self._head(h_normed)
 
     def _head(self, h_normed: torch.Tensor) -> torch.Tensor:
@@ -539,13 +558,13 @@ class LayerStack:
         its last `keep` positions [1, keep, D], copied, so no layer's whole output outlives the next layer (DEL's
         prefill: (L−1)·w·D kept of a P-token prompt, not (L−1)·P·D). With `tree`, the T tokens are a token tree:
         slots pos .. pos+T-1 still, but RoPE positions and the mask from the tree."""
-        if self.compiled is not None and collect is None and tree is None:  # a static-shape graph, where one fits
-            out = self.compiled.forward_layers(h, start, end, pos, cache)
+        T = h.shape[1]
+        trim = collect is not None and keep is not None and keep < T
+        if self.compiled is not None and tree is None and not trim:  # graph-captured steps, where they take it
+            out = self.compiled.forward_layers(h, start, end, pos, cache, collect)
             if out is not None:
                 return out
-        T = h.shape[1]
         cos, sin, mask = self._rope_and_mask(pos, T, h.device, tree)
-        trim = collect is not None and keep is not None and keep < T
         if self.fused is not None and start < end:
             if not trim:
                 return self._forward_fused(h, start, end, pos, cache, collect, cos, sin, mask)
@@ -661,6 +680,10 @@ class LayerStack:
         collect: the state after every sublayer, skipped or not, is appended ([1, T, D] each, 2·L of them: layer i's
         attention then its MLP) — with nothing skipped, the full model's sublayer states (KnapSpec's selection)."""
         T = h.shape[1]
+        if self.compiled is not None and write:  # graph-captured sublayer steps, where they fit
+            out = self.compiled.forward_skipping(h, pos, cache, skip_attn, skip_mlp, collect)
+            if out is not None:
+                return out
         cos, sin, mask = self._rope_and_mask(pos, T, h.device)
         for i in range(self.num_layers):
             if cos.device != self.layers[i].device:  # device_map: the layers moved on to another device
@@ -743,9 +766,10 @@ class LayerStack:
         return cos[None, :, None, :], sin[None, :, None, :], mask
 
     def rope_at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [1, T, 1, hd] at positions [T] given as a device tensor (no host read): the tables of
-        _rope_and_mask for a static-shape step (engine/compiled.py); the tables must cover them (new_cache)."""
-        return self._cos[positions][None, :, None, :], self._sin[positions][None, :, None, :]
+        """cos, sin [B, T, 1, hd] at positions [B, T] given as a device tensor (no host read): the tables of
+        _rope_and_mask for a static-shape step (engine/compiled.py), each row at its own positions; the tables must
+        cover them (new_cache)."""
+        return self._cos[positions][:, :, None, :], self._sin[positions][:, :, None, :]
 
     def _layer(self, i, h, pos, cos, sin, mask, cache: KVCache) -> torch.Tensor:
         return self._mlp(i, self._attention(i, h, pos, cos, sin, mask, cache))
@@ -764,7 +788,7 @@ class LayerStack:
     def _attention(self, i, h, pos, cos, sin, mask, cache: KVCache, write: bool = True) -> torch.Tensor:
         """h + attention(norm(h)) for layer i; with write=False the new keys/values stay out of the cache."""
         w, h, cos, sin, mask = self._attention_inputs(i, h, cos, sin, mask)
-        q, k_new, v_new = self._project_qkv(w, h, cos, sin)
+        q, k_new, v_new = self.project_qkv(w, h, cos, sin)
         end = pos + h.shape[1]
         if write:
             cache.k[i][:, :, pos:end] = k_new
@@ -773,26 +797,45 @@ class LayerStack:
         else:  # the cached prefix [0, pos) and this pass's own keys, [1, KV, end, hd]
             k = torch.cat([cache.k[i][:, :, :pos], k_new], dim=2)
             v = torch.cat([cache.v[i][:, :, :pos], v_new], dim=2)
-        attn = _attend(q, k, v, mask, pos, self.scale, self.n_kv_heads != self.n_heads, self.exact_rows)
-        return self._attention_out(w, attn, h)
+        attn = self._attend_layer(w, q, k, v, mask, pos)
+        return self.attention_out(w, attn, h)
 
-    def _project_qkv(self, w: _Layer, h, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Attention's inputs for h [1, T, D]: q [1, H, T, hd] and the new keys, values [1, KV, T, hd], RoPE applied
-        (cos, sin [1, T, 1, hd]). Apart from the cache write and SDPA so that a static-shape step (engine/compiled.py,
-        positions as a tensor) runs these same ops."""
-        T, H, KV, hd = h.shape[1], self.n_heads, self.n_kv_heads, self.head_dim
+    # ---- one decoder layer's math: the eager loop above and the static-shape steps (engine/compiled.py) both run
+    # these, on h [B, T, D] (the eager loop: B = 1); FamilyLayerStack overrides them with its family's variations
+    def project_qkv(self, w: _Layer, h, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Attention's inputs for h [B, T, D]: q [B, H, T, hd] and the new keys, values [B, KV, T, hd], RoPE applied
+        (cos, sin [B or 1, T, 1, hd]). Apart from the cache write and the attention so that a static-shape step
+        (positions as a tensor) runs these same ops."""
+        B, T, H, KV, hd = h.shape[0], h.shape[1], self.n_heads, self.n_kv_heads, self.head_dim
         x = rms_norm(h, w.w_in_norm, self.eps)
-        qkv = _linear(x, w.w_qkv, w.b_qkv, layout=self.products["qkv"]).view(1, T, H + 2 * KV, hd)
-        # RoPE on q and k together: [1, T, H+KV, hd]; same elementwise ops as apply_rotary_pos_emb
+        qkv = _linear(x, w.w_qkv, w.b_qkv, layout=self.products["qkv"]).view(B, T, H + 2 * KV, hd)
+        # RoPE on q and k together: [B, T, H+KV, hd]; same elementwise ops as apply_rotary_pos_emb
         qk = qkv[:, :, : H + KV]
         qk = qk * cos + torch.roll(qk, hd // 2, dims=-1) * sin
         return qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2), qkv[:, :, H + KV :].transpose(1, 2)
 
-    def _attention_out(self, w: _Layer, attn: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        """h + o_proj(attn): attn [1, H, T, hd] → [1, T, D]."""
-        T = h.shape[1]
-        return _linear(attn.transpose(1, 2).reshape(1, T, self.n_heads * self.head_dim), w.w_o, w.b_o, residual=h,
+    def _attend_layer(self, w: _Layer, q, k, v, mask, pos: int) -> torch.Tensor:
+        """q [1, H, T, hd] (positions pos..) over the keys and values [1, KV, S, hd] a cached chain reads: _attend."""
+        return _attend(q, k, v, mask, pos, self.scale, self.n_kv_heads != self.n_heads, self.exact_rows)
+
+    def attend_static(self, w: _Layer, q, k, v, mask: torch.Tensor) -> torch.Tensor:
+        """q [B, H, T, hd] over a whole static cache k, v [B, KV, S, hd] under mask [B, 1, T, S] (static_mask: the
+        causal and, for a windowed layer, the window's bounds, per row) → [B, H, T, hd]: the static-shape steps'
+        attention, SDPA with an explicit mask as HF's sdpa_attention_forward calls it with one."""
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
+                                              enable_gqa=self.n_kv_heads != self.n_heads)
+
+    def attention_out(self, w: _Layer, attn: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """h + o_proj(attn): attn [B, H, T, hd] → [B, T, D]."""
+        B, T = h.shape[0], h.shape[1]
+        return _linear(attn.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim), w.w_o, w.b_o, residual=h,
                        layout=self.products["o"])
+
+    def mlp(self, w: _Layer, h: torch.Tensor) -> torch.Tensor:
+        """h + MLP(norm(h)) for the layer w: [B, T, D] → [B, T, D]."""
+        x = rms_norm(h, w.w_post_norm, self.eps)
+        gate, up = _linear(x, w.w_gate_up, w.b_gate_up, layout=self.products["gate_up"]).chunk(2, dim=-1)
+        return _linear(F.silu(gate) * up, w.w_down, w.b_down, residual=h, layout=self.products["down"])
 
     def _mlp_inputs(self, i, h):
         """Layer i's tensors and h on its device; counts the MLP sublayer while counting. → (layer, h)"""
@@ -802,11 +845,8 @@ class LayerStack:
         return w, (h if h.device == w.device else h.to(w.device))
 
     def _mlp(self, i, h) -> torch.Tensor:
-        """h + MLP(norm(h)) for layer i."""
-        w, h = self._mlp_inputs(i, h)
-        x = rms_norm(h, w.w_post_norm, self.eps)
-        gate, up = _linear(x, w.w_gate_up, w.b_gate_up, layout=self.products["gate_up"]).chunk(2, dim=-1)
-        return _linear(F.silu(gate) * up, w.w_down, w.b_down, residual=h, layout=self.products["down"])
+        """h + MLP(norm(h)) for layer i (counted, on its device)."""
+        return self.mlp(*self._mlp_inputs(i, h))
 
 
 def _attend_softcapped(q, k, v, mask: torch.Tensor | None, pos: int, scale: float, cap: float) -> torch.Tensor:
@@ -890,32 +930,38 @@ class FamilyLayerStack(LayerStack):
         positions = positions.to(self._rope_kinds_cos.device)
         return self._rope_kinds_cos[:, positions, None, :], self._rope_kinds_sin[:, positions, None, :], mask
 
-    def _attention(self, i, h, pos, cos, sin, mask, cache: KVCache, write: bool = True) -> torch.Tensor:
-        """h + attention(norm(h)) for layer i, the family's way (the sandwich norm on its output where it has one)."""
-        w, h, cos, sin, mask = self._attention_inputs(i, h, cos, sin, mask)
-        T, H, KV, hd = h.shape[1], self.n_heads, self.n_kv_heads, self.head_dim
+    def rope_at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """LayerStack's, with cos, sin [R, B, T, 1, hd]: one table per rotary kind (a layer reads cos[_Layer.rope])."""
+        return self._rope_kinds_cos[:, positions, None, :], self._rope_kinds_sin[:, positions, None, :]
+
+    def project_qkv(self, w: _Layer, h, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """LayerStack's, the family's way: q/k biases (in w_qkv's bias), q/k norms, the layer's rotary table
+        (cos, sin [R, …, T, 1, hd] → cos[w.rope])."""
+        B, T, H, KV, hd = h.shape[0], h.shape[1], self.n_heads, self.n_kv_heads, self.head_dim
         qkv = _linear(self._rms(h, w.w_in_norm, self.eps), w.w_qkv, w.b_qkv, layout=self.products["qkv"])
-        qkv = qkv.view(1, T, H + 2 * KV, hd)
+        qkv = qkv.view(B, T, H + 2 * KV, hd)
         q, k_new, v_new = qkv[:, :, :H], qkv[:, :, H : H + KV], qkv[:, :, H + KV :]
         if w.w_q_norm is not None:  # Qwen3, Gemma 3: per head over head_dim, before RoPE
             q, k_new = self._rms(q, w.w_q_norm, self.eps), self._rms(k_new, w.w_k_norm, self.eps)
-        cos, sin = cos[w.rope], sin[w.rope]  # [T, 1, hd]: this layer's rotary table
-        q = (q * cos + torch.roll(q, hd // 2, dims=-1) * sin).transpose(1, 2)  # [1, H, T, hd]
-        k_new = (k_new * cos + torch.roll(k_new, hd // 2, dims=-1) * sin).transpose(1, 2)  # [1, KV, T, hd]
-        v_new = v_new.transpose(1, 2)
-        end = pos + T
-        if write:
-            cache.k[i][:, :, pos:end] = k_new
-            cache.v[i][:, :, pos:end] = v_new
-            k, v = cache.k[i][:, :, :end], cache.v[i][:, :, :end]  # [1, KV, end, hd]
-        else:  # the cached prefix [0, pos) and this pass's own keys
-            k = torch.cat([cache.k[i][:, :, :pos], k_new], dim=2)
-            v = torch.cat([cache.v[i][:, :, :pos], v_new], dim=2)
-        attn = self._attend_layer(w, q, k, v, mask, pos)  # [1, H, T, hd]
-        out = attn.transpose(1, 2).reshape(1, T, H * hd)
+        cos, sin = cos[w.rope], sin[w.rope]  # [(B,) T, 1, hd]: this layer's rotary table
+        q = (q * cos + torch.roll(q, hd // 2, dims=-1) * sin).transpose(1, 2)  # [B, H, T, hd]
+        k_new = (k_new * cos + torch.roll(k_new, hd // 2, dims=-1) * sin).transpose(1, 2)  # [B, KV, T, hd]
+        return q, k_new, v_new.transpose(1, 2)
+
+    def attention_out(self, w: _Layer, attn: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """LayerStack's, with the sandwich norm on the attention's output where the family has one."""
+        B, T = h.shape[0], h.shape[1]
+        out = attn.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
         if w.w_attn_out_norm is None:
             return _linear(out, w.w_o, w.b_o, residual=h, layout=self.products["o"])
         return h + self._rms(_linear(out, w.w_o, w.b_o, layout=self.products["o"]), w.w_attn_out_norm, self.eps)
+
+    def attend_static(self, w: _Layer, q, k, v, mask: torch.Tensor) -> torch.Tensor:
+        """LayerStack's (the window is in the mask: static_mask), or the soft-capped eager attention under it."""
+        cap = self.math.attention_softcap
+        if cap is not None:
+            return _attend_softcapped(q, k, v, mask, 0, self.scale, cap)
+        return super().attend_static(w, q, k, v, mask)
 
     def _attend_layer(self, w: _Layer, q, k, v, mask, pos: int) -> torch.Tensor:
         """q [1, H, T, hd] over k, v [1, KV, S, hd] with the layer's window (where it reaches back past key 0) and the
@@ -942,9 +988,8 @@ class FamilyLayerStack(LayerStack):
         self._window_memo = (*key, windowed)
         return windowed
 
-    def _mlp(self, i, h) -> torch.Tensor:
-        """h + MLP(norm(h)) for layer i: the family's activation and, with sandwich norms, its output norm."""
-        w, h = self._mlp_inputs(i, h)
+    def mlp(self, w: _Layer, h: torch.Tensor) -> torch.Tensor:
+        """LayerStack's: the family's activation and, with sandwich norms, its output norm."""
         x = self._rms(h, w.w_post_norm, self.eps)
         gate, up = _linear(x, w.w_gate_up, w.b_gate_up, layout=self.products["gate_up"]).chunk(2, dim=-1)
         act = self._act(gate) * up

@@ -29,7 +29,7 @@ from pathlib import Path
 import pandas as pd
 
 from del_bench.methods.base import LAYER_SKIPPING
-from del_bench.records import PEER_MARK, PEER_NOTE, method_entry, method_label, vanilla_partners
+from del_bench.records import PEER_MARK, PEER_NOTE, STEADY_SLOWDOWN, method_entry, method_label, vanilla_partners
 
 from .collect import aggregate
 
@@ -240,15 +240,16 @@ def lossless_counts(recs) -> tuple[int, int]:
     return int(equal), int(compared)
 
 
-def lossless_note(recs) -> str:
+def lossless_note(recs, reference: str = "Vanilla") -> str:
     """' (outputs = Vanilla k/n)' when some greedy outputs of these aggregated runs differ from their Vanilla
     partner's (summed over the runs); '' when all that could be compared are equal. Where the partner recorded its
     top-2 gaps (half precision), the note says how many of the others first depart at a near-tie (allowed) and how
-    many really depart, and at which tokens: ' (outputs = Vanilla 22/24; near-tie departures 2 at tokens 16, 63)'."""
+    many really depart, and at which tokens: ' (outputs = Vanilla 22/24; near-tie departures 2 at tokens 16, 63)'.
+    `reference` names the partner (bench gpu: 'generate')."""
     equal, compared = lossless_counts(recs)
     if equal >= compared:
         return ""
-    parts = [f"outputs = Vanilla {equal}/{compared}"]
+    parts = [f"outputs = {reference} {equal}/{compared}"]
     for label, column in (("near-tie departures", "near_tie_at"), ("real departures", "departs_at")):
         at = sorted(p for r in recs for p in (r.get(column) or []))
         if at:
@@ -262,10 +263,21 @@ BUSY_NOTE = ("‡ = timed on a busy machine: other processes kept more CPUs busy
              "be trusted. `report --exclude-busy` leaves such runs out.")
 
 
+UNSTEADY_MARK = " ¶"
+UNSTEADY_NOTE = ("¶ = not timed at steady state: a warm-up that did not converge, or a first timed sample slower than "
+                 f"{STEADY_SLOWDOWN:g}× the others' median per loaded layer, in the run or its Vanilla partner "
+                 "(records.steady_state); its speed or speedup is not to be trusted. `report --exclude-unsteady` "
+                 "leaves such runs out.")
+
+
 def busy_mark(recs) -> str:
     """' ‡' when a run behind these aggregated cells, or a Vanilla partner of one, was timed on an overloaded
-    machine (collect: busy_runs, busy_vanilla); '' otherwise, and for records from before the load was kept."""
-    return BUSY_MARK if any(r.get("busy_runs", 0) or r.get("busy_vanilla", False) for r in recs) else ""
+    machine (collect: busy_runs, busy_vanilla); ' ¶' when one was not timed at steady state (unsteady_runs,
+    unsteady_vanilla); both when both; '' otherwise, and for records from before the load was kept."""
+    recs = list(recs)
+    busy = any(r.get("busy_runs", 0) or r.get("busy_vanilla", False) for r in recs)
+    unsteady = any(r.get("unsteady_runs", 0) or r.get("unsteady_vanilla", False) for r in recs)
+    return BUSY_MARK * busy + UNSTEADY_MARK * unsteady
 
 
 def _isnan(value) -> bool:
@@ -588,6 +600,7 @@ def _notes(table: Table) -> list[str]:
     marks = ["Bold = best, underline = second best among our runs of the same model and machine "
              "(Vanilla excluded), computed from the numbers; paper rows are printed as in the paper."]
     busy = [BUSY_NOTE] if any(BUSY_MARK in r.label for r in table.rows) else []
+    busy += [UNSTEADY_NOTE] if any(UNSTEADY_MARK in r.label for r in table.rows) else []
     busy += [PEER_NOTE] if any(PEER_MARK in r.label for r in table.rows) else []
     busy += list(dict.fromkeys(r.note for r in table.rows if r.note))  # what the methods say of their rows
     busy += [LOSSLESS_NOTE] if any(k == LOSSLESS for k, _ in table.columns) else []
@@ -616,7 +629,7 @@ def to_markdown(table: Table) -> str:
 _TEX = {"\\": r"\textbackslash{}", "_": r"\_", "%": r"\%", "&": r"\&", "#": r"\#", "±": r"$\pm$",
         "γ": r"$\gamma$", "ω": r"$\omega$", "×": r"$\times$", "–": "--", "α": r"$\alpha$",
         "τ": r"$\tau$", "÷": r"$\div$", "−": "-", "≥": r"$\geq$", "^": r"\^{}", "$": r"\$",
-        "{": r"\{", "}": r"\}", "~": r"\textasciitilde{}", "§": r"\S{}", "‡": r"$\ddagger$"}
+        "{": r"\{", "}": r"\}", "~": r"\textasciitilde{}", "§": r"\S{}", "‡": r"$\ddagger$", "¶": r"\P{}"}
 
 
 def tex_escape(text: str) -> str:
