@@ -210,6 +210,51 @@ def test_the_working_directory_is_private(boxes, kind, tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+NAMING_A_PID = """
+import ctypes, errno, fcntl, os, struct
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+me = os.getpid()
+r, w = os.pipe()
+
+def refused(call):
+    try:
+        result = call()
+    except PermissionError:
+        return True
+    return result == -1 and ctypes.get_errno() == errno.EPERM
+
+machine = os.uname().machine
+fcntl_number, kcmp_number = {"x86_64": (72, 312), "aarch64": (25, 272)}.get(machine, (None, None))
+mask = ctypes.c_ulong(1)
+checks = [
+    refused(lambda: fcntl.fcntl(r, 8, me)),  # F_SETOWN
+    refused(lambda: fcntl.fcntl(r, 15, struct.pack("ii", 1, me))),  # F_SETOWN_EX
+    refused(lambda: fcntl.fcntl(r, 10, 9)),  # F_SETSIG
+    refused(lambda: libc.ioctl(r, 0x8901, ctypes.byref(ctypes.c_int(me)))),  # FIOSETOWN
+    refused(lambda: libc.prlimit(me, 7, None, ctypes.byref((ctypes.c_ulong * 2)()))),
+    refused(lambda: libc.setpriority(0, me, libc.getpriority(0, 0))),
+    refused(lambda: libc.sched_getaffinity(0, 8, ctypes.byref(mask)) or
+            libc.sched_setaffinity(me, 8, ctypes.byref(mask))),
+    refused(lambda: libc.socket(1, 1, 0)),  # even AF_UNIX
+    libc.kill(me, 0) == 0,  # its own pid, named: allowed
+]
+if fcntl_number is not None:  # F_SETOWN with bits above the 32 the kernel reads; kcmp on itself
+    checks.append(refused(lambda: libc.syscall(ctypes.c_long(fcntl_number), ctypes.c_long(r),
+                                                ctypes.c_long((1 << 32) | 8), ctypes.c_long(me))))
+    checks.append(refused(lambda: libc.syscall(ctypes.c_long(kcmp_number), me, me, 0, 0, 0)))
+return a + b if all(checks) else checks
+"""
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_calls_that_name_a_pid_are_refused_even_on_itself(boxes, kind):
+    # the filter's own guarantee, whatever else (namespaces, Landlock's scopes, uids) would stop them from reaching
+    # another process: an fd owner, limits, priorities, affinity, kcmp, sockets; signals to itself go through
+    out = boxes[kind].run(PROBLEM, body(NAMING_A_PID), 2.0)
+    assert out == {"passed": True, "result": "passed"}, out
+
+
 # ---------------------------------------------------------------- bwrap only: what the fallback cannot contain
 
 
