@@ -175,7 +175,11 @@ def _beneath(path: str, masked: Iterable[str]) -> Iterator[str]:
         return
     if path in inner or not os.path.isdir(path) or os.path.islink(path):
         return
-    for entry in sorted(os.scandir(path), key=lambda e: e.name):
+    try:
+        entries = sorted(os.scandir(path), key=lambda e: e.name)
+    except OSError:  # a directory this user cannot list: none of it is allowed (it could not read it either)
+        return
+    for entry in entries:
         if not entry.is_symlink():
             yield from _beneath(entry.path, inner)
 
@@ -263,7 +267,7 @@ def landlock_ruleset(rules: Iterable[tuple[str, int]], abi: int | None = None) -
 def _allow(ruleset: int, path: str, access: int) -> None:
     try:
         target = os.open(path, os.O_PATH | os.O_CLOEXEC)
-    except FileNotFoundError:
+    except OSError:  # gone, or beyond this user's reach: not allowed
         return
     try:
         if not stat.S_ISDIR(os.fstat(target).st_mode):

@@ -685,7 +685,7 @@ for name, (problem, code, timeout) in jobs.items():
     print(name, flush=True)  # what it ran last, should it die
     start = time.monotonic()
     results[name] = {**box.run(problem, code, timeout), "seconds": time.monotonic() - start}
-    results[name]["alive"] = box.run(problem, "    return a + b\\n", 2.0)["passed"]
+results["(a right answer, last)"] = box.run(problem, "    return a + b\\n", 2.0)  # it still scores
 print(json.dumps(results))
 """
 
@@ -755,7 +755,7 @@ def test_hostile_programs_are_contained_in_non_root_mode(attack, kind):
     results = json.loads(lines[-1])
     if "skip" in results:
         pytest.skip(f"{kind} cannot run unprivileged here: {results['skip']}")
+    assert results.pop("(a right answer, last)") == {"passed": True, "result": "passed"}  # nothing crippled it
     assert sorted(results) == sorted(names)
     for name, out in results.items():
         assert_contained(name, out, subs, victim, hostile_timeout(name))
-        assert out["alive"] is True, name  # the harness still scores
