@@ -203,3 +203,14 @@ def test_a_peer_on_a_stack_left_with_captured_steps_is_recorded_as_the_loop_it_r
     stack.compiled = object()  # what a captured row before it left
     h.run_rows([h.Row("HF generate †", cfg, load=lambda: (loaded, stack))], 1)
     assert [s["layer_path"] for s in read_jsonl(tmp_path / "peer" / "samples.jsonl")] == ["eager"]
+
+
+def test_a_lookahead_row_decodes_dels_tokens_in_fewer_reads(tmp_path):
+    """--del-lookahead K adds DEL reading its stop decisions K candidates at a time: a run of its own (its tag), the
+    same greedy outputs as DEL's."""
+    _, rows = run_bench(tmp_path, "--captured", "off", "--no-peers", "--del-lookahead", "3")
+    plain, ahead = rows["DEL (eager)"], rows["DEL lookahead 3 (eager)"]
+    assert ahead["method_tag"] == "del-lookahead3" and plain["out_dir"] != ahead["out_dir"]
+    outputs = [[s["output_ids"] for s in read_jsonl(tmp_path / "runs" / r["method_tag"] / "samples.jsonl")]
+               for r in (plain, ahead)]
+    assert outputs[0] == outputs[1]

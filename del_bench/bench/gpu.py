@@ -80,6 +80,9 @@ def parse_args(argv=None):
     ap.add_argument("--configs", default=None, help="comma-separated E:γ for LS and assistant_early_exit (default: "
                     "the random model's L/4:6, a model config's own LS setting)")
     ap.add_argument("--no-del", action="store_true", help="leave out the DEL rows")
+    ap.add_argument("--del-lookahead", type=int, default=None, metavar="K",
+                    help="also DEL reading its stop decisions K candidates at a time (method.lookahead): fewer host "
+                    "reads, the candidates drafted past a stop paid for")
     ap.add_argument("--no-peers", action="store_true", help="leave out transformers' rows (then no '= generate')")
     ap.add_argument("--bandwidth", type=float, default=None, help="GB/s (default: the device's nominal, or a probe)")
     ap.add_argument("--probe-mb", type=int, default=512, help="matrix size of the GEMV bandwidth probe")
@@ -237,6 +240,10 @@ def make_rows(args, base: list[str], load, grid: list[tuple[int, int]]) -> dict[
                  for e, g in grid]
         if not args.no_del:
             rows.append(row(f"DEL ({path})", "method=del", f"compile={setting}", **options))
+            if args.del_lookahead:
+                k = args.del_lookahead
+                rows.append(row(f"DEL lookahead {k} ({path})", "method=del", f"+method.lookahead={k}",
+                                f"method.tag=del-lookahead{k}", f"compile={setting}", **options))
         return rows
 
     peers = [] if args.no_peers else [
