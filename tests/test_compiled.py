@@ -30,6 +30,7 @@ from del_bench.methods.swift import Swift
 from del_bench.methods.vanilla import Vanilla
 from del_bench.models.layer_stack import LayerStack
 from del_bench.numerics import compare
+from del_bench.records import cost_units
 from tests.conftest import tiny_model
 from tests.test_families import FAMILIES, PROMPTS, hf_greedy, tiny_family
 
@@ -54,7 +55,8 @@ def decode(stack, prompt, method, tokens: int = TOKENS) -> list[int]:
 
 def set_costs(method, stack) -> None:
     if method.wants_costs:  # as the runner measures them (KnapSpec's latency model)
-        method.set_costs(**stack.measure_costs(reps=1, batch_sizes=(1, 2), contexts=method.latency_contexts))
+        costs = stack.measure_costs(reps=1, batch_sizes=(1, 2), contexts=method.latency_contexts)
+        method.set_costs(**cost_units(costs))
 
 
 class Replayed(_CudaGraphs):
