@@ -14,7 +14,7 @@ export HF_DATASETS_OFFLINE ?= 1
 export TRANSFORMERS_NO_ADVISORY_WARNINGS ?= 1
 
 .DEFAULT_GOAL := help
-.PHONY: help setup constraints bench bench-gpu gpu-wheels gpu-check demo test lint tables figures bench-peer bench-parts bench-engine bench-compile bench-controller bench-memory bench-del bench-testbed bench-swift bench-adapters bench-half-lossless bench-sandbox exits smoke-tasks testbed clean
+.PHONY: help setup constraints bench bench-gpu gpu-wheels gpu-check demo test lint tables figures bench-peer bench-profile bench-parts bench-engine bench-compile bench-controller bench-memory bench-del bench-testbed bench-swift bench-adapters bench-half-lossless bench-sandbox exits smoke-tasks testbed clean
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -88,6 +88,9 @@ gpu-wheels: ## on a networked machine: the wheels a CUDA image lacks (constraint
 
 gpu-check: ## on a GPU node: .gpu-whl installed, then CUDA tests, half-lossless, per-prompt timing, bench gpu eager vs captured (≤ 8 min; DRY=1: tiny on CPU)
 	$(GPU_PYTHON) scripts/gpu_node.py check $(GPU_CHECK_OUT) $(if $(DRY),--dry-run)
+
+bench-profile: setup ## what a cold prompt pays: a run's prompts one by one under torch.profiler, the first against the last (SET="model=testbed model.device=cuda …") → $(RECORDS)/bench/profile.json
+	$(PY) -m del_bench bench profile --out $(RECORDS)/bench/profile.json $(if $(SET),--set $(SET))
 
 bench-parts: setup ## per-part costs of a token on SmolLM2 (HF forward vs our eager and fused layer loops, LM-head products)
 	$(PY) -m del_bench bench parts --out $(RECORDS)/bench/parts.json

@@ -19,6 +19,8 @@ import pytest
 
 from del_bench.bench import gpu as bench_gpu
 from del_bench.bench import half_lossless
+from del_bench.bench import harness as h
+from del_bench.bench import profile as bench_profile
 from tests.conftest import compose_run
 
 REPO = Path(__file__).resolve().parent.parent
@@ -29,7 +31,8 @@ if [ -n "$STUB_FAIL" ] && [[ "$*" == *"$STUB_FAIL"* ]]; then exit 3; fi
 if [ -n "$STUB_SLEEP" ] && [[ "$*" == *"$STUB_SLEEP"* ]]; then sleep 60 & echo $! > "$STUB_PID"; wait; fi
 exit 0
 """
-NON_CUDA = ["env", "timing", "half_lossless_testbed", "bench_gpu_testbed", "half_lossless_7b", "bench_gpu_7b"]
+NON_CUDA = ["env", "timing", "profile", "half_lossless_testbed", "bench_gpu_testbed", "half_lossless_7b",
+            "bench_gpu_7b"]
 
 
 def gpu_node():
@@ -74,8 +77,8 @@ def test_a_failing_step_is_reported_and_the_others_still_run(tmp_path):
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     status = {name: r["status"] for name, r in summary["steps"].items()}
     assert status == {"wheels": "skipped", "env": "passed", "fused": "skipped", "pytest_cuda": "skipped",
-                      "timing": "passed", "half_lossless_testbed": "failed", "bench_gpu_testbed": "passed",
-                      "half_lossless_7b": "failed", "bench_gpu_7b": "passed"}
+                      "timing": "passed", "profile": "passed", "half_lossless_testbed": "failed",
+                      "bench_gpu_testbed": "passed", "half_lossless_7b": "failed", "bench_gpu_7b": "passed"}
     assert summary["not_passed"] == ["half_lossless_testbed", "half_lossless_7b"]
     assert stdout.rstrip().endswith("==== not passed: half_lossless_testbed, half_lossless_7b")
     assert all((tmp_path / "out" / f"{name}.log").is_file() for name in NON_CUDA)
@@ -128,6 +131,11 @@ def test_every_steps_command_is_one_its_tool_accepts(tmp_path):
         assert [s.name for s in steps] == ["env", "fused", "pytest_cuda", *NON_CUDA[1:]]
         for command in (c for s in steps for c in s.commands):
             if command[1:4] == ["-m", "del_bench", "bench"]:
+                if command[4] == "profile":  # a run's overrides, composed as `run` composes them
+                    args = bench_profile.parse(command[5:])
+                    cfg = h.compose(*args.set)
+                    assert cfg.model.get("device", "cpu") == ("cpu" if dry else "cuda")
+                    continue
                 parse = {"gpu": bench_gpu.parse_args, "half-lossless": half_lossless.parse_args}[command[4]]
                 args = parse(command[5:])
                 assert args.device == ("cpu" if dry else "cuda") and args.dtype == "bfloat16"

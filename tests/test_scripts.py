@@ -47,6 +47,8 @@ BENCHES = {
                       "--layers", "eager"],
     "parts": ["--model", TINY, "--context", "8", "--threads", "1", "--reps", "1", "--loops", "eager"],
     "peer": ["--model", TINY, "--limit", "2", "--max-new-tokens", "8", "--configs", "1:2", *RUNS],
+    "profile": ["--limit", "2", "--max-new-tokens", "4", "--top", "3", "--set", f"model={TINY}", "layers=eager",
+                "threads=1", "warmup_tokens=2"],
     "sandbox": ["--trivial", "1", "--workers", "1", "--problems", "2", "--skip-rescore"],
     "specbench-speed": ["{tmp}/method.jsonl", "{tmp}/baseline.jsonl"],
     "swift": ["--models", f"{TINY}:0.5", "--tasks", "humaneval", "--limit", "1", "--max-new-tokens", "8",
