@@ -84,13 +84,14 @@ def load_model(model_cfg, layers: str = "auto", products: str = "auto") -> tuple
     return loaded, stack
 
 
-def run(cfg: DictConfig, load=None) -> dict:
+def run(cfg: DictConfig, load=None, task=None) -> dict:
     """load: optional zero-argument callable → (Loaded, LayerStack), called only if something is left to
-    decode (`calibrate` passes one that loads the model once for its whole grid)."""
+    decode (`calibrate` passes one that loads the model once for its whole grid). task: a Task already built (the
+    lm-eval backend's requests, del_bench/lm_eval_backend.py), else the one cfg.task instantiates."""
     validate(cfg)
     if cfg.threads:
         torch.set_num_threads(int(cfg.threads))
-    task = instantiate(cfg.task)
+    task = task if task is not None else instantiate(cfg.task)
     method = instantiate(cfg.method)
     generation = OmegaConf.to_container(cfg.generation, resolve=True)
     if cfg.task.get("generation"):  # a task may fix its decoding (HumanEval pass@10 samples at T = 0.6)
