@@ -414,16 +414,16 @@ def _value(argv: list[str], *flags: str) -> str | None:
 
 
 def with_defaults(argv: list[str]) -> list[str]:
-    """lm-eval's run arguments with ours where they are missing: --model del_bench, --include_path (this package's
-    offline tasks), --output_path results/runs/lm_eval/results and --log_samples (so the per-document scores reach
-    our records)."""
+    """lm-eval's arguments with ours where they are missing: --include_path (this package's offline tasks; for `ls` and
+    `validate` too), and to `run`: --model del_bench, --output_path results/runs/lm_eval/results and --log_samples (so
+    the per-document scores reach our records)."""
     args = list(argv)
-    if args and args[0] in ("ls", "validate"):
+    if not _has(args, "--include_path"):  # `ls` and `validate` take it too
+        args += ["--include_path", str(TASKS_DIR)]
+    if args[0] in ("ls", "validate"):
         return args
     if not _has(args, "--model", "-M"):
         args += ["--model", "del_bench"]
-    if not _has(args, "--include_path"):
-        args += ["--include_path", str(TASKS_DIR)]
     if not _has(args, "--output_path", "-o"):
         args += ["--output_path", DEFAULT_OUTPUT]
     if not _has(args, "--log_samples", "-s", "--predict_only", "-x"):

@@ -316,3 +316,14 @@ def test_crosscheck_finds_where_lm_evals_gsm8k_scoring_and_ours_differ(tmp_path)
     assert checks["strict-match"].disagree == checks["flexible-extract"].disagree == ["1"]
     assert (checks["strict-match"].lm_eval, checks["strict-match"].ours) == (0.25, 0.5)
     assert (checks["flexible-extract"].lm_eval, checks["flexible-extract"].ours) == (0.5, 0.75)
+
+
+def test_our_command_line_fills_in_lm_evals_defaults_only_where_missing():
+    """`python -m del_bench lm-eval` adds --model del_bench, our task files, an output path and --log_samples (the
+    per-document scores our records take) where they are not given, and never overrides one that is."""
+    assert backend.with_defaults(["--tasks", "gsm8k_local"]) == [
+        "--tasks", "gsm8k_local", "--include_path", str(TASKS_DIR), "--model", "del_bench",
+        "--output_path", backend.DEFAULT_OUTPUT, "--log_samples"]
+    given = ["--model=hf", "--include_path", "mine", "-o", "out.json", "--predict_only", "--tasks", "x"]
+    assert backend.with_defaults(given) == given
+    assert backend.with_defaults(["ls", "tasks"]) == ["ls", "tasks", "--include_path", str(TASKS_DIR)]
