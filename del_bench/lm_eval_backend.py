@@ -231,7 +231,10 @@ class DelBenchLM(TemplateLM):
         prompts = {sample_id: request.args[0] for (sample_id, _), request in zip(keys, requests)}
         cfg = self._run_config(task, settings, len(prompts), next(iter(repeats.values())))
         run_dir = RunDir(cfg.out_dir)
-        run_dir.claim(OmegaConf.to_container(cfg, resolve=True))
+        try:
+            run_dir.claim(OmegaConf.to_container(cfg, resolve=True))
+        except RunConflict as err:  # its way out names out_dir, which lm-eval's model_args leave to records_root
+            raise RunConflict(f"{err} (here: another records_root=)") from err
         _check_prompts(run_dir, prompts)
         samples = [Sample(id=sample_id, prompt=prompt) for sample_id, prompt in prompts.items()]
         lm_task = LmEvalTask(task, samples, list(settings["until"]))
