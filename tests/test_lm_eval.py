@@ -188,7 +188,7 @@ def test_generate_until_honours_until_and_max_gen_toks(tmp_path):
 def test_an_interrupted_run_resumes_without_losing_or_repeating(tmp_path):
     """Killed after its first generation, the rerun decodes the other three only; every generation is in samples.jsonl
     once, with its rounds once, and the texts are an uninterrupted run's. A changed prompt under a recorded id is
-    refused."""
+    refused, and so are other settings in the same directory."""
     full = generate(tiny_lm(tmp_path / "a"), PROMPTS)
     lm = tiny_lm(tmp_path / "b")
     generate(lm, PROMPTS)
@@ -204,6 +204,8 @@ def test_an_interrupted_run_resumes_without_losing_or_repeating(tmp_path):
     assert len(rounds) == len(set(rounds)) == sum(r["rounds"] for r in records)
     with pytest.raises(RunConflict, match="another prompt"):
         generate(tiny_lm(tmp_path / "b"), ["def other():", *PROMPTS[1:]])
+    with pytest.raises(RunConflict, match="model differ.*records_root="):  # other settings, the same directory
+        generate(tiny_lm(tmp_path / "b", **{"model.dtype": "float32"}), PROMPTS)
 
 
 def test_sampled_requests_decode_by_speculative_sampling(tmp_path):
