@@ -227,7 +227,7 @@ class DelBenchLM(TemplateLM):
         keys = request_keys(requests)
         repeats = Counter(sample_id for sample_id, _ in keys)
         if len(set(repeats.values())) != 1:
-            raise ValueError(f"lm-eval task {task}: its documents ask for different numbers of repeats")
+            raise ConfigError(f"lm-eval task {task}: its documents ask for different numbers of repeats")
         prompts = {sample_id: request.args[0] for (sample_id, _), request in zip(keys, requests)}
         cfg = self._run_config(task, settings, len(prompts), next(iter(repeats.values())))
         run_dir = RunDir(cfg.out_dir)
@@ -247,8 +247,8 @@ class DelBenchLM(TemplateLM):
         """The task's generation settings, lm-eval's normalisation of its gen_kwargs (one set per task)."""
         settings = normalize_gen_kwargs(requests[0].args[1], self.max_gen_toks)
         if any(normalize_gen_kwargs(r.args[1], self.max_gen_toks) != settings for r in requests):
-            raise ValueError(f"lm-eval task {task}: its requests ask for different generation settings; a run "
-                             "decodes with one")
+            raise ConfigError(f"lm-eval task {task}: its requests ask for different generation settings; a run "
+                              "decodes with one")
         unknown = sorted(set(settings) - SAMPLING_KEYS)
         if unknown:
             raise ConfigError(f"lm-eval task {task}: gen_kwargs {', '.join(unknown)} cannot be honoured (our engine "
@@ -286,6 +286,10 @@ class DelBenchLM(TemplateLM):
         return out
 
     def _score(self, context_ids: list[int], continuation_ids: list[int]) -> tuple[float, bool]:
+        """One request: the continuation's log-probability and whether it is the greedy one (lm-eval's HF backend's
+        semantics, its left truncation included)."""
+        if not continuation_ids:  # nothing to predict (an empty context's continuation can be its prefix token alone)
+            return 0.0, True
         ids = context_ids + continuation_ids
         if len(ids) > self.max_length + 1:  # lm-eval's HF backend: keep the newest max_length tokens
             self._truncated += 1
