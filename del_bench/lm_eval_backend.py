@@ -12,8 +12,9 @@ generate_until   Each lm-eval task's generation requests are one del-bench run, 
                  (runner.run: untimed warm-up, records, summary, resume): samples.jsonl, rounds.jsonl and summary.json
                  in <records_root>/lm_eval/<model>/<task>/<method tag>/<decoding>-max<N>-seed<S>, with task = the
                  lm-eval task's name, task_version = "lm-eval <version>", sample id = the request's doc_id (".<idx>"
-                 added where a document makes several requests), repeat = which of its `repeats`, prompt = the request's
-                 context verbatim. Greedy, or speculative sampling when the request's gen_kwargs sample (do_sample,
+                 added where a document makes several requests: the document's index in its split, or under --samples
+                 its position among those chosen), repeat = which of its `repeats`, prompt = the request's context
+                 verbatim. Greedy, or speculative sampling when the request's gen_kwargs sample (do_sample,
                  temperature, top_p; anything else is refused); `until` are the run's stop strings and the text handed
                  back is cut at the first of them, as lm-eval's HF backend cuts it; at most `max_gen_toks` new tokens
                  (lm-eval's default 256). Rerun with the same settings, an interrupted run resumes: finished
@@ -48,7 +49,7 @@ import torch
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from lm_eval.models.utils import normalize_gen_kwargs, postprocess_generated_text
-from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+from lm_eval.utils import get_rolling_token_windows, hash_string, make_disjoint_window
 from omegaconf import DictConfig, OmegaConf, open_dict
 from tqdm import tqdm
 
@@ -348,14 +349,15 @@ def task_metrics(entry: dict) -> dict[str, float]:
     return {k: float(v) for k, v in entry.items() if "," in k and "_stderr" not in k and _number(v)}
 
 
-def document_scores(samples: list[dict]) -> dict[str, dict[str, float]]:
-    """lm-eval's per-document scores ({doc_id: {"metric,filter": value}}) from its logged samples (one line per
-    document and filter); metrics a corpus aggregates (chrf, bleu: the sample holds its pair of texts) have none."""
+def document_scores(samples: list[dict], key: str = "doc_id") -> dict[str, dict[str, float]]:
+    """lm-eval's per-document scores ({doc_id or another field of the sample, e.g. prompt_hash: {"metric,filter":
+    value}}) from its logged samples (one line per document and filter); metrics a corpus aggregates (chrf, bleu: the
+    sample holds its pair of texts) have none."""
     out: dict[str, dict[str, float]] = {}
     for sample in samples:
         scores = {f"{m},{sample['filter']}": float(sample[m]) for m in sample.get("metrics", [])
                   if _number(sample.get(m))}
-        out.setdefault(str(sample["doc_id"]), {}).update(scores)
+        out.setdefault(str(sample[key]), {}).update(scores)
     return out
 
 
@@ -369,10 +371,12 @@ def link(results: dict, results_file: str | Path | None = None) -> list[str]:
     for task, out_dir in runs.items():
         run_dir = RunDir(out_dir)
         metrics = task_metrics(results.get("results", {}).get(task, {}))
-        documents = document_scores((results.get("samples") or {}).get(task) or [])
+        # matched by prompt: a logged sample's doc_id is the document's index in the split, a request's (our sample
+        # id) its position among the documents evaluated, which differ under --samples
+        documents = document_scores((results.get("samples") or {}).get(task) or [], key="prompt_hash")
         if documents:
-            run_dir.set_scores({key_of(r): {"scores": documents[r["sample_id"]]} for r in run_dir.finished()
-                                if r["sample_id"] in documents})
+            run_dir.set_scores({key_of(r): {"scores": documents[hash_string(r["prompt"])]} for r in run_dir.finished()
+                                if hash_string(r["prompt"]) in documents})
         summary = json.loads(run_dir.summary_path.read_text())
         summary["quality"] = metrics
         summary["lm_eval"] = {"results": str(results_file) if results_file else None,

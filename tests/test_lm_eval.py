@@ -329,3 +329,25 @@ def test_our_command_line_fills_in_lm_evals_defaults_only_where_missing():
     given = ["--model=hf", "--include_path", "mine", "-o", "out.json", "--predict_only", "--tasks", "x"]
     assert backend.with_defaults(given) == given
     assert backend.with_defaults(["ls", "tasks"]) == ["ls", "tasks", "--include_path", str(TASKS_DIR)]
+
+
+def test_link_finds_each_documents_scores_under_samples_too(tmp_path):
+    """Under lm-eval's --samples a request's doc_id (our sample id) is its position among the documents chosen, the
+    logged sample's the document's index: link matches them by prompt, so every record gets its own document's
+    scores."""
+    from lm_eval.tasks import TaskManager
+
+    args = ",".join(f"{k}={v}" for k, v in {**TINY, "records_root": tmp_path / "runs"}.items())
+    results = lm_eval.simple_evaluate(model="del_bench", model_args=args, tasks=["del_bench_tiny_code"],
+                                      samples={"del_bench_tiny_code": [1, 3]}, log_samples=True,
+                                      task_manager=TaskManager(include_path=str(TASKS_DIR), include_defaults=False))
+    (run,) = backend.link(results)
+    docs = utils.tiny_code()["test"]
+    logged = {s["doc_id"]: s for s in results["samples"]["del_bench_tiny_code"]}
+    assert sorted(logged) == [1, 3]
+    records = {r["sample_id"]: r for r in RunDir(run).finished()}
+    assert sorted(records) == ["0", "1"]
+    for sample_id, doc_id in (("0", 1), ("1", 3)):
+        assert records[sample_id]["prompt"] == docs[doc_id]["prompt"]
+        assert records[sample_id]["scores"] == {"exact_match,none": logged[doc_id]["exact_match"]}
+    assert json.loads((Path(run) / "summary.json").read_text())["lm_eval"]["documents_scored"] == 2
