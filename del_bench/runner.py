@@ -50,13 +50,14 @@ def sample_seed(seed: int, sample_id: str, repeat: int) -> int:
     return zlib.crc32(f"{seed}:{sample_id}:{repeat}".encode())
 
 
-def run(cfg: DictConfig, load=None) -> dict:
+def run(cfg: DictConfig, load=None, task=None) -> dict:
     """load: optional zero-argument callable → (Loaded, LayerStack), called only if something is left to
-    decode (`calibrate` passes one that loads the model once for its whole grid; session.loader)."""
+    decode (`calibrate` passes one that loads the model once for its whole grid; session.loader). task: a Task already
+    built (the lm-eval backend's requests, del_bench/lm_eval_backend.py), else the one cfg.task instantiates."""
     validate(cfg)
     if cfg.threads:
         torch.set_num_threads(int(cfg.threads))
-    task = instantiate(cfg.task)
+    task = task if task is not None else instantiate(cfg.task)
     method = instantiate(cfg.method)
     repeats = int(cfg.task.get("samples_per_prompt", 1))
     samples = select_samples(task, cfg)

@@ -170,6 +170,7 @@ LAYERS = [
     ("config", ["del_bench.config", "del_bench.tracking"]),
     ("session", ["del_bench.session"]),
     ("runs", ["del_bench.runner", "del_bench.jobs", "del_bench.calibration", "del_bench.train"]),
+    ("lm-eval", ["del_bench.lm_eval_backend", "del_bench.lm_eval_crosscheck", "del_bench.lm_eval_tasks"]),
     ("top", ["del_bench.bench", "del_bench.report", "del_bench.__main__"]),
 ]
 
