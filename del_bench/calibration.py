@@ -26,12 +26,11 @@ import logging
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from del_bench import calibration_store
+from del_bench import calibration_store, session
 from del_bench.config import CONFIG_DIR, validate
 from del_bench.errors import CalibrationError, ConfigError
 from del_bench.jobs import run_once
 from del_bench.records import run_key_of, vanilla_baseline
-from del_bench.runner import load_model
 from del_bench.selection import calibration_samples
 
 log = logging.getLogger(__name__)
@@ -78,7 +77,7 @@ def calibrate(cfg: DictConfig) -> dict:
     for _, point in points:  # every point is checked before any weights load
         validate(point)
     # at most once, only if a point needs decoding
-    load = functools.cache(lambda: load_model(cfg.model, cfg.layers, cfg.products))
+    load = functools.cache(session.loader(cfg))
     results, failed = {}, []
     for name, point in points:
         try:

@@ -162,6 +162,24 @@ def check_overrides(overrides: list[str]) -> None:
                 check_choice(key, name.strip())
 
 
+WARMUP_MODES = ("auto", "quick", "steady", "off")  # the untimed warm-up (runner.warm_up)
+
+
+def check_warmup(cfg: DictConfig) -> None:
+    """The warm-up settings (configs/run.yaml, runner.warm_up): a mode, whole tokens and passes, a tolerance."""
+    mode = cfg.get("warmup", "auto")
+    if mode is not False and mode not in WARMUP_MODES:
+        raise ConfigError(f"warmup={mode!r} is not a warm-up.{did_you_mean(str(mode), WARMUP_MODES)} Options: "
+                          f"{', '.join(WARMUP_MODES)}")
+    for key, least in (("warmup_tokens", 0), ("warmup_passes", 2)):
+        value = cfg.get(key, least)
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            raise ConfigError(f"{key}={value!r} must be an integer ≥ {least}")
+    tolerance = cfg.get("warmup_tolerance", 0.1)
+    if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not 0 < tolerance < 1:
+        raise ConfigError(f"warmup_tolerance={tolerance!r} must be a fraction in (0, 1)")
+
+
 def validate(cfg: DictConfig) -> None:
     """Everything checkable without weights: method hyperparameters against the model's depth,
     generation settings, limits. Raises ConfigError with the offending key."""
@@ -188,6 +206,7 @@ def validate(cfg: DictConfig) -> None:
     if setting not in COMPILE_CHOICES:
         raise ConfigError(f"compile={setting!r} is not a choice.{did_you_mean(str(setting), COMPILE_CHOICES)} Options: "
                           f"{', '.join(COMPILE_CHOICES)}")
+    check_warmup(cfg)
     validate_batch(cfg, method_cls, setting)
     if cfg.limit is not None and (not isinstance(cfg.limit, int) or cfg.limit < 1):
         raise ConfigError(f"limit={cfg.limit!r} must be a positive integer or null (all samples)")

@@ -1,7 +1,8 @@
 """A run's records in its out_dir, and resuming them safely.
 
     run_config.json   the settings that define the run (resume refuses a different one)
-    costs.json        measured layer/head costs of a calibrated run (reused on resume)
+    costs.json        measured layer/head costs of a calibrated run and the device they were measured on (reused
+                      by a resume on that device only)
     method_state.json what a method carries across prompts (Method.state: SWIFT's search with scope run, DV
                       without reset), as it stood after the `samples` finished samples, and the one before it
                       (`previous`): written before a sample's records, so a resume finds the one that matches
@@ -12,8 +13,9 @@
 
 This module is the record contract every reader shares: the per-round line (`Round`, defined beside the engine
 that fills it: del_bench/engine/rounds.py), the per-sample line (`SampleRecord`), the run's identity (`RunKey`)
-and the one pairing rule (`RunKey.pairs_with`). The runner writes them; `show`, `report`, `calibrate` and the
-bench scripts read them through `run_key_of`, which also adapts records written before run_key existed.
+and the one pairing rule (`RunKey.pairs_with`), and the two rules of whether a run's timing can be trusted
+(`overloaded`: a busy machine; `steady_state`: a cold start). The runner writes them; `show`, `report`, `calibrate`
+and the bench scripts read them through `run_key_of`, which also adapts records written before run_key existed.
 
 A sample counts as finished once its samples.jsonl line is complete. On resume, a torn last line and
 the rounds of unfinished samples are dropped, so nothing is lost or duplicated.
@@ -27,6 +29,7 @@ import math
 import os
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
+from statistics import median
 from typing import Any, Iterable
 
 from del_bench.errors import RunConflict
@@ -37,14 +40,19 @@ Key = tuple[str, int]  # (sample_id, repeat)
 # (data_dir, calibration and rows only feed other keys — task paths, method E/γ — which are compared resolved)
 # (records_root and scale only feed out_dir and experiment_name, which says which sweep asked for the run: one run
 # serves several)
-RESUMABLE_KEYS = ("limit", "out_dir", "logger", "threads", "warmup_tokens", "data_dir", "calibration", "rows",
-                  "records_root", "scale", "experiment_name", "layers", "products", "compile")
+RESUMABLE_KEYS = ("limit", "out_dir", "logger", "threads", "warmup", "warmup_tokens", "warmup_passes",
+                  "warmup_tolerance", "data_dir", "calibration", "rows", "records_root", "scale", "experiment_name",
+                  "layers", "products", "compile")
 # task settings of how outputs are scored, not of what the scores are (HumanEval's sandbox and its pool)
 RESUMABLE_TASK_KEYS = ("score_workers", "sandbox")
 # model options added later, at the value that means "as before" (model.exit_adapters: null = the own head)
 ADDED_MODEL_OPTIONS = {"exit_adapters": None}
 # run options added later, at the value that means "as before" (batch_size 1: one prompt at a time)
 ADDED_RUN_OPTIONS = {"batch_size": 1}
+
+# model options that only feed other keys: the LS defaults reach a run as method.exit_layer / method.gamma, compared
+# resolved, so moving them (to a newly measured best) leaves Vanilla's, DEL's and every other run resumable
+RESUMABLE_MODEL_KEYS = ("default_exit_layer", "default_gamma")
 
 
 def decoding_tag(do_sample, temperature, top_p) -> str:
@@ -190,6 +198,65 @@ def batch_etpl(samples: list[dict]) -> float | None:
     return tokens / layers if layers else None
 
 
+# ---------------------------------------------------------------- steady state (summary's steady_state)
+
+# the run's first timed sample may take up to this many times the median decode seconds per loaded layer of its other
+# samples before the run is flagged as not timed at steady state. On the committed CPU reference records (2-core CPU,
+# 0.1–0.3 s samples, other jobs beside them) the ratio reaches 1.72 (99th percentile 1.47 over the 569 runs of two or
+# more samples); the failure it is for (issue 36: the first prompts on a GPU after a 16-token warm-up) was 7
+STEADY_SLOWDOWN = 2.0
+
+
+def _seconds(round_: dict) -> float:
+    return round_["draft_s"] + round_["verify_s"] + round_["policy_s"]
+
+
+def decode_seconds_per_layer(sample: dict, rounds: list[dict]) -> float | None:
+    """A sample's decode seconds per loaded layer: its rounds after the prefill (round 0 of every turn: a prefill's
+    cost grows with the prompt) ÷ the layers they loaded; for a sample without round lines (a peer's: transformers
+    decodes), its wall seconds ÷ loaded layers. None when nothing was decoded after the prefill.
+
+    Per loaded layer, not per token: a token's time depends on how many drafts were accepted, a layer's much less —
+    on the reference records the first sample's ratio to the rest spreads 0.90–1.27 (5th–95th percentile) per layer
+    against 0.76–1.41 per token."""
+    if not rounds:
+        layers = sample.get("loaded_layers")
+        return sample["wall_s"] / layers if layers and sample.get("wall_s") else None
+    decode = [r for r in rounds if r["round"] > 0]
+    layers = sum(r["loaded_layers"] for r in decode)
+    return sum(map(_seconds, decode)) / layers if layers else None
+
+
+def steady_state(samples: list[dict], rounds: list[dict], setup: list[dict] = ()) -> dict | None:
+    """Whether a run's samples were timed at steady state — the one rule `show`, the report and the benches apply,
+    from the records alone (samples.jsonl in decoding order, rounds.jsonl, setup.jsonl). A run is not at steady
+    state when
+    - a session's warm-up did not converge (its setup line's warmup.converged is false: `warmup: steady` decoded its
+      cap of passes without two in a row agreeing on their per-token time), or
+    - its first timed sample took more than STEADY_SLOWDOWN times the median decode seconds per loaded layer of the
+      other samples (decode_seconds_per_layer): a cold start that the warm-up did not absorb. Only slower counts (a
+      faster first sample is no warm-up's failure), and the median keeps half of the others slow from hiding it.
+    Returns {"first_slowdown": that ratio (None with fewer than two timed samples), "warmups_unconverged": sessions,
+    "steady": bool}, or None when there is nothing to judge (one sample and no warm-up recorded)."""
+    by_sample: dict[Key, list[dict]] = {}
+    for r in rounds:
+        by_sample.setdefault(key_of(r), []).append(r)
+    per_layer = [decode_seconds_per_layer(s, by_sample.get(key_of(s), [])) for s in samples]
+    per_layer = [v for v in per_layer if v]
+    slowdown = per_layer[0] / median(per_layer[1:]) if len(per_layer) > 1 else None
+    warmups = [line["warmup"] for line in setup if isinstance(line.get("warmup"), dict)]
+    unconverged = sum(w.get("converged") is False for w in warmups)
+    if slowdown is None and not warmups:
+        return None
+    return {"first_slowdown": slowdown, "warmups_unconverged": unconverged,
+            "steady": not unconverged and (slowdown is None or slowdown <= STEADY_SLOWDOWN)}
+
+
+def unsteady(state: dict | None) -> bool:
+    """A run's steady_state says it was not timed at steady state (False for None: nothing to judge)."""
+    return bool(state) and not state["steady"]
+
+
 def machine_of(provenance: dict) -> str:
     """device/CPU (+ torch threads on CPU, which change speed as much as the hardware does; + the layer loop unless
     eager, see SampleRecord.layer_path): the runs a speedup may pair must share it. The provenance holds no host
@@ -266,13 +333,11 @@ class RunKey:
     def label(self) -> str:
         """The method as the tables name it (method_label: `DEL`, `LS(E4-γ4)`, and ` B=8` for a batched run); the
         full tag stays method_tag."""
-        label = method_label(self.method, self.hyperparameter("exit_layer", ""), self.hyperparameter("gamma", ""),
-                             self.hyperparameter("omega", ""), self.variant())
-        return label + batch_label(self.batch_size)
+        return self.entry().label + batch_label(self.batch_size)
 
-    def variant(self) -> str:
-        """DEL's variant (del_variant: "", "CPU", "KnapSpec"); "" for every other method."""
-        return del_variant(dict(self.hyperparameters)) if self.method == "del" else ""
+    def entry(self) -> MethodEntry:
+        """The run's method as its class presents it: label, family, order, note (method_entry)."""
+        return method_entry(self.method, dict(self.hyperparameters))
 
     def with_experiment(self, name: str | None) -> RunKey:
         if not name or name in self.experiments:
@@ -316,59 +381,51 @@ def vanilla_baseline(key: RunKey, runs: Iterable[tuple[RunKey, dict]], metric: s
 
 # ---------------------------------------------------------------- how tables, show and the benches name methods
 
-METHOD_LABELS = {"vanilla": "Vanilla", "ls": "LS", "fs": "FS", "dv": "DV", "swift": "SWIFT", "del": "DEL",
-                 "del_e": "DEL-E", "del_gamma": "DEL-γ", "del_e_lim": "DEL-E-lim", "clasp": "CLaSp",
-                 "knapspec": "KnapSpec"}
-DEFAULT_OMEGA = 0.95
-# peers: transformers' own decoding measured beside ours and written as records (del_bench/bench/peers.py); their
-# labels carry PEER_MARK wherever a method is named (show, the tables), with PEER_NOTE under a table that has one
-PEER_LABELS = {"hf_generate": "HF generate", "hf_forward_loop": "HF forward loop",
-               "hf_assistant_early_exit": "HF assistant_early_exit"}
+# a peer's label (transformers' own decoding beside ours: del_bench/bench/peers.py) carries PEER_MARK wherever a
+# method is named (show, the tables), with PEER_NOTE under a table that has one
 PEER_MARK = "†"
 PEER_NOTE = (f"{PEER_MARK} = a peer: transformers' own decoding (generate, a plain loop over its forward, "
              "assistant_early_exit: LayerSkip's self-speculation in transformers) on the same weights and prompts, "
              "written as records like ours (work counted by hooks where it runs; del_bench/bench/peers.py).")
 
 
-def _number(value) -> float | None:
-    if value in ("", None) or (isinstance(value, float) and math.isnan(value)):
-        return None
-    return float(value)
+@dataclass(frozen=True)
+class MethodEntry:
+    """A run's method as tables and `show` present it, as its class declares it (Method.table_label, family,
+    table_order, table_note): read from the run's name and hyperparameters alone."""
+
+    label: str  # LS(E4-γ4), DEL-CPU, HF generate†
+    family: str  # methods.base.FAMILIES
+    order: tuple  # its place among a block's rows (compared with other entries' orders)
+    note: str | None = None  # a note under any table with this row
 
 
-def del_variant(hyperparameters: dict) -> str:
-    """Which DEL a run is, by the settings that make it so: "" = the paper's configuration (configs/method/del.yaml),
-    "CPU" = measured costs (del_cpu: a head row costs h layers, cheap shadow tokens), "KnapSpec" = as the KnapSpec
-    authors run it (del_knapspec: the stopped candidate kept, the first round at E = 1). Other settings that differ
-    (a `method.d_max=` override) keep the plain label, and the tables add the run's tag where two rows coincide."""
-    if hyperparameters.get("keep_stopped_draft"):
-        return "KnapSpec"
-    return "CPU" if hyperparameters.get("cost_model") == "measured" else ""
+def method_entry(method: str, hyperparameters: dict | None = None) -> MethodEntry:
+    """What the class of `method` (a config name, RunKey.method) says of a run of it with these hyperparameters (its
+    describe(), as records keep it; e.g. {"exit_layer": 24, "gamma": 4}). A name no class declares (a method whose
+    module this process cannot import) keeps its name, after every declared method."""
+    from del_bench.methods import method_class
+    from del_bench.methods.base import OTHER, PEER, Method
+
+    cls, hyperparameters = method_class(method), hyperparameters or {}
+    if cls is None:
+        return MethodEntry(method, OTHER, (Method.order,))
+    label = cls.table_label(method, hyperparameters) + (PEER_MARK if cls.family == PEER else "")
+    return MethodEntry(label, cls.family, cls.table_order(method, hyperparameters),
+                       cls.table_note(method, hyperparameters))
 
 
-DEL_VARIANT_LABELS = {"": "DEL", "CPU": "DEL-CPU", "KnapSpec": "DEL (KnapSpec's)"}
-DEL_VARIANT_NOTE = ("DEL = the paper's configuration (TPL counts layers; exact shadow tokens); DEL-CPU = as we run "
-                    "it on a CPU (configs/method/del_cpu.yaml: a head row costs its measured time in layers, shadow "
-                    "tokens over 1,024 ids + the target, batched while d = 0); DEL (KnapSpec's) = as the KnapSpec "
-                    "authors' code runs it (configs/method/del_knapspec.yaml). All three are lossless.")
+def method_label(method: str, hyperparameters: dict | None = None) -> str:
+    """Labels as in the paper, as each method's class declares them (method_entry): LS(E8-γ6), FS(E8-γ6), DV(E8),
+    DEL's variant (DEL-CPU) and its ω only when not the default; a peer's marked: HF assistant_early_exit(E8-γ6)†."""
+    return method_entry(method, hyperparameters).label
 
 
-def method_label(method: str, exit_layer="", gamma="", omega="", variant: str = "") -> str:
-    """Labels as in the paper: LS(E8-γ6), FS(E8-γ6), DV(E8); DEL's variant (del_variant: DEL-CPU) and its ω only
-    when not the default (RunKey.label); a peer's marked: HF generate†, HF assistant_early_exit(E8-γ6)†."""
-    base = METHOD_LABELS.get(method) or PEER_LABELS.get(method, method)
-    if method == "del":
-        base = DEL_VARIANT_LABELS.get(variant, base)
-    e, g, w = _number(exit_layer), _number(gamma), _number(omega)
-    parts = []
-    if e is not None and method != "vanilla":
-        parts.append(f"E{e:g}")
-    if g is not None and method in ("ls", "fs", "hf_assistant_early_exit"):
-        parts.append(f"γ{g:g}")
-    if w is not None and w != DEFAULT_OMEGA and method.startswith("del"):
-        parts.append(f"ω{w:g}")
-    label = f"{base}({'-'.join(parts)})" if parts else base
-    return label + (PEER_MARK if method in PEER_LABELS else "")
+def is_peer(method: str) -> bool:
+    """True for a peer's run (transformers decoded it, not our engine: del_bench/bench/peers.py)."""
+    from del_bench.methods.base import PEER
+
+    return method_entry(method).family == PEER
 
 
 def run_key_of(summary: dict, samples: list[dict] | None = None) -> RunKey:
@@ -452,6 +509,14 @@ def write_json(path: Path, obj: Any) -> None:
     os.replace(tmp, path)
 
 
+# what a method's set_costs takes of a costs.json: the measured seconds (its `device` says where they were measured)
+COST_UNITS = ("layer_s", "head_s", "batch_s", "sublayer_s")
+
+
+def cost_units(costs: dict) -> dict:
+    return {k: costs[k] for k in COST_UNITS if k in costs}
+
+
 def key_of(record: dict) -> Key:
     return record["sample_id"], record.get("repeat", 0)
 
@@ -470,26 +535,32 @@ class RunDir:
     @staticmethod
     def fingerprint(run_config: dict) -> dict:
         """The settings that define a run's results (what run_config.json holds). Options added after records
-        were written are left out at the value that means "as before" (ADDED_MODEL_OPTIONS), so those still resume."""
+        were written are left out at the value that means "as before" (ADDED_MODEL_OPTIONS, ADDED_RUN_OPTIONS), so those
+        still resume. Idempotent: a stored run_config.json (written before a key became resumable) is compared through
+        it too."""
         fingerprint = {k: v for k, v in run_config.items()
                        if k not in RESUMABLE_KEYS and ADDED_RUN_OPTIONS.get(k, ...) != v}
         if isinstance(fingerprint.get("model"), dict):
             fingerprint["model"] = {k: v for k, v in fingerprint["model"].items()
-                                    if ADDED_MODEL_OPTIONS.get(k, ...) != v}
+                                    if k not in RESUMABLE_MODEL_KEYS and ADDED_MODEL_OPTIONS.get(k, ...) != v}
         if isinstance(fingerprint.get("task"), dict):
             fingerprint["task"] = {k: v for k, v in fingerprint["task"].items() if k not in RESUMABLE_TASK_KEYS}
         return fingerprint
 
     def matches(self, run_config: dict) -> bool:
         """True when the directory holds a run made with these settings."""
-        return self.config_path.exists() and json.loads(self.config_path.read_text()) == self.fingerprint(run_config)
+        return self.config_path.exists() and self._stored() == self.fingerprint(run_config)
+
+    def _stored(self) -> dict:
+        """run_config.json's settings, as fingerprint compares them today."""
+        return self.fingerprint(json.loads(self.config_path.read_text()))
 
     def claim(self, run_config: dict) -> None:
         """Create the directory, or check that what it holds was produced by the same settings."""
         self.path.mkdir(parents=True, exist_ok=True)
         fingerprint = self.fingerprint(run_config)
         if self.config_path.exists():
-            previous = json.loads(self.config_path.read_text())
+            previous = self._stored()
             changed = sorted(k for k in set(previous) | set(fingerprint) if previous.get(k) != fingerprint.get(k))
             if changed:
                 raise RunConflict(
@@ -528,7 +599,8 @@ class RunDir:
         return _read_jsonl(self.rounds_path)
 
     def costs(self) -> dict | None:
-        """Measured per-layer / per-head-row seconds of a calibrated run, if any."""
+        """Measured per-layer / per-head-row seconds of a calibrated run (LayerStack.measure_costs), with the
+        `device` they were measured on (absent in costs measured before it was kept), if any."""
         return json.loads(self.costs_path.read_text()) if self.costs_path.exists() else None
 
     def write_costs(self, costs: dict) -> None:

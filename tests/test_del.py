@@ -176,3 +176,91 @@ def test_the_plan_trace_reads_the_chosen_layers_statistics():
     assert trace["alpha_exit"] == float(m.alpha[e])
     true_mean, false_mean = m.confidence_means
     assert (trace["conf_matched"], trace["conf_mismatched"]) == (float(true_mean[e]), float(false_mean[e]))
+
+
+# ---- the cost model on any device (issue 36): measured costs, a GPU's included
+
+L16 = 16
+GPU_BATCH = [[1, L16 * 1e-4], [2, L16 * 1.004e-4], [4, L16 * 0.998e-4], [8, L16 * 1.01e-4], [16, L16 * 1.02e-4],
+             [32, L16 * 1.05e-4]]  # a GPU streams a layer's weights once for all rows: T positions ≈ one
+CPU_BATCH = [[1, L16 * 1e-4], [2, L16 * 1.5e-4], [4, L16 * 2.0e-4], [8, L16 * 3.0e-4], [16, L16 * 5e-4],
+             [32, L16 * 9e-4]]  # on a CPU a batch costs several single positions (SmolLM2-like)
+
+
+def measured_del(batch_s) -> DEL:
+    m = DEL(cost_model="measured")
+    m.set_costs(layer_s=1e-4, head_s=0.6e-4, batch_s=batch_s)
+    return m
+
+
+def test_on_a_gpu_like_cost_table_tpl_prices_a_verification_batch_as_one_position():
+    gpu, cpu = measured_del(GPU_BATCH), measured_del(CPU_BATCH)
+    assert gpu.head_cost == pytest.approx(0.6) and len(gpu.batch_cost) == gpu.d_max + 1
+    assert gpu.batch_cost == pytest.approx((1.0,) * 19, abs=0.03) and min(gpu.batch_cost) >= 1.0
+    alpha, d_max = np.linspace(0.9, 0.1, L16 - 1), gpu.d_max
+    table = tpl_table(alpha, L16, d_max, gpu.head_cost, True, gpu.batch_cost)
+    d = np.arange(d_max + 1)[:, None]
+    layers = np.arange(1, L16)[None, :]
+    closed = (alpha[None, :] ** d).cumsum(0) / (d * (layers + 0.6) + L16 + 0.6 + 0.6 * (d > 0))  # the paper's + h
+    assert table == pytest.approx(closed, rel=0.03)
+    # α = 0.6 at layer 4 alone: drafting pays where a batch is free (as the paper's layer count says), not on the CPU
+    alpha = np.zeros(L16 - 1)
+    alpha[3] = 0.6
+    allowed = np.ones(L16 - 1, dtype=bool)
+    exact = best_exit(alpha, L16, d_max, allowed, 0.6, True)  # c = 1 exactly
+    assert best_exit(alpha, L16, d_max, allowed, 0.6, True, gpu.batch_cost) == exact == (4, 2)
+    assert best_exit(alpha, L16, d_max, allowed, cpu.head_cost, True, cpu.batch_cost)[1] == 0
+
+
+def test_a_recorded_round_is_priced_as_tpl_prices_its_plan():
+    from del_bench.methods.dynamic_exit import _round_costs, round_cost
+
+    c, h = measured_del(CPU_BATCH).batch_cost, 0.6
+    _, plan_costs = _round_costs(L16, L16 - 1, 18, h, True, c)
+    for d in (1, 2, 7, 18):
+        for ell in (1, 4, 15):  # d drafts kept, the stopping candidate dropped: d + 1 draft head rows, d + 1 verified
+            assert round_cost(d, ell, d * ell + L16, 2 * d + 2, L16, h, c) == pytest.approx(plan_costs[d, ell - 1])
+    assert round_cost(0, None, L16, 1, L16, h, c) == pytest.approx(plan_costs[0, 0]) == L16 + h  # Vanilla's
+    # a skipping draft (SWIFT, CLaSp, KnapSpec): d tokens through L − S/2 layers, then all L over d + 1 positions
+    assert round_cost(3, None, 3 * 12 + L16, 3 + 4, L16, h, c) == pytest.approx(3 * 12 + L16 * c[3] + h * 4)
+
+
+def test_the_bench_predicts_speedups_from_the_measured_costs():
+    from del_bench.bench.engine import cost_predicted_speedup
+
+    costs = {"layer_s": 1e-4, "head_s": 0.6e-4, "batch_s": GPU_BATCH}
+    prefill = {"round": 0, "drafted": 0, "exit_layer": None, "loaded_layers": L16, "head_calls": 1, "emitted": 1}
+    vanilla = [prefill] + [{**prefill, "round": i} for i in range(1, 9)]
+    assert cost_predicted_speedup(vanilla, L16, costs) == pytest.approx(1.0)
+    # LS(E4-γ3), every draft accepted: 4 tokens a round for 4·4 one-position layers, 12 over 4 positions, 4 head rows
+    ls = [prefill] + [{"round": i, "drafted": 3, "exit_layer": 4, "loaded_layers": 3 * 4 + L16, "head_calls": 3 + 4,
+                       "emitted": 4} for i in range(1, 5)]
+    gpu = (L16 + 0.6) / ((4 * 4 + 12 * 1.0 + 0.6 * 4) / 4)
+    assert cost_predicted_speedup(ls, L16, costs) == pytest.approx(gpu, rel=0.01)  # ≈ 2.18: c(4) ≈ 1
+    cpu = cost_predicted_speedup(ls, L16, {**costs, "batch_s": CPU_BATCH})
+    assert cpu == pytest.approx((L16 + 0.6) / ((4 * 4 + 12 * 2.0 + 0.6 * 4) / 4))  # c(4) = 2 measured
+    assert cost_predicted_speedup([prefill], L16, costs) is None
+
+
+def test_the_bench_prices_rounds_with_costs_measured_on_this_device(tmp_path):
+    from del_bench.bench.engine import loop_costs
+    from del_bench.records import RunDir
+
+    class Stack:
+        def cost_device(self):
+            return "here"
+
+        def measure_costs(self):
+            return {"device": "here", "measured_now": True}
+
+    rows = []
+    for name, costs in (("elsewhere", {"device": "NVIDIA H100 80GB HBM3, bfloat16, fused layers"}), ("none", None),
+                        ("older", {"layer_s": 1.0})):  # costs.json from before it named its device
+        RunDir(tmp_path / name).path.mkdir()
+        if costs:
+            RunDir(tmp_path / name).write_costs(costs)
+        rows.append({"out_dir": str(tmp_path / name)})
+    assert loop_costs(rows, Stack()) == {"device": "here", "measured_now": True}
+    RunDir(tmp_path / "here").path.mkdir()
+    RunDir(tmp_path / "here").write_costs({"device": "here", "layer_s": 1.0})  # what a del_cpu row planned on here
+    assert loop_costs([*rows, {"out_dir": str(tmp_path / "here")}], Stack()) == {"device": "here", "layer_s": 1.0}

@@ -3,8 +3,11 @@
 tests/data/del_decisions.json holds, for DEL configurations on tiny float64 models, every round's exit layer,
 budget, drafts, acceptances, TPL's (E, γ) and τ_E, and the outputs, as the engine of commit 9c09127 (before the
 controller's fast paths) produced them; τ was re-pinned once when shadow confidences stopped being computed in
-float32 for float64 models (decisions unchanged). `python -m tests.test_del_decisions --write` re-pins them (only for
-a deliberate change of DEL's algorithm, never to make a speed-up pass).
+float32 for float64 models (decisions unchanged), and the restricted-vocabulary runs (del_cpu_h2/h6, shadow_vocab=50)
+once when draft candidates' confidences moved onto τ's scale (issue 39: before, τ averaged confidences normalised over
+the first K ids + the target and candidates were scored over the whole vocabulary, so no draft was ever kept; the
+outputs are the same, the rounds draft). `python -m tests.test_del_decisions --write` re-pins them (only for a
+deliberate change of DEL's algorithm, never to make a speed-up pass).
 
 Host independence: decisions are compared exactly, τ to 1e-12 relative. Everything here is float64 but for HF's
 RMSNorm, which squares and averages in float32 by design (LlamaRMSNorm, which we match bit for bit) — its reduction
@@ -106,6 +109,15 @@ def test_the_pinned_runs_exercise_the_controller():
     assert len({r[0] for r in rounds if r[2]}) >= 3
     assert 0 < sum(r[3] for r in rounds) < sum(r[2] for r in rounds)
     assert any(r[1] == 0 for r in rounds)
+
+
+def test_restricted_vocabulary_del_keeps_drafts(now):
+    """τ and the candidates on one scale: with shadow_vocab = 50 (of 259 ids) DEL keeps drafts, and some are accepted,
+    where it plans them — on one prompt per model at least. With τ over the first K ids and the candidates over the
+    whole vocabulary, τ sat above every candidate and no draft was ever kept."""
+    for model in MODELS:
+        runs = [now[f"{model}/del_cpu_h2/{i}"]["rounds"] for i in range(len(PROMPTS))]
+        assert any(sum(r[2] for r in rounds) > 0 and sum(r[3] for r in rounds) > 0 for rounds in runs), model
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--write"]:

@@ -78,7 +78,7 @@ RUNS = {
     "L8a/del_e_lim": Run(L8_AGREEING, "del_e_lim"),
     "L8/del_w0.8_d5": Run(L8, "del", {"omega": 0.8, "d_max": 5}, max_new=40),  # budgets capped by d_max and tokens
     "L8a/del_cpu": Run(L8_AGREEING, "del_cpu", head_cost=2.0),  # shadow_vocab 1024 ≥ V: the full vocabulary here
-    "L8/del_cpu_v50": Run(L8, "del_cpu", {"shadow_vocab": 50}, head_cost=6.0),  # the restricted vocabulary
+    "L8/del_cpu_v50": Run(L8, "del_cpu", {"shadow_vocab": 50}, head_cost=2.0),  # the restricted vocabulary, drafting
     "L8a/del_eos": Run(L8_AGREEING, "del", eos=(251,), prompts=("long",)),  # two drafts end on an EOS
 }
 CASES = [(run, prompt) for run, spec in RUNS.items() for prompt in spec.prompts]
@@ -94,12 +94,15 @@ def method_spec(config: str, overrides: dict) -> dict:
 @dataclass
 class LayerViews:
     """Per layer ℓ = 1..L−1 and position p of the final sequence: the head's greedy token on h_p^ℓ, its softmax
-    probability, and the gap between its top two logits; the full model's token at p."""
+    probability, and the gap between its top two logits; the full model's token at p. Over the scored tokens
+    (shadow_vocab) for the statistics; a draft candidate is the whole vocabulary's argmax."""
 
-    tokens: np.ndarray  # [L-1, T]
+    tokens: np.ndarray  # [L-1, T] the shadow tokens: the argmax over the scored tokens
+    drafts: np.ndarray  # [L-1, T] what the layer drafts: the argmax over the whole vocabulary
     conf: np.ndarray  # [L-1, T] float64, over the scored tokens (shadow_vocab): what the statistics add up
-    conf_full: np.ndarray  # [L-1, T] over the whole vocabulary: what a draft candidate's confidence is
-    gap: np.ndarray  # [L-1, T]
+    conf_draft: np.ndarray  # [L-1, T] a draft candidate's confidence: its softmax probability over the scored tokens
+    # with the layer's own token for the target (the first K ids and itself), as the statistics score a matched one
+    gap: np.ndarray  # [L-1, T] the smaller of the two top-2 gaps (scored tokens, whole vocabulary)
     target: np.ndarray  # [T]
     seq: list[int]  # the final sequence: prompt + output
 
@@ -112,18 +115,26 @@ def layer_views(model, seq: list[int], vocab: int | None) -> LayerViews:
     assert len(out.hidden_states) == L + 1  # embeddings, then the output of each layer (the last one normed)
     target = out.logits[0].argmax(-1)  # [T] the full model's greedy tokens
     h = torch.stack(out.hidden_states[1:L])[:, 0]  # [L-1, T, D] outputs of layers 1..L−1
-    logits = model.lm_head(model.model.norm(h))  # [L-1, T, V]
-    full = logits
-    if vocab is not None and vocab < logits.shape[-1]:
-        scored = torch.zeros(logits.shape[-1], dtype=torch.bool)
-        scored[:vocab] = True
-        scored = scored.expand(*logits.shape).clone()  # [L-1, T, V]
-        scored.scatter_(-1, target.expand(L - 1, -1)[..., None], True)
-        logits = logits.masked_fill(~scored, -torch.inf)
-    top2 = logits.topk(2, dim=-1)
+    full = model.lm_head(model.model.norm(h))  # [L-1, T, V]
+    logits = scored_only(full, target.expand(L - 1, -1), vocab)
+    top2, top2_full = logits.topk(2, dim=-1), full.topk(2, dim=-1)
     conf = logits.softmax(-1).max(-1).values  # [L-1, T]
-    return LayerViews(top2.indices[..., 0].numpy(), conf.numpy(), full.softmax(-1).max(-1).values.numpy(),
-                      (top2.values[..., 0] - top2.values[..., 1]).numpy(), target.numpy(), seq)
+    drafts = top2_full.indices[..., 0]  # [L-1, T]
+    conf_draft = scored_only(full, drafts, vocab).softmax(-1).max(-1).values  # [L-1, T]
+    gap = torch.minimum(top2.values[..., 0] - top2.values[..., 1], top2_full.values[..., 0] - top2_full.values[..., 1])
+    return LayerViews(top2.indices[..., 0].numpy(), drafts.numpy(), conf.numpy(), conf_draft.numpy(), gap.numpy(),
+                      target.numpy(), seq)
+
+
+def scored_only(logits: torch.Tensor, targets: torch.Tensor, vocab: int | None) -> torch.Tensor:
+    """logits [L-1, T, V] with every token but the first K ids and each row's target ([L-1, T]) at −∞."""
+    if vocab is None or vocab >= logits.shape[-1]:
+        return logits
+    scored = torch.zeros(logits.shape[-1], dtype=torch.bool)
+    scored[:vocab] = True
+    scored = scored.expand(*logits.shape).clone()  # [L-1, T, V]
+    scored.scatter_(-1, targets[..., None], True)
+    return logits.masked_fill(~scored, -torch.inf)
 
 
 # ---- Algorithm 1, from the spec ------------------------------------------------------------------------------
@@ -296,7 +307,7 @@ def check_round(r: int, rnd, choice: Choice, views: LayerViews, spec: dict, n: i
 def check_acceptance(r: int, views: LayerViews, E: int, n: int, d: int, k: int) -> None:
     """u_r: greedy drafts are layer E's tokens; on the valid window they are the teacher-forced ones, so the
     accepted prefix is where layer E matches the full model, up to the first mismatch (or all d drafts)."""
-    layer_e = views.tokens[E - 1, n - 1 : n - 1 + d]
+    layer_e = views.drafts[E - 1, n - 1 : n - 1 + d]
     target = views.target[n - 1 : n - 1 + d]
     first_mismatch = next((i for i in range(d) if layer_e[i] != target[i]), d)
     assert k == first_mismatch, f"round {r}: accepted {k}, layer {E} departs from the full model at {first_mismatch}"
@@ -316,7 +327,7 @@ def stop_reason(r: int, rnd, choice: Choice, views: LayerViews, spec: dict, n: i
         assert is_eos(views, E, n, d, k, eos_ids), f"round {r}: drafting ended at {d} < budget {rnd.budget}"
         return "eos"
     for j, c in enumerate(confs[: k + 1]):  # candidates from valid states: their confidence is layer E's there
-        want = views.conf_full[E - 1, n - 1 + j]  # the draft head scores the whole vocabulary
+        want = views.conf_draft[E - 1, n - 1 + j]  # on the statistics' scale (shadow_vocab), as τ is
         assert abs(c - want) <= TOL_CONF, f"round {r}: candidate {j}'s confidence {c} vs {want}"
         tally.conf_error = max(tally.conf_error, abs(c - want))
     for j, c in enumerate(confs):  # ≥ τ keeps drafting, < τ stops (against the replay's τ, robustly)
@@ -340,7 +351,7 @@ def is_eos(views: LayerViews, E: int, n: int, d: int, k: int, eos_ids) -> bool:
     """The last draft was an EOS. When it came from a valid state (k ≥ d − 1) it is layer E's token there, which
     the replay sees; from a later state (k < d − 1, a rejected context) only that an EOS was possible at all."""
     if k >= d - 1:
-        return int(views.tokens[E - 1, n - 2 + d]) in eos_ids
+        return int(views.drafts[E - 1, n - 2 + d]) in eos_ids
     return bool(eos_ids)
 
 

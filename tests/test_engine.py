@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from del_bench.engine.decode import Engine
-from del_bench.engine.sampling import Sampling
+from del_bench.engine.sampling import Draws, Sampling
+from del_bench.engine.steps import Draft
 from del_bench.methods.dv import DraftVerify
 from del_bench.methods.dynamic_exit import DEL
 from del_bench.methods.fs import FiniteState
@@ -161,6 +162,31 @@ def test_restricted_shadow_vocabulary_is_exact_where_it_can_be(stack_and_ref):
     assert (tokens[full_tokens == targets] == targets[full_tokens == targets]).all()  # matches never missed
     # normalised over fewer tokens: never lower where the argmax was scored
     assert (conf[scored] >= full_conf[scored] - 1e-12).all()
+
+
+@pytest.mark.parametrize("vocab", [None, 50])
+@pytest.mark.parametrize("sampling", [Sampling(), Sampling(do_sample=True)], ids=["greedy", "sampling"])
+def test_a_draft_candidates_confidence_is_scored_as_the_shadow_statistics_are(stack_and_ref, vocab, sampling):
+    """DEL stops drafting when a candidate's confidence falls below τ, the mean of shadow confidences, which
+    shadow_vocab=K normalises over the first K ids and the row's target. A candidate must be scored on that scale:
+    normalised over the first K ids and itself, which is what the statistics record where it is the full model's
+    token (a matched position) — not over the whole vocabulary, which K = 50 of 259 puts far below τ. Without K both
+    are the whole vocabulary's top probability (DEL as published: unchanged)."""
+    stack = stack_and_ref[0]
+    torch.manual_seed(0)
+    states = torch.randn(64, stack.head_weight.shape[1], dtype=stack.dtype)  # [N, D] pre-norm states
+    method = DEL(shadow_vocab=vocab)
+    method.start(stack.num_layers)
+    engine, rng = Engine(stack, sampling, set()), Draws(torch.Generator().manual_seed(0))
+    confidences = []
+    for h in states:
+        draft = Draft(exit_layer=1, exit_states=[h[None, None]])  # [1, 1, D]
+        engine.draft_token(draft, method, rng)
+        confidences.append(draft.confidences[-1])
+    tokens, _ = stack.shadow_tokens(states)  # [N] each row's argmax over the whole vocabulary
+    assert (tokens < 50).sum() > 5 and (tokens >= 50).sum() > 5  # candidates inside and outside the first K ids
+    _, expected = stack.shadow_tokens(states, tokens, vocab)  # [N] the statistics' confidence were each row matched
+    assert confidences == pytest.approx(expected.tolist(), rel=1e-12, abs=0)
 
 
 class CountingDEL(DEL):

@@ -193,7 +193,7 @@ def test_runs_with_adapters_never_pair_with_own_head_runs(tmp_path):
 
 
 def test_train_exits_on_a_tiny_model_writes_loadable_adapters_and_resumes(tmp_path):
-    from del_bench.runner import load_model
+    from del_bench.session import load_model
     from del_bench.train.exits import model_config, train
 
     prompts = tmp_path / "prompts.jsonl"

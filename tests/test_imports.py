@@ -1,4 +1,4 @@
-"""The import graph of del_bench has no cycle.
+"""The import graph of del_bench has no cycle, and no import runs from a lower layer up to a higher one.
 
 Every module under del_bench/ is parsed with `ast` (nothing is imported) and every `import` / `from … import`
 statement is counted, at ANY depth: inside functions, methods, `if TYPE_CHECKING:` and try blocks too, since
@@ -16,7 +16,15 @@ resolved to the del_bench modules it executes:
 
 Imports of other packages are ignored, and so are dynamic imports (Hydra `_target_` strings, importlib): they
 name leaf classes (tasks, methods, jobs.SweepReport) that are loaded by the top of the graph. Function-level
-imports are allowed (heavy optional dependencies: matplotlib, wandb, hydra in the CLI) — only cycles fail.
+imports are allowed (heavy optional dependencies: matplotlib, wandb, hydra in the CLI), but they count for the
+layers as any other import does.
+
+The layers (LAYERS, lowest first): data flows config → engine → records → report, and the imports run the other
+way, each module importing only its own layer and those below it: the foundations; models and methods (the model as
+the engine runs it; policies); records (the record contract, which names methods as they name themselves) and tasks;
+the engine (the decode loop over a model and a method); config (validation, which builds a Sampling and checks the
+compiled steps' setting) and tracking; session (model + task + method + sampling ready to decode, from a config);
+the runs (runner, jobs, calibration, train); and on top the benches, the report and the CLI.
 """
 
 from __future__ import annotations
@@ -149,3 +157,58 @@ def test_errors_is_the_bottom_and_main_the_top():
     assert graph["del_bench.errors"] == set(), "del_bench.errors must import nothing from del_bench"
     importers = sorted(name for name, targets in graph.items() if "del_bench.__main__" in targets)
     assert not importers, f"nothing may import del_bench.__main__: {importers}"
+
+
+# lowest first: a module may import its own layer and the layers below it only (a module's layer: its longest prefix)
+LAYERS = [
+    ("foundations", ["del_bench", "del_bench.errors", "del_bench.numerics", "del_bench.transfer", "del_bench.memory",
+                     "del_bench.machine_load", "del_bench.sandbox", "del_bench.sandbox_view", "del_bench.selection",
+                     "del_bench.calibration_store", "del_bench.metrics"]),
+    ("models and methods", ["del_bench.models", "del_bench.methods"]),
+    ("records and tasks", ["del_bench.records", "del_bench.specbench", "del_bench.tasks"]),
+    ("engine", ["del_bench.engine"]),
+    ("config", ["del_bench.config", "del_bench.tracking"]),
+    ("session", ["del_bench.session"]),
+    ("runs", ["del_bench.runner", "del_bench.jobs", "del_bench.calibration", "del_bench.train"]),
+    ("lm-eval", ["del_bench.lm_eval_backend", "del_bench.lm_eval_crosscheck", "del_bench.lm_eval_tasks"]),
+    ("top", ["del_bench.bench", "del_bench.report", "del_bench.__main__"]),
+]
+
+
+def layer_of(module: str) -> int | None:
+    """The index in LAYERS of the entry that is `module` or its longest package prefix (the root package, del_bench's
+    __init__, is itself only); None: in no layer."""
+    best = None
+    for index, (_, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            within = module == prefix or (prefix != PACKAGE and module.startswith(prefix + "."))
+            if within and (best is None or len(prefix) > best[0]):
+                best = (len(prefix), index)
+    return None if best is None else best[1]
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Every import from a module to one in a higher layer, as 'importer (layer) → imported (layer)'."""
+    found = []
+    for importer, targets in sorted(graph.items()):
+        for target in sorted(targets):
+            if layer_of(target) > layer_of(importer):
+                found.append(f"{importer} ({LAYERS[layer_of(importer)][0]}) → {target} "
+                             f"({LAYERS[layer_of(target)][0]})")
+    return found
+
+
+def test_every_module_lies_in_a_layer():
+    assert layer_of("del_bench.lm_eval") is None  # a new top-level module is placed in LAYERS by whoever adds it
+    assert [name for name in import_graph() if layer_of(name) is None] == []
+
+
+def test_upward_imports_are_found_at_any_depth():
+    graph = {"del_bench.engine.decode": {"del_bench.runner"}, "del_bench.runner": {"del_bench.engine.decode"},
+             "del_bench.records": {"del_bench.methods"}}
+    assert upward_imports(graph) == ["del_bench.engine.decode (engine) → del_bench.runner (runs)"]
+
+
+def test_no_import_runs_up_the_layers():
+    upward = upward_imports(import_graph())
+    assert not upward, "imports from a lower layer to a higher one:\n" + "\n".join(upward)

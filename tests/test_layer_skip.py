@@ -6,13 +6,14 @@ their config errors surface before any weights load."""
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
 import pytest
 import torch
 
-from del_bench import runner
+from del_bench import runner, session
 from del_bench.engine.decode import Engine
 from del_bench.engine.sampling import Sampling
 from del_bench.errors import ConfigError
@@ -141,6 +142,30 @@ def test_knapspec_dp_ties_go_to_exec_and_everything_pruned_skips_nothing():
     assert knapsack_sets(x, 1, 1, 10, 1.5, run) == {}  # every state pruned: the caller skips nothing
 
 
+def test_knapspec_keeps_a_state_exactly_on_the_prune_floor():
+    """A state whose mean cosine over the window is exactly `prune` survives (score / r ≥ prune, as the authors prune).
+    L = 3: the items are layer 1's attention (s 2) and MLP (s 3). Every token's state before s 2 is a multiple of e0
+    and s 2 adds as much again along e1 + e2 + e3, so a state that skipped it has cos(e0, e0 + e1 + e2 + e3) = 1/2 to
+    the full model's, exactly (norms 1 and 2); s 3 does nothing. By hand (weights 1, capacity 2): s 2 — exec j0,
+    skip → j1 at 1/2 (kept); s 3 — exec j0, j1; skip from j0 → j1 (cos 1 beats 1/2), from j1 → j2 at 1/2 (kept)."""
+    basis = torch.eye(4, dtype=torch.float64)
+    scale = torch.tensor([[1.0], [3.0]], dtype=torch.float64)  # [r, 1]: two window tokens
+    adds = {2: basis[1] + basis[2] + basis[3]}  # sublayer → what it adds (per unit of a token's scale)
+
+    def run(s, h):  # h [B, r, D]
+        return h + scale * adds.get(s, torch.zeros(4, dtype=torch.float64))
+
+    x = [scale * basis[0]]  # [r, D]
+    for s in range(6):
+        x.append(run(s, x[-1][None])[0])
+    x = torch.stack(x)  # [2L+1, r, D]
+    def kept(prune: float) -> dict:
+        return {j: (skip.attn, skip.mlp) for j, (skip, _) in knapsack_sets(x, 1, 1, 2, prune, run).items()}
+
+    assert kept(0.5) == {0: ((), ()), 1: ((), (1,)), 2: ((1,), (1,))}
+    assert kept(math.nextafter(0.5, 1.0)) == {0: ((), ()), 1: ((), (1,))}  # a floor one ulp higher prunes the halves
+
+
 def test_knapspec_weights_and_tokens_per_time():
     method = knapspec()
     method.start(8)
@@ -181,7 +206,7 @@ def test_invalid_hyperparameters_fail_before_the_model_loads(run_cfg, monkeypatc
     def no_loading(*_, **__):
         raise AssertionError("weights loaded before validation")
 
-    monkeypatch.setattr(runner, "load_model", no_loading)
+    monkeypatch.setattr(session, "load_model", no_loading)
     with pytest.raises(ConfigError, match=re.escape(message)):
         runner.run(run_cfg(*override.split()))
 

@@ -1,10 +1,14 @@
 """Policies on scripted rounds, with hand-computed values."""
 
 import pytest
+from hydra.utils import get_class, instantiate
 
-from del_bench.methods.base import RoundEvidence
+from del_bench.config import CONFIG_DIR
+from del_bench.methods import method_class
+from del_bench.methods.base import LAYER_SKIPPING, PEER, UNBOUNDED, RoundEvidence, StaticShape
 from del_bench.methods.dv import DraftVerify
 from del_bench.methods.fs import FiniteState
+from del_bench.records import method_entry
 
 
 def rounds(method, outcomes):
@@ -65,3 +69,66 @@ def test_dv_cumulative_acceptance_and_reset():
     keep.observe(RoundEvidence(exit_layer=2, drafted=4, accepted=0))
     keep.start(8)
     assert keep.theta != 0.6  # carried across prompts, as the authors' code does
+
+
+# ---- what a method says of itself: label, family, order (records.method_entry), static shape (compiled steps) ----
+METHOD_CONFIGS = sorted(p.stem for p in (CONFIG_DIR / "method").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("config", METHOD_CONFIGS)
+def test_every_method_config_runs_under_a_name_its_class_answers_to(run_cfg, config):
+    """records find a method's class by the name its runs keep (the config's `name:`): it must be the `_target_`'s."""
+    method = run_cfg(f"method={config}").method
+    assert method_class(method.name) is get_class(method._target_)
+
+
+@pytest.mark.parametrize("config", METHOD_CONFIGS)
+def test_a_methods_static_shape_is_what_its_hyperparameters_fix(run_cfg, config):
+    """The exit layer its hyperparameters fix (None where it is chosen round by round) and the budget that bounds its
+    rounds (γ, else d_max; FS's γ grows without a cap; plain decoding and AdaDecode's layer-parallel steps: none):
+    the graphs compiled.choose makes before the timed samples."""
+    method = instantiate(run_cfg(f"method={config}").method)
+    plan = method.describe()
+    fixed = plan.get("exit_layer") if isinstance(plan.get("exit_layer"), int) else None
+    if config in ("vanilla", "adadecode"):
+        expected = StaticShape(None, 0)
+    elif config == "fs":
+        expected = StaticShape(fixed, UNBOUNDED)
+    else:
+        expected = StaticShape(fixed, int(plan.get("gamma") or plan.get("d_max")))
+    assert method.static_shape() == expected
+
+
+LABELS = [  # (config name, hyperparameters as records keep them, label): the tables' labels of every method
+    ("vanilla", {}, "Vanilla"), ("ls", {"exit_layer": 24, "gamma": 4}, "LS(E24-γ4)"),
+    ("fs", {"exit_layer": 24, "gamma": 4, "floor": 1}, "FS(E24-γ4)"), ("dv", {"exit_layer": 7, "d_max": 18}, "DV(E7)"),
+    ("swift", {"skip_ratio": 0.45, "d_max": 25}, "SWIFT"), ("clasp", {"skip_layers": 8, "gamma": 4}, "CLaSp"),
+    ("knapspec", {"gamma": 4}, "KnapSpec"), ("adadecode", {"gamma": 0.75}, "AdaDecode"),
+    ("del", {"omega": 0.95, "exit_layer": None, "cost_model": "layers"}, "DEL"),
+    ("del", {"omega": 0.9, "exit_layer": None}, "DEL(ω0.9)"),
+    ("del", {"omega": 0.95, "cost_model": "measured", "shadow_vocab": 1024}, "DEL-CPU"),
+    ("del", {"omega": 0.95, "keep_stopped_draft": True}, "DEL (KnapSpec's)"),
+    ("del_gamma", {"omega": 0.95, "exit_layer": 24}, "DEL-γ(E24)"), ("del_e", {"omega": 0.95}, "DEL-E"),
+    ("del_e_lim", {"omega": 0.5, "cost_model": "measured"}, "DEL-E-lim(ω0.5)"),
+    ("hf_generate", {"transformers": "4"}, "HF generate†"), ("hf_forward_loop", {}, "HF forward loop†"),
+    ("hf_assistant_early_exit", {"exit_layer": 8, "gamma": 6}, "HF assistant_early_exit(E8-γ6)†"),
+    ("no_such_method", {"exit_layer": 3}, "no_such_method"),
+]
+
+
+def test_each_method_labels_its_runs_and_says_where_its_rows_go():
+    entries = [method_entry(name, hp) for name, hp, _ in LABELS]
+    assert [e.label for e in entries] == [label for _, _, label in LABELS]
+    # the tables' order: ours (Vanilla, LS, FS, DV, SWIFT, CLaSp, KnapSpec, DEL-γ, DEL-E, DEL-E-lim, DEL and its
+    # variants), then the peers; a method no class declares after every one that is declared
+    ordered = sorted(entries, key=lambda e: e.order)
+    assert [e.label for e in ordered] == [
+        "Vanilla", "LS(E24-γ4)", "FS(E24-γ4)", "DV(E7)", "SWIFT", "CLaSp", "KnapSpec", "DEL-γ(E24)", "DEL-E",
+        "DEL-E-lim(ω0.5)", "DEL", "DEL(ω0.9)", "DEL-CPU", "DEL (KnapSpec's)", "AdaDecode", "HF generate†",
+        "HF forward loop†", "HF assistant_early_exit(E8-γ6)†", "no_such_method"]
+    families = {label: e.family for (_, _, label), e in zip(LABELS, entries)}
+    assert {label for label, f in families.items() if f == LAYER_SKIPPING} == {"SWIFT", "CLaSp", "KnapSpec"}
+    assert {label for label, f in families.items() if f == PEER} == {
+        "HF generate†", "HF forward loop†", "HF assistant_early_exit(E8-γ6)†"}
+    assert [e.note is not None for e in entries if e.label.startswith("DEL")] == [
+        False, False, True, True, False, False, False]  # DEL-CPU and DEL (KnapSpec's) say what they are

@@ -264,3 +264,111 @@ def test_an_n_shot_variant_never_pairs_with_the_other_vanilla(run_cfg, tmp_path)
                                    "torch_threads"}
     assert sample["load"]["torch_threads"] == 1 and sample["load"]["interval_s"] > 0 and sample["load"]["cores"] >= 1
     assert ls_2["load"]["samples"] == 1
+
+
+# ---- steady state (issue 36): a run whose first timed prompt ran cold is flagged, as a busy one is
+
+def _timed(per_layer: list[float], rounds: int = 4, layers: int = 10, emitted: int = 1, prefill_s: float = 0.01):
+    """Samples (in decoding order) and their rounds: sample i's decode rounds each load `layers` layers in
+    per_layer[i] seconds per layer and emit `emitted` tokens; round 0, its prefill, takes prefill_s."""
+    samples, lines = [], []
+    for i, seconds in enumerate(per_layer):
+        samples.append({"sample_id": f"s{i}", "repeat": 0, "wall_s": 1.0, "loaded_layers": layers * (rounds + 1)})
+        lines.append({"sample_id": f"s{i}", "repeat": 0, "round": 0, "loaded_layers": layers, "emitted": 1,
+                      "draft_s": 0.0, "verify_s": prefill_s, "policy_s": 0.0})
+        lines += [{"sample_id": f"s{i}", "repeat": 0, "round": r, "loaded_layers": layers, "emitted": emitted,
+                   "draft_s": seconds * layers / 2, "verify_s": seconds * layers / 2, "policy_s": 0.0}
+                  for r in range(1, rounds + 1)]
+    return samples, lines
+
+
+@pytest.mark.parametrize("per_layer, steady", [
+    ([7.0, 7.0, 1.0, 1.0], False),  # issue 36 on the GPU: two cold prompts, then steady — the median sees through one
+    ([1.1, 1.0, 0.9, 1.05], True),  # a quiet run
+    ([2.0, 1.0, 1.0], True),  # at the threshold: still steady
+    ([2.01, 1.0, 1.0], False),  # just past it
+    ([3.0, 1.0, 1.0, 13.0], False),  # one slow later sample moves a mean of the rest, not their median
+    ([0.2, 1.0, 1.0], True),  # a faster first sample is no warm-up's failure
+], ids=["cold-start", "quiet", "at-threshold", "past-threshold", "median", "faster-first"])
+def test_a_run_whose_first_timed_sample_is_slow_is_not_at_steady_state(per_layer, steady):
+    samples, lines = _timed(per_layer)
+    state = records.steady_state(samples, lines)
+    assert state["steady"] is steady and records.unsteady(state) is not steady
+    assert state["first_slowdown"] == pytest.approx(per_layer[0] / sorted(per_layer[1:])[len(per_layer[1:]) // 2])
+
+
+def test_steady_state_compares_decode_seconds_per_loaded_layer():
+    """Not per token (a first prompt that accepted fewer drafts takes longer a token at the same speed a layer), and
+    not the prefill (a long first prompt prefills longer)."""
+    first, first_lines = _timed([1.0], emitted=1, prefill_s=50.0)  # one token a round, a long prefill
+    rest, rest_lines = _timed([1.0, 1.0], emitted=4)  # four tokens a round
+    rest = [{**s, "sample_id": f"r{i}"} for i, s in enumerate(rest)]
+    rest_lines = [{**r, "sample_id": f"r{r['sample_id'][1:]}"} for r in rest_lines]
+    state = records.steady_state(first + rest, first_lines + rest_lines)
+    assert state["steady"] and state["first_slowdown"] == pytest.approx(1.0)
+    # a run without round lines (a peer: transformers decodes) is judged on its wall seconds per loaded layer
+    peer = [{"sample_id": "a", "wall_s": 9.0, "loaded_layers": 3}, {"sample_id": "b", "wall_s": 1.0,
+                                                                    "loaded_layers": 3}]
+    assert records.steady_state(peer, [])["first_slowdown"] == pytest.approx(9.0)
+
+
+def test_a_warm_up_that_did_not_converge_flags_the_run():
+    samples, lines = _timed([1.0, 1.0])
+    quick = {"warmup": {"mode": "quick", "ms_per_token": [3.0], "converged": None}}
+    converged = {"warmup": {"mode": "steady", "ms_per_token": [9.0, 3.0, 3.1], "converged": True}}
+    not_converged = {"warmup": {"mode": "steady", "ms_per_token": [9.0, 5.0], "converged": False}}
+    assert records.steady_state(samples, lines, [quick, converged])["steady"]
+    state = records.steady_state(samples, lines, [converged, not_converged])
+    assert not state["steady"] and state["warmups_unconverged"] == 1
+    assert records.steady_state(samples[:1], lines, [{"load_s": 1.0}]) is None  # one sample, no warm-up: nothing
+    assert records.steady_state(samples[:1], lines, [not_converged])["first_slowdown"] is None
+
+
+def test_show_marks_runs_not_at_steady_state_and_the_speedups_against_them():
+    cold = {"first_slowdown": 7.25, "warmups_unconverged": 0, "steady": False}
+    vanilla, ls = _summary(VANILLA, 10.0), _summary(KEY, 20.0)
+    text = format_table([{**vanilla, "steady_state": cold}, ls])
+    lines = text.splitlines()
+    assert "10.00~" in lines[2] and "20.00~" not in lines[3] and " 2.00x~" in lines[3]  # its partner was cold
+    assert ("~ Vanilla on m/t: not timed at steady state — its first timed sample took 7.2× the median decode time "
+            "per loaded layer of the others (more than 2×)") in text
+    unconverged = {"first_slowdown": None, "warmups_unconverged": 2, "steady": False}
+    text = format_table([vanilla, {**ls, "steady_state": unconverged, "load": records.load_summary(
+        [{"load": _load(4.0, 1.0)}])}])
+    assert "20.00*~" in text and "2.00x*~" in text and "the warm-up of 2 session(s) did not converge" in text
+    assert "~" not in format_table([vanilla, {**ls, "steady_state": {**cold, "steady": True}}])
+
+
+def test_show_judges_steady_state_again_from_the_records(run_cfg, tmp_path, capsys):
+    from del_bench.__main__ import cmd_show
+
+    runner.run(run_cfg("method=vanilla", "limit=2", "max_new_tokens=4"))
+    run_dir = tmp_path / "run"
+    assert cmd_show([str(run_dir)]) == 0 and "~" not in capsys.readouterr().out
+    with open(run_dir / "setup.jsonl", "a") as f:  # as a session whose steady warm-up ran out of passes writes it
+        f.write(json.dumps({"warmup": {"mode": "steady", "ms_per_token": [9.0, 5.0], "converged": False}}) + "\n")
+    assert cmd_show([str(run_dir)]) == 0
+    assert "not timed at steady state — the warm-up of 1 session(s) did not converge" in capsys.readouterr().out
+
+
+def test_tables_mark_runs_not_at_steady_state_and_the_report_can_leave_them_out(tmp_path):
+    from tests.data.report_golden.records import write_records
+
+    runs = write_records(tmp_path)
+    vanilla = load_runs([runs]).query("model == 'llama2-7b' and task == 'gsm8k' and method == 'vanilla'")
+    path = Path(vanilla.run_dir.iloc[0]) / "rounds.jsonl"
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    first = lines[0]["sample_id"]
+    for r in lines:  # the first sample's decode rounds three times slower
+        if r["sample_id"] == first and r["round"] > 0:
+            r["verify_s"] = 3 * (r["draft_s"] + r["verify_s"] + r["policy_s"]) - r["draft_s"] - r["policy_s"]
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    table3 = tables.build_tables(load_runs([runs]))[2]
+    labels = {r.label for r in table3.rows if r.source.startswith("ours") and r.model == "llama2-7b"}
+    assert {"Vanilla ¶", "LS(E7-γ6) ¶", "DEL ¶"} <= labels and "FS(E7-γ6)" in labels  # partners too
+    assert tables.UNSTEADY_NOTE in tables.to_markdown(table3) and tables.BUSY_NOTE not in tables.to_markdown(table3)
+    kept = load_runs([runs], exclude_unsteady=True)
+    assert len(kept) == len(load_runs([runs])) - 1
+    assert r"\P{}" in tables.to_latex(table3)
+    assert write_report([runs], tmp_path / "t", None, exclude_unsteady=True)
+    assert "¶" not in (tmp_path / "t" / "table3.md").read_text()

@@ -11,11 +11,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from del_bench import runner
+from del_bench import jobs, runner
 from del_bench.__main__ import cmd_run
 from del_bench.config import ConfigError, check_overrides, choices, resolve_aliases, validate
 from del_bench.engine.decode import Engine
+from del_bench.methods.dv import DraftVerify
 from del_bench.models import loading
 from del_bench.records import RunConflict, RunDir
 from tests.conftest import compose_run
@@ -243,6 +245,26 @@ def test_resume_refuses_a_run_with_other_settings(run_cfg):
     runner.run(run_cfg("method=vanilla", "limit=2"))  # a larger limit continues the same run
 
 
+def test_a_run_resumes_after_its_models_ls_defaults_move(run_cfg):
+    """model.default_exit_layer / default_gamma reach a run's results only as method.exit_layer / method.gamma (which
+    its settings keep, resolved): a run that did not take them (here Vanilla), its run_config.json written with the
+    old ones, still resumes and is still skipped as finished when the model config's defaults move; an LS that took
+    them does not."""
+    cfg = run_cfg("method=vanilla", "limit=1")
+    runner.run(cfg)
+    stored = RunDir(cfg.out_dir).config_path  # as records written before this rule hold it: with the defaults
+    settings = json.loads(stored.read_text())
+    settings["model"].update(default_exit_layer=1, default_gamma=3)
+    stored.write_text(json.dumps(settings))
+    moved = ["model.default_exit_layer=2", "model.default_gamma=5"]
+    assert jobs.completed_summary(run_cfg("method=vanilla", "limit=1", *moved)) is not None
+    runner.run(run_cfg("method=vanilla", "limit=2", *moved))  # continues the same run
+    ls = run_cfg("method=ls", "limit=1", f"out_dir={cfg.out_dir}-ls")
+    runner.run(ls)
+    with pytest.raises(RunConflict, match="method"):  # the LS took the defaults: its E and γ moved with them
+        runner.run(run_cfg("method=ls", "limit=1", f"out_dir={cfg.out_dir}-ls", *moved))
+
+
 def test_prompts_task_reads_user_file(run_cfg, tmp_path):
     data = tmp_path / "mine.jsonl"
     data.write_text('{"id": "a", "prompt": "Hello"}\n{"id": "b", "prompt": "def f():"}\n')
@@ -336,3 +358,179 @@ def test_the_cli_records_an_aliased_task_under_its_canonical_name(tmp_path, caps
     assert all(r["layer_path"] == "eager" for r in read_jsonl(path.parent / "samples.jsonl"))
     row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("tiny-random"))
     assert row.split()[1:3] == ["cnndm_sum", "Vanilla"] and " eager " in row  # show labels methods as the tables do
+
+
+# ---- the untimed warm-up reaches steady state for the run's real shapes (issue 36)
+
+def spied_generate(monkeypatch) -> list[dict]:
+    """Engine.generate's calls from now on: the prompt's length, max_new_tokens, seed, tokens out, whether EOS was
+    on, and the global RNG's state the call met."""
+    real, calls = Engine.generate, []
+
+    def spy(self, prompt_ids, method, max_new_tokens, seed, *args, **kwargs):
+        rng = torch.get_rng_state()
+        gen = real(self, prompt_ids, method, max_new_tokens, seed, *args, **kwargs)
+        calls.append({"prompt": len(prompt_ids), "max_new": max_new_tokens, "seed": seed, "out": len(gen.output_ids),
+                      "eos": bool(self.eos_ids), "rng": rng})
+        return gen
+
+    monkeypatch.setattr(Engine, "generate", spy)
+    return calls
+
+
+STEADY = ("warmup=steady", "warmup_tokens=16", "warmup_passes=3")
+
+
+def test_a_steady_warm_up_covers_every_length_the_run_reaches_and_is_recorded(run_cfg, tmp_path, monkeypatch):
+    calls = spied_generate(monkeypatch)
+    summary = runner.run(run_cfg("method=ls", "method.exit_layer=2", "method.gamma=2", "limit=3", "max_new_tokens=8",
+                                 *STEADY))
+    lengths = [len(s["prompt_ids"]) for s in read_jsonl(tmp_path / "run" / "samples.jsonl")]
+    reach = max(lengths) + 8
+    (line,) = summary["setup"]
+    warmup = line["warmup"]
+    assert warmup["mode"] == "steady" and warmup["prompt_tokens"] == [min(lengths), max(lengths)]
+    assert warmup["cache_length"] == reach and warmup["tolerance"] == 0.1
+    passes = warmup["ms_per_token"]
+    assert 2 <= len(passes) <= 3 and warmup["converged"] == runner.converged(passes, 0.1)
+    assert len(passes) == 3 or warmup["converged"]  # it stops at two passes only when they agree
+    untimed = [c for c in calls if c["seed"] == 0]
+    assert calls[:len(untimed)] == untimed and len(untimed) == 2 * len(passes)  # all before the first timed sample
+    for prefill, decode in zip(untimed[::2], untimed[1::2]):
+        assert (prefill["prompt"], prefill["max_new"]) == (max(lengths), 1)  # the longest prompt's prefill
+        # the shortest prompt decoded, EOS off, to the longest sequence the run reaches
+        assert (decode["prompt"], decode["prompt"] + decode["out"], decode["eos"]) == (min(lengths), reach, False)
+    assert all(c["eos"] for c in calls[len(untimed):])  # the timed samples stop at EOS as always
+    assert summary["steady_state"]["warmups_unconverged"] == (not warmup["converged"])
+
+
+def test_a_warm_up_leaves_no_trace_in_the_methods_state_or_the_global_rng(run_cfg, tmp_path, monkeypatch):
+    """DV without reset carries θ across prompts; the warm-up's passes decode with copies of it, and under a forked
+    RNG: a method drawing from torch's global RNG (as transformers' sampling does) meets, at the first timed sample,
+    the state it would without a warm-up."""
+    over = ("method=dv", "method.exit_layer=2", "method.reset_per_prompt=false", "max_new_tokens=12",
+            "method._target_=tests.test_runner.GlobalRngDV")
+
+    def decode(name, *warmup):
+        calls = spied_generate(monkeypatch)
+        torch.manual_seed(7)
+        runner.run(run_cfg(*over, *warmup, f"out_dir={tmp_path / name}"))
+        rounds = [{k: v for k, v in r.items() if not k.endswith("_s")} for r in RunDir(tmp_path / name).rounds()]
+        state = json.loads((tmp_path / name / "method_state.json").read_text())
+        return rounds, state, next(c["rng"] for c in calls if c["seed"] != 0)
+
+    cold, warm = decode("cold", "warmup=off"), decode("warm", *STEADY)
+    assert cold[0] == warm[0] and cold[1] == warm[1]  # every decision, and the state carried after the last prompt
+    assert torch.equal(cold[2], warm[2])  # the global RNG the first timed sample met
+    assert RunDir(tmp_path / "warm").setup()[0]["warmup"]["mode"] == "steady"
+
+
+class GlobalRngDV(DraftVerify):
+    """DV that draws from torch's global RNG at every prompt (what a warm-up must not shift)."""
+
+    def start(self, num_layers: int) -> None:
+        super().start(num_layers)
+        torch.rand(1)
+
+
+def test_a_multi_turn_sample_is_warmed_up_to_the_longest_conversation_it_can_reach():
+    from del_bench.tasks.base import Sample
+
+    class Turns:  # a conversation rendered as its text; each answer in the history follows its user turn
+        def render(self, sample, history):
+            return sample.prompt + "".join(f"|{u}|{a}" for u, a in history) + f"|{sample.turns[len(history)]}"
+
+    def tokenizer(text):
+        return {"input_ids": list(text.encode())}
+
+    samples = [Sample("a", "xy"), Sample("b", "p", turns=["one", "three"])]
+    shortest, longest, reach = runner.warmup_prompts(Turns(), tokenizer, samples, 10)
+    assert bytes(shortest) == b"xy" and bytes(longest) == b"p|one"  # first turns: what the timed prefills start at
+    assert reach == len("p|one||three") + 2 * 10  # the last turn with empty answers + max_new_tokens a turn
+
+
+def test_the_steady_warm_up_decodes_past_eos_and_stop_strings(tiny):
+    from del_bench.engine.sampling import Sampling
+    from del_bench.methods.vanilla import Vanilla
+    from del_bench.models.layer_stack import LayerStack
+
+    model, _ = tiny
+    engine = Engine(LayerStack(model, layers="eager"), Sampling(), set(range(model.config.vocab_size)),
+                    stop=lambda ids: True)  # every token ends a generation
+    assert len(engine.generate([1, 2, 3], Vanilla(), 6, 0).output_ids) == 1
+    with runner.decoding_past_stops(engine):
+        assert len(engine.generate([1, 2, 3], Vanilla(), 6, 0).output_ids) == 6
+    assert engine.eos_ids and engine.stop is not None  # back as they were
+
+
+def test_a_warm_up_that_runs_out_of_passes_flags_the_run(run_cfg):
+    summary = runner.run(run_cfg("method=vanilla", "limit=2", "max_new_tokens=4", "warmup=steady", "warmup_tokens=1",
+                                 "warmup_passes=2", "warmup_tolerance=1e-12"))  # two passes never agree that closely
+    warmup = summary["setup"][0]["warmup"]
+    assert len(warmup["ms_per_token"]) == 2 and warmup["converged"] is False
+    assert summary["steady_state"] == {"first_slowdown": summary["steady_state"]["first_slowdown"],
+                                       "warmups_unconverged": 1, "steady": False}
+
+
+def test_a_later_session_within_a_converged_warm_up_is_at_steady_state_already(run_cfg, tmp_path, monkeypatch):
+    """As a bench grows its runs a prompt at a time: a session of the same method on the same loaded model whose
+    lengths lie within a steady warm-up that converged in this process decodes no more passes."""
+    first = run_cfg("method=vanilla", "limit=3", "max_new_tokens=6", *STEADY[:2], "warmup_passes=5",
+                    "warmup_tolerance=0.99")
+    load = harness_load(first)
+    summary = runner.run(first, load)
+    assert summary["setup"][0]["warmup"]["converged"]
+    calls = spied_generate(monkeypatch)
+    again = runner.run(run_cfg("method=vanilla", "limit=1", "max_new_tokens=6", *STEADY[:2],
+                               f"out_dir={tmp_path / 'again'}"), load)
+    warmup = again["setup"][0]["warmup"]
+    assert warmup["ms_per_token"] == [] and warmup["converged"] and "earlier session" in warmup["covered"]
+    assert [c["seed"] for c in calls] != [0] and all(c["seed"] != 0 for c in calls)  # the timed sample alone
+    high = summary["setup"][0]["warmup"]["cache_length"]
+    longer = runner.run(run_cfg("method=vanilla", "limit=1", f"max_new_tokens={high}", *STEADY[:2],
+                                f"out_dir={tmp_path / 'longer'}"), load)
+    assert longer["setup"][0]["warmup"]["ms_per_token"]  # beyond the covered lengths: warmed up again
+
+
+def harness_load(cfg):
+    from del_bench.bench.harness import shared_load
+
+    return shared_load(cfg)
+
+
+def test_the_warm_up_is_steady_on_cuda_quick_elsewhere_and_checked():
+    cfg = compose_run()
+    assert (runner.warmup_mode(cfg, "cuda:0"), runner.warmup_mode(cfg, "cpu")) == ("steady", "quick")
+    assert runner.warmup_mode(compose_run("warmup=steady"), "cpu") == "steady"
+    assert runner.warmup_mode(compose_run("warmup=off"), "cuda:0") == "off"  # YAML's off is false
+    assert runner.warmup_mode(compose_run("warmup_tokens=0"), "cuda:0") == "off"  # as before: no warm-up at all
+    for bad, message in (("warmup=stedy", "Did you mean 'steady'"), ("warmup_passes=1", "warmup_passes=1 must be"),
+                         ("warmup_tolerance=1.5", "warmup_tolerance=1.5 must be")):
+        with pytest.raises(ConfigError, match=message):
+            validate(compose_run(bad))
+
+
+def test_a_quick_warm_up_is_recorded(run_cfg):
+    summary = runner.run(run_cfg("method=vanilla", "limit=1", "max_new_tokens=4", "warmup_tokens=3"))
+    warmup = summary["setup"][0]["warmup"]
+    assert warmup["mode"] == "quick" and len(warmup["ms_per_token"]) == 1 and warmup["converged"] is None
+    assert 1 <= warmup["tokens"] <= 3
+
+
+# ---- costs.json: measured on the device at hand, never reused from another
+
+def test_costs_are_reused_only_on_the_device_they_were_measured_on(run_cfg, tmp_path, caplog):
+    over = ("method=del_cpu", "max_new_tokens=4")
+    runner.run(run_cfg(*over, "limit=1"))
+    run_dir = RunDir(tmp_path / "run")
+    here = run_dir.costs()["device"]
+    assert here.startswith("cpu ") and "(1 threads), float64, " in here and here.endswith(" layers")
+    runner.run(run_cfg(*over, "limit=2"))  # a resume here reuses them
+    costs = run_dir.costs()
+    costs["device"] = "NVIDIA H100 80GB HBM3, bfloat16, fused layers"
+    run_dir.write_costs(costs)
+    summary = runner.run(run_cfg(*over, "limit=3"))  # a resume elsewhere measures again
+    assert [(s["costs_device"], s["costs_measured"]) for s in summary["setup"]] == [(here, True), (here, False),
+                                                                                   (here, True)]
+    assert run_dir.costs()["device"] == here and summary["measured_costs"]["device"] == here
+    assert "costs.json was measured on NVIDIA H100 80GB HBM3" in caplog.text

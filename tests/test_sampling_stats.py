@@ -170,6 +170,7 @@ METHODS = {
     "clasp": lambda: CLaSp(skip_layers=2, interval=2, confidence=0.0, gamma=4),  # round 1: the full model drafts
     "knapspec": knapspec,
     "del_knapspec": lambda: DEL(min_draft=1, d_max=6, keep_stopped_draft=True, first_exit_layer=1),
+    "del-lookahead": lambda: DEL(d_max=6, lookahead=3),  # candidates drafted past a stop draw, then are dropped
     "adadecode": lambda: AdaDecode(gamma=0.3, head_layers=[1, 2], max_outstanding=3),
     "adadecode-early": lambda: AdaDecode(gamma=0.0, head_layers=[1], max_outstanding=3),
     "ls+adapters": lambda: LayerSkip(1, 4),

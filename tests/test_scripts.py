@@ -20,10 +20,10 @@ from omegaconf import OmegaConf
 from del_bench import bench, runner
 from del_bench.__main__ import cmd_show
 from del_bench.bench import harness
+from del_bench.bench.engine import ON_ACCEPTANCE
 from del_bench.bench.peers import cut
-from del_bench.engine.syncs import ON_ACCEPTANCE
 from del_bench.errors import ConfigError
-from del_bench.records import PEER_NOTE, RunKey, del_variant, method_label, read_jsonl
+from del_bench.records import PEER_NOTE, RunKey, method_label, read_jsonl
 from del_bench.report import tables
 from del_bench.report.tables import Row, Table
 from tests.conftest import compose_run
@@ -48,6 +48,8 @@ BENCHES = {
                       "--layers", "eager"],
     "parts": ["--model", TINY, "--context", "8", "--threads", "1", "--reps", "1", "--loops", "eager"],
     "peer": ["--model", TINY, "--limit", "2", "--max-new-tokens", "8", "--configs", "1:2", *RUNS],
+    "profile": ["--limit", "2", "--max-new-tokens", "4", "--top", "3", "--set", f"model={TINY}", "layers=eager",
+                "threads=1", "warmup_tokens=2"],
     "sandbox": ["--trivial", "1", "--workers", "1", "--problems", "2", "--skip-rescore"],
     "specbench-speed": ["{tmp}/method.jsonl", "{tmp}/baseline.jsonl"],
     "swift": ["--models", f"{TINY}:0.5", "--tasks", "humaneval", "--limit", "1", "--max-new-tokens", "8",
@@ -58,7 +60,9 @@ NOT_HERE = {  # benches this file does not run, and why
     "memory": "tests/test_memory.py (in a subprocess: it sets the process's malloc for measuring)",
 }
 SCRIPTS = {"tag_experiments.py": ["smoke", "--records-root", "{tmp}/records"]}
-SCRIPTS_NOT_HERE = {"freeze_constraints.py": "writes constraints.txt from the environment"}
+SCRIPTS_NOT_HERE = {"freeze_constraints.py": "writes constraints.txt from the environment",
+                    "gpu_node.py": "tests/test_gpu_node.py (make gpu-check, make gpu-wheels)",
+                    "per_prompt.py": "tests/test_gpu_node.py (gpu-check's timing step)"}
 
 
 def run_bench(name: str, tmp: Path) -> dict:
@@ -153,6 +157,18 @@ def test_a_bench_table_marks_a_row_timed_on_a_busy_machine(capsys):
     assert "busy" not in capsys.readouterr().out
 
 
+def test_a_bench_table_marks_a_row_not_timed_at_steady_state(capsys):
+    rows = [{"row": "Vanilla", "tokens_per_s": 10.0, "unsteady": True, "busy_samples": 1},
+            {"row": "DEL", "tokens_per_s": 12.0, "unsteady": False}]
+    harness.print_table(rows, ["row", "tok/s"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].split() == ["Vanilla", "*~", "10.00"] and lines[2].split() == ["DEL", "12.00"]
+    assert lines[4].startswith("~ not timed at steady state: its warm-up did not converge, or its first timed sample "
+                               "took more than 2×")
+    harness.print_table(rows[1:], ["row", "tok/s"])
+    assert "steady" not in capsys.readouterr().out
+
+
 def test_a_bench_composes_as_run_does():
     """A bench's --task/--set go through run's aliases and its name check: `cnndm` is CNN/DM's summarisation task, and
     a misspelt method fails with a suggestion before Hydra's own error."""
@@ -170,19 +186,22 @@ def test_a_bench_row_is_its_summary_paired_with_its_vanilla():
         summary = {"method": method, "method_tag": method, "model": "m", "task": "t", "n_samples": 2,
                    "tokens_per_s": speed, "etpl": 0.5, "generated_tokens": 8, "loaded_layers": 16, "wall_s": 2.0,
                    "acceptance_rate": None, "time_split": {"policy": 0.1}, "load": {"overloaded": busy},
-                   "run_key": key.as_dict()}
+                   "run_key": key.as_dict(), "steady_state": {"first_slowdown": 1 + 2 * busy,
+                                                              "warmups_unconverged": 0, "steady": not busy}}
         return harness.Row(method, OmegaConf.create({"model": {"num_layers": 4}, "out_dir": method}), None, summary)
 
     vanilla, ls = harness.table([finished("vanilla", 4.0, 0), finished("ls", 6.0, 1)])
     assert (vanilla["speedup"], ls["speedup"], ls["predicted_speedup"]) == (1.0, 1.5, 2.0)
     assert (vanilla["busy_samples"], ls["busy_samples"]) == (0, 1) and ls["pooled_tokens_per_s"] == 4.0
+    assert (vanilla["unsteady"], ls["unsteady"], ls["first_slowdown"]) == (False, True, 3)  # records.steady_state
 
 
 def test_tables_mark_a_peer_and_say_why():
-    assert method_label("hf_assistant_early_exit", 24, 4) == "HF assistant_early_exit(E24-γ4)†"
-    assert method_label("hf_generate") == "HF generate†" and method_label("ls", 24, 4) == "LS(E24-γ4)"
-    # DEL's variants by their settings (records.del_variant), whatever the tag says
-    assert [method_label("del", variant=del_variant(h)) for h in
+    assert method_label("hf_assistant_early_exit", {"exit_layer": 24, "gamma": 4}) == "HF assistant_early_exit(E24-γ4)†"
+    assert method_label("hf_generate") == "HF generate†"
+    assert method_label("ls", {"exit_layer": 24, "gamma": 4}) == "LS(E24-γ4)"
+    # DEL's variants by their settings (methods.dynamic_exit.variant), whatever the tag says
+    assert [method_label("del", h) for h in
             ({"cost_model": "layers"}, {"cost_model": "measured", "shadow_vocab": 1024},
              {"cost_model": "layers", "keep_stopped_draft": True}, {"d_max": 4})] == \
         ["DEL", "DEL-CPU", "DEL (KnapSpec's)", "DEL"]

@@ -299,7 +299,7 @@ def test_config_reads_the_question_file_through_data_local(monkeypatch, tmp_path
     assert compose_cfg("run", "task=specbench", "data=local").task.data_files == (
         f"{tmp_path}/data/spec_bench/question.jsonl")
     cfg = compose_cfg("run", "experiment=specbench", "scale=local", "method=ls")
-    assert (cfg.task.per_category, cfg.max_new_tokens, cfg.method.tag) == (2, 64, "ls-E24-g4")  # the model's (E, γ)
+    assert (cfg.task.per_category, cfg.max_new_tokens, cfg.method.tag) == (2, 64, "ls-E27-g2")  # the model's (E, γ)
     assert cfg.out_dir.startswith("results/runs/local/smollm2-135m/specbench/")
     cfg = compose_cfg("run", "experiment=specbench")
     assert (cfg.limit, cfg.max_new_tokens) == (None, 1024)

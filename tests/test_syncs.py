@@ -327,7 +327,7 @@ def test_the_engine_counts_its_own_syncs(reports, name):
 def test_a_bench_rows_syncs_after_its_run(run_cfg):
     """bench_syncs: a finished run's method on its prompts (ids from its records) counted again, one JSON-ready row
     each; the model loaded from the run's config when the row has no loader."""
-    from del_bench.engine.syncs import bench_syncs
+    from del_bench.bench.engine import bench_syncs
     from del_bench.records import RunDir
 
     cfg = run_cfg("method=ls", "method.exit_layer=2", "method.gamma=3", "max_new_tokens=8", "layers=eager")
@@ -342,7 +342,7 @@ def test_a_bench_rows_syncs_after_its_run(run_cfg):
 def test_a_del_bench_row_is_counted_again_with_its_statistics_on_acceptance(run_cfg):
     """DEL's row comes twice: as this CPU runs it (statistics read apart) and as an accelerator would (on the round's
     acceptance read), the second with fewer reads."""
-    from del_bench.engine.syncs import ON_ACCEPTANCE, bench_syncs
+    from del_bench.bench.engine import ON_ACCEPTANCE, bench_syncs
     from del_bench.records import RunDir
 
     cfg = run_cfg("method=del", "max_new_tokens=16", "layers=eager")
@@ -351,3 +351,19 @@ def test_a_del_bench_row_is_counted_again_with_its_statistics_on_acceptance(run_
     apart, ridden = bench_syncs([SimpleNamespace(label="DEL", cfg=cfg, load=None)], prompts=1)
     assert (apart["row"], ridden["row"]) == ("DEL", "DEL" + ON_ACCEPTANCE)
     assert apart["rounds"] == ridden["rounds"] and ridden["total"] < apart["total"]
+
+
+def test_a_bench_rows_syncs_are_counted_on_the_decode_its_run_made(run_cfg):
+    """bench_syncs sets its engine up as the run's own (session.build): the task's stop strings end each output
+    where the run's ended, so the rounds counted are the run's rounds of those prompts, prefill included."""
+    from del_bench import runner
+    from del_bench.bench.engine import bench_syncs
+    from del_bench.records import RunDir
+
+    cfg = run_cfg("method=ls", "method.exit_layer=2", "method.gamma=3", "max_new_tokens=32", "layers=eager", "limit=2",
+                  "task.stop_strings=[e,t,a,o,' ']")
+    runner.run(cfg)
+    run = RunDir(cfg.out_dir)
+    assert any(r["generated_tokens"] < 32 for r in run.finished())  # a stop string ended some output
+    (row,) = bench_syncs([SimpleNamespace(label="LS", cfg=cfg, load=None)], prompts=2)
+    assert row["rounds"] == len(run.rounds())

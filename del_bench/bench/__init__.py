@@ -20,6 +20,7 @@ BENCHES = {  # name: module of this package (a module's `main(argv)` runs it)
     "compile": "compile",
     "sandbox": "sandbox",
     "half-lossless": "half_lossless",
+    "profile": "profile",
     "specbench-speed": "specbench_speed",
     "batch": "batch",
 }

@@ -14,13 +14,11 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
+from del_bench import session
 from del_bench.bench import harness as h
-from del_bench.engine.decode import Engine
-from del_bench.engine.sampling import Sampling
 from del_bench.methods.base import Shadow
 from del_bench.methods.dynamic_exit import DEL
 from del_bench.records import RunDir, read_jsonl
-from del_bench.runner import eos_ids
 
 COLUMNS = ["row", "tok/s", "speedup", "eTPL", "α", "ctrl", ("= Vanilla", "equal_vanilla", "", 9)]
 
@@ -107,27 +105,27 @@ def acting(method: DEL) -> list:
     return [method.exit_layer if method.gamma else None, bool(method.gamma)]
 
 
-def agreement(args, load, prompts: list[list[int]], costs: dict) -> dict:
-    """Every round's pair of decisions of each twin, decoding the prompts (untimed); costs: the measured-cost rows'
-    own (RunDir.costs), so the twins plan on what those rows planned on."""
-    loaded, stack = load()
-    engine = Engine(stack, Sampling(), eos_ids(loaded.model, loaded.tokenizer))
+def agreement(args, cfg, load, prompts: list[list[int]], costs_dir: str) -> dict:
+    """Every round's pair of decisions of each twin, decoding the prompts (untimed) set up as the rows were
+    (session.build on the rows' run config `cfg`: their task's sampling and stop strings); costs_dir: a measured-cost
+    row's out_dir, whose costs a measured-cost twin plans on, as that row did."""
+    _, stack = load()
     twins = {f"vocab {args.vocab}, cost_model={c}": Twin(stack, args.vocab, cost_model=c)
              for c in ("layers", "measured")}
     twins.update({f"shadow_every {r}": Lagging(int(r), cost_model="measured", shadow_vocab=args.vocab)
                   for r in args.every.split(",") if r})
     for twin in twins.values():
-        if twin.cost_model == "measured":
-            twin.set_costs(**costs)
+        ready = session.build(cfg, load, method=twin, run_dir=RunDir(costs_dir))
         for p in prompts:
-            engine.generate(p, twin, args.max_new_tokens, seed=0)
+            ready.engine.generate(p, twin, args.max_new_tokens, seed=0)
     return {name: twin.pairs for name, twin in twins.items()}
 
 
 def main(argv: list[str]) -> int:
     args = parse(argv)
     base = [f"model={args.model}", f"task={args.task}", f"max_new_tokens={args.max_new_tokens}", *args.set]
-    load = h.shared_load(h.compose(*base))
+    cfg = h.compose(*base)
+    load = h.shared_load(cfg)
     measured = ["method=del", "method.cost_model=measured"]
     rows = [h.row(label, args.root, args.experiment, *base, *overrides, load=load) for label, overrides in (
         ("Vanilla", ["method=vanilla"]), ("DEL (paper: layer costs, exact shadow)", ["method=del"]),
@@ -138,8 +136,8 @@ def main(argv: list[str]) -> int:
     for r in table:
         r["equal_vanilla"] = "{}/{}".format(*h.outputs_equal(r["out_dir"], table[0]["out_dir"]))
     prompts = [s["prompt_ids"] for s in read_jsonl(Path(table[0]["out_dir"]) / "samples.jsonl")]
-    costs = next(c for r in table if (c := RunDir(r["out_dir"]).costs()) is not None)  # the measured-cost rows'
-    pairs = agreement(args, load, prompts, costs)
+    costs_dir = next(r["out_dir"] for r in table if RunDir(r["out_dir"]).costs() is not None)  # a measured-cost row
+    pairs = agreement(args, cfg, load, prompts, costs_dir)
     print(f"\n{args.model}, {args.task}, {len(prompts)} prompts, {args.max_new_tokens} new tokens, greedy\n")
     for name, rounds in pairs.items():
         same = statistics.fmean(p["plan"] == p["twin"] for p in rounds) if rounds else None

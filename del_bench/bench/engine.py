@@ -7,7 +7,12 @@ prompt, so the drift of a shared machine hits every row and the floor alike. A r
 of its own loop (they pair: RunKey's machine names the loop).
 
 Columns from the records: tok/s, speedup, pred. (eTPL × L), meas/pred, ctrl (Round.policy_s ÷ decode time), ms/tok
-(decode time per emitted token, prefill excluded: rounds ≥ 1 of rounds.jsonl). Columns from the probe, a
+(decode time per emitted token, prefill excluded: rounds ≥ 1 of rounds.jsonl); c.pred, the speedup of decoding
+(prefill excluded) that this device's measured costs predict (LayerStack.measure_costs: a layer, a head row, a batch
+of T positions; a del_cpu row's costs.json, else measured after the rows), every round priced as DEL's TPL prices a
+plan (dynamic_exit.round_cost), and m/c (the measured decode speedup ÷ c.pred: 1.0 = the cost model holds on this
+device — on a GPU, where a batch of d + 1 positions costs about one, as on a CPU, where it costs more). Columns from
+the probe, a
 micro-benchmark whose raw timings the result file keeps (`probe_s`, `gemv_s`, per prompt): floor (Vanilla only:
 (bytes of weights one token reads ÷ the probe's GB/s) ÷ ms/tok, 1.0 = at the floor) and gemv (Vanilla only: a
 token's matrix products alone ÷ ms/tok). The probe streams a large [in, out] fp32 matrix with x @ W at one row;
@@ -19,14 +24,18 @@ from __future__ import annotations
 import statistics
 
 import torch
+from hydra.utils import get_class
 
+from del_bench import session
 from del_bench.bench import harness as h
-from del_bench.engine.syncs import bench_syncs, print_syncs
+from del_bench.engine.syncs import SyncReport, measure, print_syncs
+from del_bench.methods.dynamic_exit import batch_factors, round_cost
 from del_bench.models.layer_stack import _linear
 from del_bench.models.products import layer_matrices
 from del_bench.records import RunDir
 
-COLUMNS = ["row", "tok/s", "speedup", "pred.", "meas/pred", "ctrl", ("ms/tok", "decode_ms_per_token", ".2f", 7),
+COLUMNS = ["row", "tok/s", "speedup", "pred.", "meas/pred", ("c.pred", "cost_predicted_speedup", "x", 6),
+           ("m/c", "decode_over_cost_predicted", ".2f", 5), "ctrl", ("ms/tok", "decode_ms_per_token", ".2f", 7),
            ("floor", "floor_fraction", ".2f", 6), ("gemv", "gemv_fraction", ".2f", 5)]
 
 
@@ -78,6 +87,40 @@ def token_bytes(stack) -> int:
     return sum(t.numel() * t.element_size() for t in [*tensors, stack.norm_weight, stack.head_weight])
 
 
+def cost_predicted_speedup(rounds: list[dict], num_layers: int, costs: dict) -> float | None:
+    """The decode speedup (prefill excluded) `costs` predict for these round lines: Vanilla's cost a token (L layers
+    and one head row) ÷ theirs, each round priced by dynamic_exit.round_cost. None when nothing was decoded."""
+    decode = [r for r in rounds if r["round"] > 0]
+    emitted = sum(r["emitted"] for r in decode)
+    if not emitted:
+        return None
+    h = costs["head_s"] / costs["layer_s"]
+    c = batch_factors(costs["batch_s"], max(r["drafted"] for r in decode) + 1) if costs.get("batch_s") else ()
+    spent = sum(round_cost(r["drafted"], r["exit_layer"], r["loaded_layers"], r["head_calls"], num_layers, h, c)
+                for r in decode)
+    return (num_layers + h) / (spent / emitted)
+
+
+def loop_costs(rows: list[dict], stack) -> dict:
+    """The measured costs of one layer loop's rows: a row's own costs.json where it was measured on this device (what
+    its DEL planned on), else measured now on `stack` (untimed, after the rows)."""
+    here = stack.cost_device()
+    own = (RunDir(r["out_dir"]).costs() for r in rows)
+    return next((c for c in own if c is not None and c.get("device") == here), None) or stack.measure_costs()
+
+
+def add_cost_predictions(rows: list[dict], stack, num_layers: int) -> dict:
+    """Fill c.pred and m/c for one layer loop's rows (Vanilla among them); returns the costs used."""
+    costs = loop_costs(rows, stack)
+    vanilla = next((r["decode_ms_per_token"] for r in rows if r["method"] == "vanilla"), None)
+    for r in rows:
+        r["cost_predicted_speedup"] = cost_predicted_speedup(RunDir(r["out_dir"]).rounds(), num_layers, costs)
+        measured = vanilla / r["decode_ms_per_token"] if vanilla and r["decode_ms_per_token"] else None
+        r["decode_speedup"] = measured
+        r["decode_over_cost_predicted"] = h._ratio(measured, r["cost_predicted_speedup"])
+    return costs
+
+
 def decode_ms_per_token(out_dir: str) -> float:
     """Decode time per emitted token, prefill (round 0) excluded, pooled over the run's prompts."""
     rounds = [r for r in RunDir(out_dir).rounds() if r["round"] > 0]
@@ -85,14 +128,48 @@ def decode_ms_per_token(out_dir: str) -> float:
     return 1000 * seconds / max(1, sum(r["emitted"] for r in rounds))
 
 
+# ---- host syncs of a run config (the rows'), counted after the timed rows ------------------------------------------
+ON_ACCEPTANCE = " (stats on acceptance)"  # a DEL row counted again with Engine(shadow_with_acceptance=True)
+
+
+def config_syncs(cfg, load, prompt_ids: list[list[int]], shadow_with_acceptance: bool | None = None) -> SyncReport:
+    """A run config's method and decoding on these prompts (token ids), set up as its run was (session.build: the
+    task's generation settings and stop strings, the costs and product layouts its out_dir holds, its compiled steps),
+    counted by engine/syncs.py's measure, untimed. load: () → (Loaded, LayerStack), as runner.run takes it (None: the
+    config's model loaded here). shadow_with_acceptance: the Engine's (None: as the device decides)."""
+    run_dir = RunDir(cfg.out_dir) if cfg.get("out_dir") else None
+    ready = session.build(cfg, load, run_dir=run_dir, shadow_with_acceptance=shadow_with_acceptance)
+    return measure(ready.engine, ready.method, prompt_ids, int(cfg.max_new_tokens), seed=int(cfg.seed))
+
+
+def run_syncs(cfg, load, prompts: int = 2, shadow_with_acceptance: bool | None = None) -> SyncReport:
+    """A finished run's syncs: config_syncs on the first `prompts` prompts it decoded (their ids from its records)."""
+    records = RunDir(cfg.out_dir).finished()[:prompts]
+    return config_syncs(cfg, load, [r["prompt_ids"] for r in records], shadow_with_acceptance)
+
+
+def bench_syncs(rows, prompts: int = 2) -> list[dict]:
+    """The host-sync rows, after the timed runs: for each finished bench row (a `label`, its run's `cfg`, its `load`),
+    run_syncs on its first `prompts` prompts → SyncReport.as_dict() with its "row" label (print_syncs prints them;
+    the result file keeps them). A method with shadow statistics (DEL) is counted a second time with them on the
+    acceptance read, as an accelerator runs it, whatever this device's default."""
+    out = []
+    for r in rows:
+        out.append({"row": r.label, **run_syncs(r.cfg, r.load, prompts).as_dict()})
+        if get_class(r.cfg.method._target_).wants_shadow:
+            out.append({"row": r.label + ON_ACCEPTANCE, **run_syncs(r.cfg, r.load, prompts, True).as_dict()})
+    return out
+
+
 def bench_model(model: str, args) -> dict:
-    rows, loads = [], {}
+    rows, loads, loops = [], {}, []
     for layers in args.layers.split(","):
         loads[layers] = h.shared_load(h.compose(f"model={model}", *args.set, f"layers={layers}"))
         for label, overrides in rows_for([m for m in args.methods.split(",") if m]):
             rows.append(h.row(f"{label} [{layers}]", f"{args.root}/{model}/{layers}", args.experiment,
                               f"model={model}", f"task={args.task}", f"max_new_tokens={args.max_new_tokens}",
                               *args.set, f"layers={layers}", *overrides, load=loads[layers]))
+            loops.append(layers)
     probe = {"probe_s": [], "gemv_s": []}
 
     def measure_floor():  # before each prompt's rows: the machine as that prompt saw it
@@ -114,8 +191,11 @@ def bench_model(model: str, args) -> dict:
         vanilla = r["method"] == "vanilla"
         r["floor_fraction"] = floor_ms / r["decode_ms_per_token"] if vanilla else None
         r["gemv_fraction"] = gemv_ms / r["decode_ms_per_token"] if vanilla else None
+    costs = {layers: add_cost_predictions([t for t, loop in zip(table, loops) if loop == layers], loads[layers]()[1],
+                                          done[0].cfg.model.num_layers)
+             for layers in loads}  # untimed, after the rows
     return {"model": model, "rows": table, "gbps": gbps, "floor_ms_per_token": floor_ms, "gemv_ms_per_token": gemv_ms,
-            **probe, "host_syncs": bench_syncs(done)}  # counted after the timed rows, untimed
+            **probe, "costs": costs, "host_syncs": bench_syncs(done)}  # counted after the timed rows, untimed
 
 
 def main(argv: list[str]) -> int:

@@ -1,24 +1,37 @@
-"""A Llama-2-7B-shaped random model on a GPU: ours vs HF generate and assistant_early_exit, HBM roofline, memory.
+"""Eager vs graph-captured decoding on a GPU: a Llama-2-7B/Llama-3-8B-shaped random model or the testbed, ours vs HF.
 
-The model is built in code with random weights (no hub), in the dtype on the device; transformers' rows (†, peers)
-run on the same weights (LayerStack re-points HF's modules at its own storage: one copy). Every row is a run with
-records (model=tiny-random at this shape, random byte prompts as a `prompts` task, no EOS: every row runs to the
-end), interleaved prompt by prompt after the runner's untimed warm-up; the engine's and the peers' clocks are read
-after a device synchronisation.
+Rows, every one a run with records, interleaved prompt by prompt after the runner's untimed warm-up, clocks read
+after a device synchronisation:
+- eager (`compile=off`: our layer loop, fused where it builds): our Vanilla, LS(E, γ) and DEL, and transformers'
+  `generate` and `generate(assistant_early_exit=E, num_assistant_tokens=γ)` († peers, on the same weights:
+  LayerStack re-points HF's modules at its own storage, one copy);
+- captured (`--captured on`, the default, or `auto`): the same methods of ours with the graph-captured steps
+  (engine/compiled.py). A compile that is refused (`on`: CompileUnavailable, or any error of such a row) ends that
+  row only: it is listed with the reason, the others go on.
 
-Per row, from its records: tok/s (mean over prompts), roofline (tok/s ÷ the memory-bandwidth roofline of one-token
-decoding: bandwidth ÷ the bytes a token streams — every layer's weights, the final norm and LM head, and the KV
-cache at the mean context; a speculative row can exceed 1), HBM (our rows: the bytes our loop streamed ÷ seconds ÷
-bandwidth: loaded layers × a layer's bytes + (rounds + drafted) × the head's bytes), eTPL, α, peak memory and how
-many outputs equal generate's. Bandwidth: --bandwidth GB/s, else the device's data-sheet figure, else a GEMV probe.
-Random weights rarely agree across depths, so the rows measure mechanics (a round's cost, the roofline, memory), not
-a LayerSkip checkpoint's speedups.
+The model: `--model random` (default) a Llama of `--shape` (llama2-7b, llama2-13b, llama3-8b; the matrix sizes,
+any of them overridden by --layers --hidden …) with random weights made on the device in the dtype (no host copy;
+the same seed on the same device type gives the same weights), prompts of random bytes, no EOS (every row runs to
+the end); its records name it model=tiny-random at that shape. Or a model config (`--model testbed`: the
+LayerSkip-trained testbed, its held-out code prompts; `--task` another task).
+
+Per row, from its records: tok/s (mean over prompts); per-prompt speed (tok/s prompt by prompt in decode order; the
+first timed prompt ÷ the median of the rest: far below 1, the warm-up left decoding short of steady state);
+roofline (tok/s ÷ the memory-bandwidth roofline of one-token decoding: bandwidth ÷ the bytes a token streams — every
+layer's weights, the final norm and LM head, the KV cache at the samples' mean context; a speculative row can exceed
+1); HBM (our rows: the bytes our loop streamed ÷ seconds ÷ bandwidth: loaded layers × a layer's bytes + (rounds +
+drafted) × the head's); eTPL, α, peak memory; "= generate" and "= Vanilla" (the Vanilla of the row's own path,
+eager or captured): outputs equal, first departing at a near-tie of the reference's logits (allowed in half
+precision: del_bench/numerics.py, the reference's recorded top2_gap_ulps) or really departing. Bandwidth: --bandwidth
+GB/s, else the device's data-sheet figure, else a GEMV probe. Random weights rarely agree across depths, so on them
+the rows measure mechanics (a round's cost, the roofline, memory), not a LayerSkip checkpoint's speedups.
 """
 
 from __future__ import annotations
 
 import random
 import statistics
+import time
 from pathlib import Path
 
 import torch
@@ -26,40 +39,60 @@ import torch
 from del_bench.bench import harness as h
 from del_bench.bench.peers import peer_method
 from del_bench.models.layer_stack import LayerStack
-from del_bench.models.loading import DTYPES, ByteTokenizer, Loaded
-from del_bench.records import PEER_LABELS, read_jsonl
+from del_bench.models.loading import DTYPES, ByteTokenizer, Loaded, random_llama
+from del_bench.records import is_peer, read_jsonl
 
+SHAPES = {  # the matrix sizes of the checkpoints (their HF configs); "tiny": the suite's CPU smoke shape
+    "llama2-7b": dict(layers=32, hidden=4096, heads=32, kv_heads=32, intermediate=11008, vocab=32000),
+    "llama2-13b": dict(layers=40, hidden=5120, heads=40, kv_heads=40, intermediate=13824, vocab=32000),
+    "llama3-8b": dict(layers=32, hidden=4096, heads=32, kv_heads=8, intermediate=14336, vocab=128256),
+    "tiny": dict(layers=2, hidden=64, heads=4, kv_heads=2, intermediate=128, vocab=128),
+}
 NOMINAL_GBPS = (  # (substring of torch.cuda.get_device_name, GB/s): HBM bandwidth from the vendors' data sheets
     ("H200", 4800.0), ("H100 PCIe", 2000.0), ("H100 NVL", 3900.0), ("H100", 3350.0),  # first match wins
     ("A100-SXM4-80GB", 2039.0), ("A100 80GB PCIe", 1935.0), ("A100", 1555.0),
     ("L40S", 864.0), ("A10G", 600.0), ("A10", 600.0), ("L4", 300.0), ("V100", 900.0),
 )
-COLUMNS = ["row", "tok/s", ("roofline", "roofline_x", ".3g", 8), ("HBM", "hbm_fraction", ".2f", 5), "eTPL", "α",
-           ("peak GiB", "peak_gib", ".2f", 8), ("= generate", "equal_generate", "", 10)]
+COLUMNS = ["row", "tok/s", ("1st/rest", "first_over_rest", ".2f", 8), ("roofline", "roofline_x", ".3g", 8),
+           ("HBM", "hbm_fraction", ".2f", 5), "eTPL", "α", ("peak GiB", "peak_gib", ".2f", 8),
+           ("= generate", "equal_generate", "", 10), ("= Vanilla", "equal_vanilla", "", 10)]
+PATH_LABELS = {"off": "eager", "on": "captured", "auto": "compile=auto"}
 
 
 def parse_args(argv=None):
     ap = h.parser("gpu", __doc__)
-    shape = ap.add_argument_group("model shape (default: Llama-2-7B)")
-    shape.add_argument("--layers", type=int, default=32)
-    shape.add_argument("--hidden", type=int, default=4096)
-    shape.add_argument("--heads", type=int, default=32)
-    shape.add_argument("--kv-heads", type=int, default=32)
-    shape.add_argument("--intermediate", type=int, default=11008)
-    shape.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--model", default="random",
+                    help="random (a Llama of --shape with random weights) or a model config, e.g. testbed")
+    ap.add_argument("--shape", default="llama2-7b", choices=sorted(SHAPES), help="the random model's matrix sizes")
+    shape = ap.add_argument_group("the random model's shape, beyond --shape's")
+    for name in SHAPES["tiny"]:
+        shape.add_argument(f"--{name.replace('_', '-')}", type=int, default=None)
+    ap.add_argument("--task", default="code", help="a model config's prompts: code (the held-out prompts of its "
+                    "training run: model=testbed) or a task name")
     ap.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--loop", default="auto", choices=("auto", "fused", "eager"), help="our decoder-layer loop")
+    ap.add_argument("--captured", default="on", choices=("on", "auto", "off"),
+                    help="compile setting of the graph-captured rows (off: eager rows only)")
     ap.add_argument("--prompts", type=int, default=3)
-    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--prompt-len", type=int, default=128, help="the random model's prompt length (ids)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--configs", default="8:6", help="comma-separated E:γ for LS and assistant_early_exit")
-    ap.add_argument("--no-del", action="store_true", help="leave out the DEL row")
+    ap.add_argument("--configs", default=None, help="comma-separated E:γ for LS and assistant_early_exit (default: "
+                    "the random model's L/4:6, a model config's own LS setting)")
+    ap.add_argument("--no-del", action="store_true", help="leave out the DEL rows")
+    ap.add_argument("--del-lookahead", type=int, default=None, metavar="K",
+                    help="also DEL reading its stop decisions K candidates at a time (method.lookahead): fewer host "
+                    "reads, the candidates drafted past a stop paid for")
+    ap.add_argument("--no-peers", action="store_true", help="leave out transformers' rows (then no '= generate')")
     ap.add_argument("--bandwidth", type=float, default=None, help="GB/s (default: the device's nominal, or a probe)")
     ap.add_argument("--probe-mb", type=int, default=512, help="matrix size of the GEMV bandwidth probe")
     ap.add_argument("--threads", type=int, default=2, help="torch threads on CPU")
     ap.add_argument("--seed", type=int, default=0)
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    for name, value in SHAPES[args.shape].items():  # the random shape resolved: what the result file's settings say
+        if args.model == "random" and getattr(args, name) is None:
+            setattr(args, name, value)
+    return args
 
 
 class AnyIds(ByteTokenizer):
@@ -80,23 +113,21 @@ def model_overrides(args) -> list[str]:
             "model.late_residual_scale=1.0", "model.init_std=0.02"]
 
 
-def build_model(args, device: torch.device):
-    """A Llama with random weights of the given shape, initialised on the device in the dtype (no float32 copy)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+def build_model(args, device: torch.device | str):
+    """A Llama of the args' shape with transformers' random init, made on the device in the dtype (no host copy)."""
+    return random_model({k: getattr(args, k) for k in SHAPES["tiny"]}, args.dtype, device, args.seed)
 
-    config = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
-                         num_hidden_layers=args.layers, num_attention_heads=args.heads,
-                         num_key_value_heads=args.kv_heads, max_position_embeddings=4096,
+
+def random_model(shape: dict, dtype: str, device: torch.device | str, seed: int):
+    """A Llama of `shape` (SHAPES' keys) with transformers' random init, made on the device in the dtype."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(vocab_size=shape["vocab"], hidden_size=shape["hidden"],
+                         intermediate_size=shape["intermediate"], num_hidden_layers=shape["layers"],
+                         num_attention_heads=shape["heads"],
+                         num_key_value_heads=shape["kv_heads"], max_position_embeddings=4096,
                          bos_token_id=None, eos_token_id=None, pad_token_id=0)  # no EOS: every row runs to the end
-    torch.manual_seed(args.seed)
-    default_dtype = torch.get_default_dtype()
-    torch.set_default_dtype(DTYPES[args.dtype])
-    try:
-        with device:
-            model = LlamaForCausalLM(config)
-    finally:
-        torch.set_default_dtype(default_dtype)
-    return model.eval()
+    return random_llama(config, DTYPES[dtype], device, seed)
 
 
 def nominal_gbps(device_name: str) -> float | None:
@@ -124,27 +155,42 @@ def bandwidth(args, device: torch.device) -> tuple[float, str]:
     return probe_bandwidth(device, DTYPES[args.dtype], args.probe_mb), "GEMV probe"
 
 
-def stream_bytes(model, args) -> dict:
+def stream_bytes(model) -> dict:
     """Bytes one token streams: a decoder layer's weights, the final norm + LM head, and KV per cached position."""
-    element = model.model.embed_tokens.weight.element_size()
-    layer_bytes = sum(p.numel() for p in model.model.layers[0].parameters()) * element
-    head_bytes = (model.lm_head.weight.numel() + model.model.norm.weight.numel()) * element
-    kv_per_position = 2 * args.layers * args.kv_heads * (args.hidden // args.heads) * element
-    return {"layer": layer_bytes, "head": head_bytes, "kv_per_position": kv_per_position, "num_layers": args.layers}
+    config, layers = model.config, model.model.layers
+    element = next(layers[0].parameters()).element_size()
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return {"layer": sum(p.numel() for p in layers[0].parameters()) * element,
+            "head": (model.lm_head.weight.numel() + model.model.norm.weight.numel()) * element,
+            "kv_per_position": 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * element,
+            "num_layers": config.num_hidden_layers}
 
 
-def with_roofline(r: dict, sizes: dict, gbps: float, context: float, generate_dir: str) -> dict:
-    """The row's roofline, HBM fraction, peak memory and outputs equal to generate's, from its samples.jsonl."""
+def with_figures(r: dict, sizes: dict, gbps: float, generate_dir: str | None, vanilla_dir: str | None) -> dict:
+    """The row's per-prompt speed, roofline, HBM fraction, peak memory and its outputs against generate's and its
+    path's Vanilla's (harness.lossless_vs: the near-tie rule), from its records."""
     samples = read_jsonl(Path(r["out_dir"]) / "samples.jsonl")
+    context = statistics.fmean(len(s["prompt_ids"]) + s["generated_tokens"] / 2 for s in samples)
     token_bytes = sizes["layer"] * sizes["num_layers"] + sizes["head"] + sizes["kv_per_position"] * context
     r["roofline_x"] = r["tokens_per_s"] / (gbps * 1e9 / token_bytes)
-    if r["method"] not in PEER_LABELS:  # our rows: what our loop streamed
+    if not is_peer(r["method"]):  # our rows: what our loop streamed
         r["hbm_fraction"] = statistics.fmean(
             (s["loaded_layers"] * sizes["layer"] + (s["rounds"] + s["drafted"]) * sizes["head"]) / s["wall_s"]
             for s in samples) / (gbps * 1e9)
     r["peak_gib"] = max(s["peak_memory_bytes"] or 0 for s in samples) / 2**30
-    r["equal_generate"] = "{}/{}".format(*h.outputs_equal(r["out_dir"], generate_dir))
+    r.update(h.per_prompt_speed(r["out_dir"]))
+    for key, reference_dir, name in (("generate", generate_dir, "generate"), ("vanilla", vanilla_dir, "Vanilla")):
+        if reference_dir is not None and reference_dir != r["out_dir"]:
+            r[f"vs_{key}"] = h.lossless_vs(r["out_dir"], reference_dir, name)
+            r[f"equal_{key}"] = r[f"vs_{key}"]["cell"]
     return r
+
+
+def compile_state(summary: dict) -> dict:
+    """Whether the row's last decoding session ran the captured steps, and why not (its setup line)."""
+    setup = (summary.get("setup") or [{}])[-1]
+    return {"compile": setup.get("compile"), "graphs": bool(setup.get("compiled")), "compile_s": setup.get("compile_s"),
+            "compile_reason": setup.get("reason")}
 
 
 def main(argv: list[str]) -> int:
@@ -152,38 +198,115 @@ def main(argv: list[str]) -> int:
     return 0
 
 
+def random_prompts(args) -> list[dict]:
+    rng = random.Random(args.seed)
+    return [{"id": f"random-{i}", "prompt": "".join(chr(rng.randrange(33, 127)) for _ in range(args.prompt_len - 1))}
+            for i in range(args.prompts)]  # + <s>: prompt-len ids
+
+
+def setup_model(args, device: torch.device) -> tuple[list[str], object, dict]:
+    """(overrides every row shares, the rows' loader, what the header says of the model)."""
+    common = [f"max_new_tokens={args.max_new_tokens}", f"layers={args.loop}", f"threads={args.threads}"]
+    if args.model == "random":
+        t0 = time.perf_counter()
+        model = build_model(args, device)
+        if device.type == "cuda":  # the initialisation's kernels are queued: the time is theirs done
+            torch.cuda.synchronize(device)
+        built = {"build_s": time.perf_counter() - t0}
+        stack = LayerStack(model, layers=args.loop)
+        loaded = (Loaded(model, AnyIds(), args.layers, str(device)), stack)
+        base = [*model_overrides(args), *h.prompts_task(Path(args.root) / "prompts.jsonl", random_prompts(args)),
+                *common, *args.set]
+        return base, lambda: loaded, {**built, "model": model, "stack": stack}
+    base = [f"model={args.model}", f"model.device={device}", f"model.dtype={args.dtype}",
+            *h.task_overrides(args.task, args.model, args.root), *common, *args.set]
+    load = h.shared_load(h.compose(*base))
+    t0 = time.perf_counter()
+    loaded, stack = load()
+    return base, load, {"build_s": time.perf_counter() - t0, "model": loaded.model, "stack": stack}
+
+
+def make_rows(args, base: list[str], load, grid: list[tuple[int, int]]) -> dict[str, list[h.Row]]:
+    """The rows by path: eager (ours with compile=off and the peers) and captured (ours with --captured)."""
+    def row(label, *overrides, method=None, suffix="", may_fail=False):
+        return h.row(label, args.root, args.experiment, *base, *overrides, load=load, method=method, suffix=suffix,
+                     may_fail=may_fail)
+
+    def ours(setting: str) -> list[h.Row]:
+        path, suffix = PATH_LABELS[setting], "" if setting == "off" else f"-compile_{setting}"
+        options = dict(suffix=suffix, may_fail=setting != "off")
+        rows = [row(f"Vanilla ({path})", "method=vanilla", f"compile={setting}", **options)]
+        rows += [row(f"LS(E{e}-γ{g}) ({path})", *h.ls_args("ls", e, g), f"compile={setting}", **options)
+                 for e, g in grid]
+        if not args.no_del:
+            rows.append(row(f"DEL ({path})", "method=del", f"compile={setting}", **options))
+            if args.del_lookahead:
+                k = args.del_lookahead
+                rows.append(row(f"DEL lookahead {k} ({path})", "method=del", f"+method.lookahead={k}",
+                                f"method.tag=del-lookahead{k}", f"compile={setting}", **options))
+        return rows
+
+    peers = [] if args.no_peers else [
+        row("HF generate †", "compile=off", method=peer_method("hf_generate")),
+        *(row(f"HF assistant_early_exit(E{e}-γ{g}) †", "compile=off",
+              method=peer_method("hf_assistant_early_exit", exit_layer=e, gamma=g)) for e, g in grid)]
+    return {"eager": [*ours("off"), *peers], "captured": [] if args.captured == "off" else ours(args.captured)}
+
+
 def bench(args) -> dict:
     """The bench's rows and figures (what it prints and writes)."""
     device = torch.device(args.device)
-    model = build_model(args, device)
-    stack = LayerStack(model, layers=args.loop)
-    loaded = (Loaded(model, AnyIds(), args.layers, str(device)), stack)
-    rng = random.Random(args.seed)
-    words = [{"id": f"random-{i}", "prompt": "".join(chr(rng.randrange(33, 127)) for _ in range(args.prompt_len - 1))}
-             for i in range(args.prompts)]  # + <s>: prompt-len ids
-    base = [*model_overrides(args), *h.prompts_task(Path(args.root) / "prompts.jsonl", words),
-            f"max_new_tokens={args.max_new_tokens}", f"layers={args.loop}", f"threads={args.threads}", *args.set]
-
-    def row(label, *overrides, method=None):
-        return h.row(label, args.root, args.experiment, *base, *overrides, load=lambda: loaded, method=method)
-
-    rows = [row("Vanilla", "method=vanilla"), row("HF generate †", method=peer_method("hf_generate"))]
-    for e, g in h.grid_of(args.configs, "tiny-random"):
-        rows += [row(f"LS(E{e}-γ{g})", *h.ls_args("ls", e, g)),
-                 row(f"HF assistant_early_exit(E{e}-γ{g}) †",
-                     method=peer_method("hf_assistant_early_exit", exit_layer=e, gamma=g))]
-    if not args.no_del:
-        rows.append(row("DEL", "method=del"))
+    base, load, model_info = setup_model(args, device)
+    model, stack = model_info["model"], model_info["stack"]
+    L = model.config.num_hidden_layers
+    grid = h.grid_of(args.configs or (f"{max(1, L // 4)}:6" if args.model == "random" else None), args.model,
+                     whole=False)
+    by_path = make_rows(args, base, load, grid)
     gbps, source = bandwidth(args, device)
-    sizes = stream_bytes(model, args)
-    print(f"{args.layers} layers × {args.hidden} ({args.heads}/{args.kv_heads} heads, {args.intermediate} MLP, "
-          f"{args.vocab} vocab), {args.dtype} on {device}; our loop: {stack.layer_path}; bandwidth {gbps:.0f} GB/s "
-          f"({source})")
-    table = h.table(h.run_rows(rows, args.prompts))
-    context = args.prompt_len + args.max_new_tokens / 2
-    table = [with_roofline(r, sizes, gbps, context, table[1]["out_dir"]) for r in table]
-    h.print_table(table, COLUMNS)
-    report = {"layer_path": stack.layer_path, "bandwidth_gbps": gbps, "bandwidth_source": source, "bytes": sizes,
-              "rows": table}
+    sizes = stream_bytes(model)
+    shape = (f"{args.layers} layers × {args.hidden} ({args.heads}/{args.kv_heads} heads, {args.intermediate} MLP, "
+             f"{args.vocab} vocab), random" if args.model == "random" else f"{args.model} ({L} layers)")
+    print(f"{shape}, {args.dtype} on {device}, made in {model_info['build_s']:.1f} s; our loop: {stack.layer_path}; "
+          f"bandwidth {gbps:.3g} GB/s ({source})")
+    rows = [r for path in by_path.values() for r in path]
+    h.run_rows(rows, args.prompts)
+    ran = h.finished(rows)
+    table = dict(zip(map(id, ran), h.table(ran)))
+
+    def out_dir_of(path: str, method: str) -> str | None:
+        return next((table[id(r)]["out_dir"] for r in by_path[path] if id(r) in table
+                     and table[id(r)]["method"] == method), None)
+
+    generate_dir = out_dir_of("eager", "hf_generate")
+    results = []
+    for path, path_rows in by_path.items():
+        vanilla_dir = out_dir_of(path, "vanilla")
+        for r in path_rows:
+            if r.failure:
+                results.append({"row": r.label, "path": path, "failure": r.failure, "out_dir": r.cfg.out_dir})
+                continue
+            t = with_figures({**table[id(r)], "path": path}, sizes, gbps, generate_dir, vanilla_dir)
+            results.append(t if is_peer(t["method"]) else {**t, **compile_state(r.summary)})
+    h.print_table(results, COLUMNS)
+    print_notes(results)
+    report = {"model": args.model, "layer_path": stack.layer_path, "build_s": model_info["build_s"],
+              "bandwidth_gbps": gbps, "bandwidth_source": source, "bytes": sizes, "rows": results}
     h.write_result(args.out, "gpu", vars(args), **report)
     return report
+
+
+def print_notes(rows: list[dict]) -> None:
+    """Per-prompt speeds, departures from generate, captured rows that did not run graphs, and refused rows."""
+    width = max(len(r["row"]) for r in rows)
+    print("\ntok/s per prompt, in decode order (1st/rest: the first ÷ the median of the rest):")
+    for r in rows:
+        if "per_prompt" in r:
+            print(f"  {r['row']:<{width}}  " + " ".join(f"{v:.1f}" for v in r["per_prompt"]))
+    for r in rows:
+        note = (r.get("vs_generate") or {}).get("note")
+        if note:
+            print(f"{r['row']}: {note}")
+        if r["path"] == "captured" and "failure" not in r and not r.get("graphs"):
+            print(f"{r['row']}: decoded without graphs ({r.get('compile_reason') or 'no reason recorded'})")
+        if "failure" in r:
+            print(f"{r['row']}: not run — {r['failure']}")

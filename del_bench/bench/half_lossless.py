@@ -3,8 +3,10 @@
 docs/design.md §2.8, del_bench/numerics.py: each output is equal, first departs at a near-tie (the reference's top-2
 gap ≤ NEAR_TIE_ULPS ulps there), or departs for real.
 `--model testbed`: the held-out code prompts of its training run (never trained on); `--model tiny`: the tests' tiny
-random Llama (tests/conftest.py TINY) on short byte prompts. Prints one line per (method, prompt) and the fractions;
-exits 1 if any output departs from either reference at other than a near-tie.
+random Llama (tests/conftest.py TINY) on short byte prompts; `--model random`: a Llama of bench gpu's `--shape`
+(llama2-7b, llama3-8b, …) with random weights made on `--device` in the dtype, on the same byte prompts, no EOS.
+Prints one line per (method, prompt) and the fractions; exits 1 if any output departs from either reference at
+other than a near-tie.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 from omegaconf import OmegaConf
 
 from del_bench.bench import harness as h
+from del_bench.bench.gpu import SHAPES, random_model
 from del_bench.config import CONFIG_DIR
 from del_bench.engine.decode import Engine
 from del_bench.engine.sampling import Sampling
@@ -43,16 +46,21 @@ def methods(exit_layer: int) -> list[tuple[object, bool]]:
 
 
 def load_pair(args):
-    """(reference model, model for our LayerStack, prompts as id lists, eos ids, the model's default exit layer)."""
+    """(reference model, model for our LayerStack, prompts as id lists, eos ids, the model's default exit layer),
+    both models on args.device: two copies, since LayerStack re-lays the weights of its own."""
     dtype = loading.DTYPES[args.dtype]
+    byte_prompts = [loading.ByteTokenizer()(p)["input_ids"] for p in TINY_PROMPTS[: args.prompts]]
     if args.model == "tiny":
-        build = lambda: loading.build_tiny_random(OmegaConf.create(TINY), dtype)  # noqa: E731
-        (ref, tok), (ours, _) = build(), build()
-        return ref.eval(), ours.eval(), [tok(p)["input_ids"] for p in TINY_PROMPTS[: args.prompts]], set(), 1
+        build = lambda: loading.build_tiny_random(OmegaConf.create({**TINY, "device": args.device}), dtype)  # noqa
+        (ref, _), (ours, _) = build(), build()
+        return ref.eval(), ours.eval(), byte_prompts, set(), 1
+    if args.model == "random":  # the same seed on the same device: the same weights twice
+        ref, ours = (random_model(SHAPES[args.shape], args.dtype, args.device, seed=0) for _ in range(2))
+        return ref, ours, byte_prompts, set(), max(1, SHAPES[args.shape]["layers"] // 4)
     from del_bench.train.data import heldout_prompts
 
     cfg = OmegaConf.load(CONFIG_DIR / "model" / f"{args.model}.yaml")
-    cfg.dtype = args.dtype
+    cfg.dtype, cfg.device = args.dtype, args.device
     ref, ours = loading.load(cfg), loading.load(cfg)
     exit_layer = cfg.get("default_exit_layer") or 1
     if cfg.source == "tiny_random":  # configs/model/tiny-random.yaml: no training run to hold prompts out of
@@ -67,7 +75,7 @@ def load_pair(args):
 
 def hf_reference(model, prompt: list[int], max_new_tokens: int, eos: set[int]) -> tuple[list[int], list[float]]:
     """generate's greedy tokens and its top-2 gap (ulps of the model's dtype) at each of them."""
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=model.device)
     with torch.inference_mode():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens,
                              eos_token_id=sorted(eos) or None, pad_token_id=0, output_logits=True,
@@ -76,15 +84,22 @@ def hf_reference(model, prompt: list[int], max_new_tokens: int, eos: set[int]) -
     return tokens, [gap_ulps(step[0], dtype=model.dtype) for step in out.logits]
 
 
-def main(argv: list[str]) -> int:
+def parse_args(argv: list[str]):
     ap = h.parser("half-lossless", __doc__, runs=False)
-    ap.add_argument("--model", default="testbed", help="testbed | tiny (the tests' TINY) | a model config")
+    ap.add_argument("--model", default="testbed",
+                    help="testbed | tiny (the tests' TINY) | random (a Llama of --shape) | a model config")
+    ap.add_argument("--shape", default="llama2-7b", choices=sorted(SHAPES), help="--model random's matrix sizes")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32", "float64"))
     ap.add_argument("--prompts", type=int, default=6)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--layers", default="auto", choices=("auto", "fused", "eager"))
     ap.add_argument("--threads", type=int, default=1)
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
     torch.set_num_threads(args.threads)
     ref_model, model, prompts, eos, exit_layer = load_pair(args)
     refs = [hf_reference(ref_model, p, args.max_new_tokens, eos) for p in prompts]

@@ -15,7 +15,9 @@ engine) use `timings`, and write the raw seconds they print a median of.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import logging
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,8 +28,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from del_bench.config import CONFIG_DIR, check_overrides, ls_grid, ls_setting, resolve_aliases
 from del_bench.models.layer_stack import seconds_of
-from del_bench.records import read_jsonl, run_key_of, vanilla_baseline
+from del_bench.records import STEADY_SLOWDOWN, read_jsonl, run_key_of, unsteady, vanilla_baseline
 
+log = logging.getLogger(__name__)
 RESULTS = "results/runs/bench"  # where a bench writes by default (gitignored); make's RECORDS= moves it
 
 
@@ -65,16 +68,9 @@ def model_config(name: str, *overrides: str) -> DictConfig:
 
 def shared_load(cfg: DictConfig) -> Callable:
     """A loader for `runner.run` that loads the run config's model (and layer loop) once for every row sharing it."""
-    from del_bench.runner import load_model
+    from del_bench.session import loader
 
-    loaded = []
-
-    def load():
-        if not loaded:
-            loaded.append(load_model(cfg.model, cfg.layers, cfg.products))
-        return loaded[0]
-
-    return load
+    return functools.cache(loader(cfg))
 
 
 def parser(name: str, doc: str, runs: bool = True, limit: int | None = None,
@@ -124,35 +120,53 @@ class Row:
     cfg: DictConfig
     load: Callable | None = None  # (Loaded, LayerStack); None: the runner loads the model itself
     summary: dict = field(default_factory=dict)
+    may_fail: bool = False  # a row that may be refused (bench gpu's graph-captured rows: compile=on where it cannot)
+    failure: str | None = None  # why it stopped ("ExceptionType: message"); the other rows go on without it
 
 
 def row(label: str, root: str, experiment: str, *overrides: str, load=None, suffix: str = "",
-        method: dict | None = None) -> Row:
+        method: dict | None = None, may_fail: bool = False) -> Row:
     """A row: the run `overrides` compose, in <root>/<method tag><suffix> (a re-run resumes it), recording
     `experiment` in its run key (so a bench's runs reach no paper table); `method`: a method config composed in
-    code instead of the method group's (a peer: peers.peer_method)."""
+    code instead of the method group's (a peer: peers.peer_method); `may_fail`: an error in its run ends the row,
+    not the bench (Row.failure says why)."""
     cfg = compose(*overrides)
     if method is not None:
         cfg.method = method
     cfg.out_dir = f"{root}/{cfg.method.tag}{suffix}"
     cfg.experiment_name = experiment
-    return Row(label, cfg, load)
+    return Row(label, cfg, load, may_fail=may_fail)
 
 
 def run_rows(rows: list[Row], limit: int, before_prompt: Callable | None = None, step: int = 1) -> list[Row]:
     """Every row's run grown one prompt at a time across all rows (`limit` is resumable: a run with limit i + 1
     decodes only what limit i did not); `before_prompt()` runs before each prompt's rows. Fills each row's
     summary (summary.json of its finished run). step: prompts a row decodes at a time (a batched row: its batch's
-    worth, so its slots fill), every row taking the same prompts before any takes the next."""
+    worth, so its slots fill), every row taking the same prompts before any takes the next. A row that may fail and
+    does is left with its `failure` (its summary emptied: `finished` leaves it out of tables) and skipped from then
+    on; any other error ends the bench."""
     from del_bench.runner import run
 
     for i in range(step, limit + step, step):
         if before_prompt is not None:
             before_prompt()
         for r in rows:
+            if r.failure:
+                continue
             r.cfg.limit = min(i, limit)
-            r.summary = run(r.cfg, r.load)
+            try:
+                r.summary = run(r.cfg, r.load)
+            except Exception as err:
+                if not r.may_fail:
+                    raise
+                r.failure, r.summary = f"{type(err).__name__}: {err}", {}
+                log.warning("row %s stopped at prompt %d: %s", r.label, i, r.failure)
     return rows
+
+
+def finished(rows: list[Row]) -> list[Row]:
+    """The rows that ran to the end (no failure): what `table` takes."""
+    return [r for r in rows if not r.failure]
 
 
 def _ratio(value, base) -> float | None:
@@ -174,7 +188,9 @@ def table(rows: list[Row]) -> list[dict]:
                     "pooled_tokens_per_s": _ratio(s["generated_tokens"], s["wall_s"]), "pooled_etpl": pooled_etpl,
                     "pooled_predicted_speedup": pooled_etpl * L if pooled_etpl is not None else None,
                     "acceptance": s["acceptance_rate"], "controller_share": s["time_split"]["policy"],
-                    "busy_samples": (s.get("load") or {}).get("overloaded", 0), "out_dir": r.cfg.out_dir})
+                    "busy_samples": (s.get("load") or {}).get("overloaded", 0),
+                    "unsteady": unsteady(s.get("steady_state")), "first_slowdown": first_slowdown(s),
+                    "out_dir": r.cfg.out_dir})
     keys = [run_key_of(r.summary) for r in rows]
     runs = list(zip(keys, out))
     for key, t in runs:
@@ -183,6 +199,47 @@ def table(rows: list[Row]) -> list[dict]:
         t["measured_over_predicted"] = _ratio(t["speedup"], t["predicted_speedup"])
         t["pooled_measured_over_predicted"] = _ratio(t["pooled_speedup"], t["pooled_predicted_speedup"])
     return out
+
+
+def per_prompt_speed(out_dir: str) -> dict:
+    """A run's tok/s prompt by prompt in the order they were decoded (samples.jsonl) and its first timed prompt
+    against the rest: `first`, `rest_median` (the median of the others) and `first_over_rest` (None with one
+    prompt). Far below 1, it says the untimed warm-up left decoding short of steady state."""
+    speeds = [s["tokens_per_s"] for s in read_jsonl(Path(out_dir) / "samples.jsonl")]
+    rest = statistics.median(speeds[1:]) if len(speeds) > 1 else None
+    return {"per_prompt": speeds, "first": speeds[0] if speeds else None, "rest_median": rest,
+            "first_over_rest": _ratio(speeds[0], rest) if speeds else None}
+
+
+def lossless_vs(out_dir: str, reference_dir: str, reference: str = "Vanilla") -> dict:
+    """A run's greedy outputs against a reference run's for the same samples, by the half-precision rule
+    (numerics.compare, judged by the reference's recorded top2_gap_ulps; DESIGN §2): outputs_equal of
+    outputs_compared, and the first-departure positions of the others, near_tie_at (allowed) and departs_at (real
+    departures; in full precision, where no gaps are recorded, every departure is one); `note`, the report's words
+    for it (tables.lossless_note, naming `reference`); `cell`, the table's: 'k/n' or 'k/n (j near-tie, r real)'."""
+    from del_bench.numerics import compare
+    from del_bench.report.tables import lossless_note
+
+    def by_key(path):
+        return {(s["sample_id"], s["repeat"]): s for s in read_jsonl(Path(path) / "samples.jsonl")}
+
+    ours, ref = by_key(out_dir), by_key(reference_dir)
+    judged = [compare(s["output_ids"], ref[k]["output_ids"], ref[k].get("top2_gap_ulps"))
+              for k, s in ours.items() if k in ref]
+    result = {"outputs_equal": sum(d.kind == "equal" for d in judged), "outputs_compared": len(judged),
+              "near_tie_at": sorted(d.position for d in judged if d.kind == "near_tie"),
+              "departs_at": sorted(d.position for d in judged if not d.lossless)}
+    extra = [f"{len(result[k])} {word}" for k, word in (("near_tie_at", "near-tie"), ("departs_at", "real"))
+             if result[k]]
+    result["cell"] = f"{result['outputs_equal']}/{result['outputs_compared']}" + (f" ({', '.join(extra)})"
+                                                                                   if extra else "")
+    result["note"] = lossless_note([result], reference).strip(" ()")
+    return result
+
+
+def first_slowdown(summary: dict) -> float | None:
+    """The run's first timed sample's decode seconds per loaded layer ÷ the others' median (records.steady_state)."""
+    return (summary.get("steady_state") or {}).get("first_slowdown")
 
 
 def outputs_equal(out_dir: str, reference_dir: str) -> tuple[int, int]:
@@ -220,8 +277,9 @@ COLUMNS = {
 
 def print_table(rows: list[dict], columns: list, title: str = "") -> None:
     """rows under `columns` (names of COLUMNS, or (header, key, spec, width) tuples); text left, numbers right; a row
-    timed on a busy machine (records.overloaded around some sample) marked * with a note."""
-    rows = [{**r, "row": f"{r['row']} *"} if r.get("busy_samples") and "row" in r else r for r in rows]
+    timed on a busy machine (records.overloaded around some sample) marked * with a note, one not timed at steady
+    state (records.steady_state) ~ with a note."""
+    rows = [{**r, "row": f"{r['row']} {marks}"} if (marks := _marks(r)) and "row" in r else r for r in rows]
     cols = [COLUMNS[c] if isinstance(c, str) else c for c in columns]
     cols = [(hd, k, spec, w if spec else max([w, *(len(str(r.get(k, ""))) for r in rows)])) for hd, k, spec, w in cols]
     if title:
@@ -233,6 +291,14 @@ def print_table(rows: list[dict], columns: list, title: str = "") -> None:
     if any(r.get("busy_samples") for r in rows):
         print("* timed on a busy machine: other processes kept more CPUs busy than torch's threads left free around "
               "some of its samples (records.overloaded); its speed and speedups are not to be trusted")
+    if any(r.get("unsteady") for r in rows):
+        print("~ not timed at steady state: its warm-up did not converge, or its first timed sample took more than "
+              f"{STEADY_SLOWDOWN:g}× the others' median decode time per loaded layer (records.steady_state; the result "
+              "file's first_slowdown); its speed and speedups are not to be trusted (rerun with --set warmup=steady)")
+
+
+def _marks(row: dict) -> str:
+    return "*" * bool(row.get("busy_samples")) + "~" * bool(row.get("unsteady"))
 
 
 def write_result(path: str | Path, bench: str, settings: dict, **payload) -> Path:

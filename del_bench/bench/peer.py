@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from del_bench.bench import harness as h
 from del_bench.bench.peers import peer_method
-from del_bench.records import PEER_LABELS
+from del_bench.records import is_peer
 
 COLUMNS = ["row", "tok/s", "speedup", "eTPL", "α", ("= generate", "equal_generate", "", 10)]
 
@@ -46,7 +46,7 @@ def main(argv: list[str]) -> int:
     table = h.table(h.run_rows(peer_rows(args, row), args.limit))
     generate = next(r["out_dir"] for r in table if r["method"] == "hf_generate")
     for r in table:
-        r["peer"] = r["method"] in PEER_LABELS
+        r["peer"] = is_peer(r["method"])
         equal, n = h.outputs_equal(r["out_dir"], generate)
         r["equal_generate"] = f"{equal}/{n}"
     h.print_table(table, COLUMNS, f"{args.model}, {args.task}, {args.limit} prompts, {args.max_new_tokens} new tokens, "

@@ -5,14 +5,16 @@ for our engine), whose class says it decodes by itself (`Peer.decoder`): the run
 peer's decoder instead of our Engine, and writes a SampleRecord per prompt as for any run (no rounds.jsonl lines:
 transformers exposes no rounds). Its RunKey's method is the peer's (`hf_generate`, `hf_assistant_early_exit`,
 `hf_forward_loop`), so `show` and the report list it beside our rows and pair it with our Vanilla
-(RunKey.pairs_with), labelled with a † (records.PEER_LABELS, method_label) and a note under a table.
+(RunKey.pairs_with), labelled as their classes say (family PEER: records.method_label marks them †) and a note
+under a table.
 
 What a peer record holds, counted where it runs (forward hooks on the decoder layers and the LM head, never
 claimed): loaded_layers = decoder-layer calls (each call over any number of positions is one load, as in ours),
 head_calls = LM-head rows, and for assistant_early_exit drafted = draft passes (calls of layer 1 that are not
 calls of layer L: the draft runs layers 1..E < L) and accepted = emitted − target passes (each verification
 emits its accepted drafts + 1). wall_s is the `generate` call, prefill included, tokenisation excluded (the
-prompt ids are ours), synchronised on CUDA. Greedy only (sampling: a ConfigError).
+prompt ids are ours), synchronised on CUDA. Greedy only (sampling: a ConfigError). `generate` in half precision
+also records each token's top-2 gap (top2_gap_ulps, as our runs do), read after its clock.
 
 transformers decodes on the model object the row loaded — the one our LayerStack re-pointed at its storage (one
 copy of the weights, as in bench gpu) — so the record's layer_path names the loop that storage was laid out for:
@@ -29,7 +31,8 @@ from dataclasses import dataclass, field
 import torch
 
 from del_bench.errors import ConfigError
-from del_bench.methods.base import Method, check_exit_layer, check_gamma
+from del_bench.methods.base import PEER, Method, check_exit_layer, check_gamma
+from del_bench.numerics import gap_ulps, is_half
 
 
 def peer_method(name: str, **params) -> dict:
@@ -96,18 +99,27 @@ class Peer(Method):
     """A peer: transformers decodes greedily; no policy of ours runs."""
 
     name = "peer"
+    family, order = PEER, 100  # after ours, in the tables and `show`
 
     def decoder(self, model, eos_ids: set[int], stop, sampling) -> PeerDecoder:
         if sampling.do_sample:
             raise ConfigError(f"peer {self.name} runs greedy decoding only (generation.do_sample=false)")
         return PeerDecoder(self, model, eos_ids, stop)
 
-    def decode(self, model, ids: torch.Tensor, max_new_tokens: int, eos_ids: set[int]) -> list[int]:
-        """transformers' greedy output ids after `ids` [1, P]."""
+    def decode(self, model, ids: torch.Tensor, max_new_tokens: int, eos_ids: set[int]) -> tuple[list[int], tuple]:
+        """transformers' greedy output ids after `ids` [1, P], and the logits each was chosen from (a tuple of [1, V]
+        float32 rows, one per token, where the peer keeps them: `keeps_logits`; else empty)."""
         eos = sorted(eos_ids)
+        keep = self.keeps_logits(model)
         out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens,
-                             eos_token_id=eos or None, pad_token_id=eos[0] if eos else 0, **self.generate_kwargs())
-        return out[0, ids.shape[1]:].tolist()
+                             eos_token_id=eos or None, pad_token_id=eos[0] if eos else 0, **self.generate_kwargs(),
+                             **({"output_logits": True, "return_dict_in_generate": True} if keep else {}))
+        sequences = out.sequences if keep else out
+        return sequences[0, ids.shape[1]:].tolist(), out.logits if keep else ()
+
+    def keeps_logits(self, model) -> bool:
+        """Whether decode returns its logits: never, but for generate in half precision (HFGenerate)."""
+        return False
 
     def generate_kwargs(self) -> dict:
         return {}
@@ -120,7 +132,16 @@ class Peer(Method):
 
 
 class HFGenerate(Peer):
+    """`generate`, greedy. In half precision it also keeps the logits each token was chosen from (output_logits:
+    the float32 row generate computes anyway, kept, not recomputed; V × 4 bytes a token in the peak memory), so its
+    records carry top2_gap_ulps as our runs' do and a departure from it can be judged a near-tie or not
+    (del_bench/numerics.py)."""
+
     name = "hf_generate"
+    label, order = "HF generate", 100
+
+    def keeps_logits(self, model) -> bool:
+        return is_half(model.dtype)
 
 
 class HFAssistantEarlyExit(Peer):
@@ -128,6 +149,8 @@ class HFAssistantEarlyExit(Peer):
     confidence threshold 0 and a constant schedule, so it drafts exactly γ tokens a round, as LS(E, γ)."""
 
     name = "hf_assistant_early_exit"
+    label, order = "HF assistant_early_exit", 102
+    label_hyperparameters = (("exit_layer", "E"), ("gamma", "γ"))
 
     def __init__(self, exit_layer: int, gamma: int, **_):
         self.exit_layer, self.gamma = exit_layer, gamma
@@ -149,8 +172,9 @@ class HFForwardLoop(Peer):
     per-call overhead costs."""
 
     name = "hf_forward_loop"
+    label, order = "HF forward loop", 101
 
-    def decode(self, model, ids: torch.Tensor, max_new_tokens: int, eos_ids: set[int]) -> list[int]:
+    def decode(self, model, ids: torch.Tensor, max_new_tokens: int, eos_ids: set[int]) -> tuple[list[int], tuple]:
         from transformers import DynamicCache
 
         cache, out = DynamicCache(config=model.config), []
@@ -160,7 +184,7 @@ class HFForwardLoop(Peer):
             if out[-1] in eos_ids:
                 break
             ids = torch.tensor([[out[-1]]], device=ids.device)
-        return out
+        return out, ()
 
 
 class PeerDecoder:
@@ -182,11 +206,14 @@ class PeerDecoder:
         with counted(self.model) as calls:
             self.synchronize()
             t0 = time.perf_counter()
-            out = self.peer.decode(self.model, ids, max_new_tokens, self.eos_ids)
+            out, logits = self.peer.decode(self.model, ids, max_new_tokens, self.eos_ids)
             self.synchronize()
             wall = time.perf_counter() - t0
         out = cut(out, self.eos_ids, self.stop)
+        # read after the clock: each kept row's top-2 gap in ulps of the model's dtype (generate upcasts after the head)
+        gaps = [gap_ulps(row[0], dtype=self.model.dtype) for row in logits[: len(out)]] if logits else None
         target_passes, passes = calls.layers[-1], calls.layers[0]
         drafted = passes - target_passes
         return PeerGeneration(out, wall, loaded_layers=sum(calls.layers), head_calls=calls.head_rows,
-                              drafted=drafted, accepted=max(0, len(out) - target_passes) if drafted else 0)
+                              drafted=drafted, accepted=max(0, len(out) - target_passes) if drafted else 0,
+                              top2_gap_ulps=gaps)

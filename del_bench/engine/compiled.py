@@ -48,6 +48,7 @@ from collections.abc import Callable
 
 import torch
 
+from del_bench.methods.base import LAYER_SKIPPING
 from del_bench.models.layer_stack import KVCache, LayerStack
 from del_bench.numerics import compare, gap_ulps, is_half
 
@@ -328,11 +329,17 @@ class _CudaGraphs:
         self.buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def cache_of(self, cache_len: int) -> KVCache:
-        """The cache every graph is captured on (one per Graphs: its addresses are baked into the graphs)."""
+        """The cache every graph is captured on (its addresses are baked into the graphs): one per stack and length,
+        shared by the stack's Graphs (they never run at once; each prompt's prefill rewrites what it reads)."""
         if self.cache is None:
             length = -(-cache_len // CACHE_QUANTUM) * CACHE_QUANTUM
-            self.cache = self.graphs.stack.new_cache(length)
-            _adopt(self.cache, static_addresses=True)
+            stack = self.graphs.stack
+            caches = stack.__dict__.setdefault("_captured_caches", {})
+            if length not in caches:
+                caches[length] = stack.new_cache(length)
+                _adopt(caches[length], static_addresses=True)
+            self.cache = caches[length]
+            self._tables = _rope_tables(stack)  # a longer table later must not free the one the graphs read
         return self.cache
 
     def takes(self, cache: KVCache) -> bool:
@@ -436,7 +443,7 @@ def _padded(h: torch.Tensor, width: int) -> torch.Tensor:
 
 
 class StepShapes:
-    """Which graphs a method can call, from what it declares (Method.static_shape, Method.draft_shape): a fixed exit
+    """Which graphs a method can call, from what it declares (Method.static_shape, Method.family): a fixed exit
     layer E and budget γ (LS, FS) get their two chains as one graph each; any other early-exit method (DEL picks E
     each round) composes layer by layer at every width up to its budget + 1; a skipping draft (SWIFT, CLaSp,
     KnapSpec) composes sublayers at width 1 and verifies all L layers at every width up to its budget + 1."""
@@ -445,11 +452,14 @@ class StepShapes:
         """collects: the method reads every layer's states (DEL's shadow tokens), so its chains run layer by layer."""
         self.exit_layer, self.budget, self.skips, self.collects = exit_layer, budget, skips, collects
 
+    def key(self) -> tuple:
+        return self.exit_layer, self.budget, self.skips, self.collects
+
     @staticmethod
     def of(method, max_new_tokens: int) -> "StepShapes":
-        exit_layer, budget = method.static_shape()
-        budget = min(budget, max(max_new_tokens - 1, 0))
-        return StepShapes(exit_layer, budget, skips=method.draft_shape == "skipping", collects=method.wants_shadow)
+        shape = method.static_shape()
+        budget = min(shape.max_draft, max(max_new_tokens - 1, 0))
+        return StepShapes(shape.exit_layer, budget, skips=method.family == LAYER_SKIPPING, collects=method.wants_shadow)
 
     def plans(self, L: int, buckets) -> list[tuple[list[Step], int]]:
         """(steps, width) to make: chains where the shape is fixed, single layers / sublayers where it is not."""
@@ -513,6 +523,26 @@ def check(stack: LayerStack, graphs: Graphs, method, tokens: int = 16, prompt: i
 
 def choose(stack: LayerStack, setting: str, method, max_new_tokens: int, cache_len: int = 1024,
            backend: str = "inductor", capture: bool | None = None, runner: type | None = None) -> dict:
+    """The graphs for `setting` (see _choose), made and checked once per stack and method configuration: a bench
+    resumes its interleaved runs a prompt at a time, and each resume asks again (the setup line says `reused`)."""
+    setting = compile_setting(setting)
+    shape = StepShapes.of(method, max_new_tokens)
+    key = (setting, capture, runner, str(backend), shape.key(), -(-max(cache_len, 64) // CACHE_QUANTUM),
+           type(method).__name__, repr(sorted(method.describe().items())))
+    made = stack.__dict__.setdefault("_chosen_graphs", {})
+    if key in made and setting in COMPILE_CHOICES:
+        graphs, info = made[key]
+        stack.compiled = graphs
+        if graphs is not None:
+            graphs.declined.clear()
+        return {**info, "compile_s": 0.0, "reused": True}
+    info = _choose(stack, setting, method, max_new_tokens, cache_len, backend, capture, runner)
+    made[key] = (stack.compiled, info)
+    return info
+
+
+def _choose(stack: LayerStack, setting: str, method, max_new_tokens: int, cache_len: int, backend, capture,
+            runner) -> dict:
     """Install (stack.compiled) the graph-captured steps for `setting` — off; on (CUDA graphs on CUDA, torch.compile
     elsewhere; an error where they cannot be made or are not lossless); auto, the default (on CUDA: CUDA graphs where
     they are made and lossless, else the stack's loop with the reason logged; elsewhere the stack's loop: compiled

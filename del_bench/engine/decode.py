@@ -42,7 +42,7 @@ from del_bench.engine.sampling import (
 from del_bench.engine.shadow import ShadowScorer
 from del_bench.engine.steps import Draft, Verified, whole  # noqa: F401 (Draft, Verified: part of this module's API)
 from del_bench.methods.base import Method, RoundEvidence
-from del_bench.models.layer_stack import KVCache, LayerStack, cat_on
+from del_bench.models.layer_stack import KVCache, LayerStack, cat_on, top_confidence
 from del_bench.numerics import gap_from_top2, is_half, widened
 from del_bench.transfer import reads, to_device, to_list
 
@@ -203,10 +203,13 @@ class Engine:
         self._observe(method, evidence, draft, verified, E)
         t_end = time.perf_counter()
         extra = probed.get("opt_loaded_layers", 0) + selected.get("sel_loaded_layers", 0)  # the policy's own passes
-        loaded = (d * plan.skip.layers(L) if skips else d * E) + L + extra
+        # + the look-ahead's passes through layers 1..E for candidates past the stop (early_exit.draft_ahead)
+        loaded = (d * plan.skip.layers(L) if skips else (d + draft.wasted) * E) + L + extra
         trace = {**plan.trace, **probed, **selected}
         if draft.confidences:
             trace["draft_confidences"] = draft.confidences
+        if draft.wasted:
+            trace["lookahead_wasted"] = draft.wasted
         if verified.siblings is not None:  # a token tree: its size; did a sibling (not the chain) end the path
             trace["tree_siblings"] = sum(map(len, verified.siblings.tokens))
             trace["tree_leaf_accepted"] = verified.leaf is not None
@@ -229,6 +232,25 @@ class Engine:
         the candidate that stopped drafting is dropped (drop_stopped_draft: DEL's Algorithm 1), and (-1, True) for a
         candidate left on the device (no confidence to read, not on_host: drafted by id, read at acceptance).
         on_host: the caller needs the token itself now (SWIFT: its siblings and the next draft's input)."""
+        token, top, q = self.draft_head(draft, rng, method)
+        candidate = -1  # on the device until the host needs it
+        keep = True
+        if method.wants_confidence:
+            # one read: the token and its confidence (a token id is exact in float64)
+            candidate, confidence = to_list(torch.cat([token.double(), top.double()[None]]))
+            keep = self.decide(draft, method, int(candidate), confidence)
+            if keep is None:  # Algorithm 1: the candidate that stopped drafting is dropped
+                return None, False
+            candidate = int(candidate)
+        elif on_host:
+            candidate = to_list(token)[0]
+        self.keep_candidate(draft, token, q, candidate)
+        return candidate, keep
+
+    def draft_head(self, draft: Draft, rng, method: Method) -> tuple[torch.Tensor, torch.Tensor | None,
+                                                                      torch.Tensor | None]:
+        """The draft head on the newest layer-E state, all on the device: (the candidate token [1], its confidence []
+        where the method stops on one, the warped draft distribution q [V] when sampling)."""
         logits = self.stack.exit_logits(draft.exit_states[-1], draft.exit_layer)[0, -1]  # [V]
         draft.logits = logits
         draft.candidates += 1
@@ -237,29 +259,31 @@ class Engine:
             token = rng.sample(q)  # [1]
         else:
             q, token = None, logits.argmax(-1, keepdim=True)  # [1]
-        candidate = -1  # on the device until the host needs it
-        keep = True
+        # the draft distribution's top probability: it does not depend on which token was sampled, so stopping on it
+        # keeps speculative sampling exact. On τ's scale, as shadow confidences are computed: in float32 for
+        # half-precision models (numerics.widened), and with shadow_vocab=K normalised over the first K ids and the
+        # top token (top_confidence) — both must compare like with like
+        top = None
         if method.wants_confidence:
-            # the draft distribution's top probability: it does not depend on which token was
-            # sampled, so stopping on it keeps speculative sampling exact. In float32 for half-precision models
-            # (numerics.widened): τ comes from shadow confidences computed so, and both must compare like with like
-            top = q.max() if q is not None else widened(logits).softmax(-1).max()
-            # one read: the token and its confidence (a token id is exact in float64)
-            candidate, confidence = to_list(torch.cat([token.double(), top.double()[None]]))
-            candidate = int(candidate)
-            draft.confidences.append(confidence)
-            tp = time.perf_counter()
-            keep = method.keep_drafting(len(draft.ids), confidence)
-            draft.keep_s += time.perf_counter() - tp
-            if not keep and method.drop_stopped_draft:  # Algorithm 1: break before appending
-                return None, False
-        elif candidate < 0 and on_host:
-            candidate = to_list(token)[0]
+            top = top_confidence(q if q is not None else widened(logits).softmax(-1), method.shadow_vocab)
+        return token, top, q
+
+    def decide(self, draft: Draft, method: Method, candidate: int, confidence: float) -> bool | None:
+        """The method's stop decision on a candidate read with its confidence: True (keep drafting after it), False
+        (keep it, stop after), None (stop, and the candidate is dropped: drop_stopped_draft). Timed as policy."""
+        draft.confidences.append(confidence)
+        tp = time.perf_counter()
+        keep = method.keep_drafting(len(draft.ids), confidence)
+        draft.keep_s += time.perf_counter() - tp
+        return None if not keep and method.drop_stopped_draft else keep
+
+    @staticmethod
+    def keep_candidate(draft: Draft, token: torch.Tensor, q: torch.Tensor | None, candidate: int) -> None:
+        """A candidate joins the draft (its id on the host too where it was read: candidate ≥ 0)."""
         draft.ids.append(token)
         if candidate >= 0:
             draft.drafts.append(candidate)
         draft.draft_probs.append(q)
-        return candidate, keep
 
     def _select(self, method: Method, verified: Verified, k: int, pos: int, cache) -> dict:
         """The method's layer-skip selection on the full model's states of the accepted rows 0..k (positions pos..),

@@ -33,6 +33,7 @@ class Draft:
     keep_s: float = 0.0  # time inside method.keep_drafting: policy, not drafting
     logits: torch.Tensor | None = None  # [V] the draft head's logits of the newest candidate
     siblings: list[list[int]] = field(default_factory=list)  # token tree (SWIFT): other candidates beside draft i
+    wasted: int = 0  # look-ahead (Method.lookahead): passes through layers 1..E of candidates past the stop
 
     def tree(self) -> tuple[list[int], TreeMask, Siblings] | None:
         """The token tree of the pending token (node 0), the chain (nodes 1..d) and the siblings (leaves, in

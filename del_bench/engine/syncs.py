@@ -40,8 +40,9 @@ model lives). `.to(x.device)` and copy_ between CPU tensors are not counted on a
 model's device from a cast there. On an accelerator only reads and copies of non-CPU tensors count.
 
 `measure(engine, method, prompts, ...)` runs Engine.generate under the counter → a SyncReport (syncs per round; per
-round one by one where the engine calls `Engine.on_round` as it records each Round); `bench_syncs` counts a
-bench's finished rows again, untimed, and `print_syncs` prints them (bench-engine's syncs/round per method).
+round one by one where the engine calls `Engine.on_round` as it records each Round); `print_syncs` prints
+such counts (bench-engine's syncs/round per method: its rows are counted again, untimed, by bench/engine.py's
+bench_syncs, on engines set up as their runs were, session.build).
 """
 
 from __future__ import annotations
@@ -398,61 +399,3 @@ def print_syncs(rows: list[dict], sites: int = 3) -> None:
         top = "; ".join(f"{n}× {s}" for s, n in list(r["sites"].items())[:sites])
         print(f"  {r['row']:<{width}} {r['rounds']:>6} {r['total']:>6} {r['per_round']:>7.2f} {worst:>5} {engine:>7}  "
               f"{kinds}; {top}")
-
-
-# ---- a run config's syncs (bench-engine's rows) ------------------------------------------------------------------
-def config_syncs(cfg, load, prompt_ids: list[list[int]], shadow_with_acceptance: bool | None = None) -> SyncReport:
-    """A run config's method and decoding (cfg.method, its generation settings, cfg.max_new_tokens) on these prompts
-    (token ids), under count_syncs, untimed; a calibrated cost model is measured as a run measures it (or read from
-    the run's directory). load: () → (Loaded, LayerStack), as runner.run takes it (None: the config's model loaded
-    here). shadow_with_acceptance: the Engine's (None: as the device decides)."""
-    from hydra.utils import instantiate
-    from omegaconf import OmegaConf
-
-    from del_bench.engine.decode import Engine
-    from del_bench.engine.sampling import Sampling
-    from del_bench.records import RunDir
-    from del_bench.runner import eos_ids
-
-    if load is None:  # as the runner: the model of the run's config, on its layer loop
-        from del_bench.runner import load_model
-
-        loaded, stack = load_model(cfg.model, cfg.layers, cfg.get("products", "auto"))
-    else:
-        loaded, stack = load()
-    method = instantiate(cfg.method)
-    if method.wants_costs:
-        costs = RunDir(cfg.out_dir).costs() if cfg.get("out_dir") else None
-        method.set_costs(**(costs or stack.measure_costs(contexts=method.latency_contexts)))
-    generation = OmegaConf.to_container(cfg.generation, resolve=True)
-    if cfg.task.get("generation"):  # as runner.run: a task may fix its decoding
-        generation.update(OmegaConf.to_container(cfg.task.generation, resolve=True))
-    engine = Engine(stack, Sampling(**generation), eos_ids(loaded.model, loaded.tokenizer),
-                    shadow_with_acceptance=shadow_with_acceptance)
-    return measure(engine, method, prompt_ids, int(cfg.max_new_tokens), seed=int(cfg.seed))
-
-
-def run_syncs(cfg, load, prompts: int = 2, shadow_with_acceptance: bool | None = None) -> SyncReport:
-    """A finished run's syncs: config_syncs on the first `prompts` prompts it decoded (their ids from its records)."""
-    from del_bench.records import RunDir
-
-    records = RunDir(cfg.out_dir).finished()[:prompts]
-    return config_syncs(cfg, load, [r["prompt_ids"] for r in records], shadow_with_acceptance)
-
-
-ON_ACCEPTANCE = " (stats on acceptance)"  # a DEL row counted again with Engine(shadow_with_acceptance=True)
-
-
-def bench_syncs(rows, prompts: int = 2) -> list[dict]:
-    """bench-engine's host-sync rows, after its timed runs: for each finished bench row (a `label`, its run's `cfg`,
-    its `load`), run_syncs on its first `prompts` prompts → SyncReport.as_dict() with its "row" label (print_syncs
-    prints them; the result file keeps them). A method with shadow statistics (DEL) is counted a second time with
-    them on the acceptance read, as an accelerator runs it, whatever this device's default."""
-    from hydra.utils import get_class
-
-    out = []
-    for r in rows:
-        out.append({"row": r.label, **run_syncs(r.cfg, r.load, prompts).as_dict()})
-        if get_class(r.cfg.method._target_).wants_shadow:
-            out.append({"row": r.label + ON_ACCEPTANCE, **run_syncs(r.cfg, r.load, prompts, True).as_dict()})
-    return out

@@ -11,11 +11,12 @@ heads are the model's exit heads (`LayerStack.exit_logits`): its exit adapters w
 
 from __future__ import annotations
 
-from del_bench.methods.base import Method, Plan, check_exit_layer
+from del_bench.methods.base import EARLY_EXIT, Method, Plan, check_exit_layer
 
 
 class AdaDecode(Method):
     name = "adadecode"
+    label, family, order = "AdaDecode", EARLY_EXIT, 80
     schedule = "layer_parallel"
 
     def __init__(self, gamma: float = 0.75, head_layers: list[int] | None = None, max_outstanding: int = 5, **_):

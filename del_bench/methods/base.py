@@ -1,9 +1,17 @@
 """What a method is: policy only. The engine asks it, before each round, for the exit layer and the
 draft budget; per drafted token, whether to keep drafting; after verification it hands it the round's
-evidence. The engine owns everything else (KV cache, RNG, accounting, timing)."""
+evidence. The engine owns everything else (KV cache, RNG, accounting, timing).
+
+A method also says what it is, on its class, so that nothing else names it: its label in tables and `show`
+(`label`, `label_hyperparameters`: LS(E4-γ4)), its family there (`family`), its place among a table's rows (`order`)
+and, on an instance, the fixed shape of its rounds (`static_shape`: the compiled steps' graphs). Labels are read from
+records — a run's method name and hyperparameters (RunKey) — without an instance or a model, so they are
+classmethods; each class registers under its config name (`name`, and `aliases`) when it is defined, and
+`del_bench.methods.method_class` finds it by that name."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -14,6 +22,14 @@ from del_bench.transfer import to_numpy
 # rounds whose shadow scoring a method may defer (Method.can_defer) before the engine scores them anyway
 MAX_DEFERRED = 16
 UNBOUNDED = 1 << 30  # a draft budget with no cap (Method.static_shape)
+
+# a method's family in the tables (Method.family): Table 4 measures a layer-skipping method's gain over Vanilla (no
+# early-exit training) and an early-exit one's over LS; a peer is transformers' own decoding, marked † (records)
+BASELINE, EARLY_EXIT, LAYER_SKIPPING, PEER, OTHER = "baseline", "early exit", "layer skipping", "peer", "other"
+FAMILIES = (BASELINE, EARLY_EXIT, LAYER_SKIPPING, PEER, OTHER)
+
+# every class that says its config name (Method.name, Method.aliases), by that name: del_bench.methods.method_class
+REGISTRY: dict[str, type] = {}
 
 
 @dataclass(frozen=True)
@@ -50,6 +66,16 @@ class Probe:
     start: int
     length: int
     kind: str = "random"  # random | bayes | …: recorded in the round's trace
+
+
+@dataclass(frozen=True)
+class StaticShape:
+    """What a method's rounds can be: every draft through layers 1..exit_layer (LS, FS, DV, DEL-γ), or an exit layer
+    (or skip set) chosen round by round (None: DEL, SWIFT, CLaSp, KnapSpec), at most max_draft tokens a round. The
+    graph-captured steps (engine/compiled.py StepShapes) are made for these shapes before the timed samples."""
+
+    exit_layer: int | None  # 1-based E; None: it varies by round
+    max_draft: int  # drafts a round at most (the verification batch is max_draft + 1 positions)
 
 
 @dataclass(frozen=True)
@@ -94,9 +120,28 @@ class RoundEvidence:
     shadow: Shadow | None = None  # for methods with wants_shadow: positions 0..accepted (the valid window)
 
 
+def _number(value) -> float | None:
+    """A hyperparameter as a number for a label ('' / None / NaN: none; records and the paper's CSV give strings)."""
+    if value in ("", None) or isinstance(value, bool) or (isinstance(value, float) and math.isnan(value)):
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
 class Method:
-    name = "method"
+    name = "method"  # the config's `name:`, which records keep (RunKey.method)
+    # ---- what the method is in tables and `show`, from its name and hyperparameters alone (classmethods below) ----
+    aliases: tuple[str, ...] = ()  # other config names this class runs under (DEL's ablations: del_e, …)
+    label = ""  # its name in tables ("LS"); "" = its config name
+    # hyperparameters (describe() keys) shown after the label where set: (key, prefix) or (key, prefix, value left
+    # out), e.g. (("exit_layer", "E"), ("gamma", "γ")) → LS(E4-γ4); DEL's ω is left out at its default 0.95
+    label_hyperparameters: tuple[tuple, ...] = ()
+    family = OTHER  # one of FAMILIES
+    order = 1000  # its place among a table block's rows, low first: Vanilla 0, LS 10, …, DEL 70, peers 100+
     wants_confidence = False  # True: the engine asks `keep_drafting` after every draft candidate
+    lookahead = 1  # wants_confidence: candidates drafted before their confidences are read (early_exit.draft_ahead)
     drop_stopped_draft = False  # True: the candidate that stopped drafting is discarded (DEL's Algorithm 1)
     wants_shadow = False  # True: evidence carries shadow tokens; observe_prefill gets the prompt's last ones
     prefill_window = 32  # prompt positions whose shadow tokens seed the statistics
@@ -104,10 +149,48 @@ class Method:
     latency_contexts: tuple[int, ...] = ()  # wants_costs: also time layer 0's sublayers at these contexts (sublayer_s)
     shadow_vocab: int | None = None  # score shadow tokens over the first K vocabulary ids only (cheap)
     schedule = "rounds"  # "rounds": draft/verify rounds; "layer_parallel": AdaDecode's step (engine/layer_parallel.py)
-    draft_shape = "early_exit"  # the engine step that drafts: "early_exit" (engine/early_exit.py) | "skipping"
 
     def __init__(self, **_):  # config keys such as `name` and `tag` are not hyperparameters
         pass
+
+    def __init_subclass__(cls, **kwargs):
+        """A class that says its own `name` is registered under it and its aliases (a subclass that keeps its
+        parent's name — a test's spy, a bench's twin — is not: the name stays its parent's)."""
+        super().__init_subclass__(**kwargs)
+        if "name" in cls.__dict__:
+            for name in (cls.name, *cls.__dict__.get("aliases", ())):
+                REGISTRY[name] = cls
+
+    @classmethod
+    def table_label(cls, name: str, hyperparameters: dict) -> str:
+        """The method as tables and `show` name a run of it (`name`: its config name; `hyperparameters`: its
+        describe(), as records keep it): `label` with `label_hyperparameters`' values, LS(E4-γ4)."""
+        return cls.labelled(cls.label or name, hyperparameters)
+
+    @classmethod
+    def labelled(cls, base: str, hyperparameters: dict) -> str:
+        """`base` followed by the values of `label_hyperparameters` that are set (and not left out): LS(E4-γ4)."""
+        parts = []
+        for key, prefix, *left_out in cls.label_hyperparameters:
+            value = _number(hyperparameters.get(key))
+            if value is not None and (not left_out or value != left_out[0]):
+                parts.append(f"{prefix}{value:g}")
+        return f"{base}({'-'.join(parts)})" if parts else base
+
+    @classmethod
+    def table_order(cls, name: str, hyperparameters: dict) -> tuple:
+        """Where a run of it goes among a table block's rows (compared with other methods' orders, low first)."""
+        return (cls.order,)
+
+    @classmethod
+    def table_note(cls, name: str, hyperparameters: dict) -> str | None:
+        """A note under every table that has a row of this run (what its label means), or None."""
+        return None
+
+    def static_shape(self) -> StaticShape:
+        """The shape of its rounds (a fixed exit layer or none; its draft budget): which graph-captured steps a run
+        makes (engine/compiled.py). Plain decoding: no drafts."""
+        return StaticShape(None, 0)
 
     def validate(self, num_layers: int) -> None:
         """Raise ValueError for hyperparameters impossible on a model with `num_layers` layers."""
@@ -121,8 +204,9 @@ class Method:
 
     def keep_drafting(self, drafted: int, confidence: float) -> bool:
         """Called with each new draft candidate, `drafted` tokens already in the draft; confidence = the
-        draft distribution's top probability. False stops drafting after (or, with drop_stopped_draft,
-        without) this candidate."""
+        draft distribution's top probability (with shadow_vocab = K normalised over the first K ids and the top token,
+        as shadow confidences are: layer_stack.top_confidence). False stops drafting after (or, with
+        drop_stopped_draft, without) this candidate."""
         return True
 
     def tree_width(self, confidence: float) -> int:
@@ -173,12 +257,6 @@ class Method:
     def describe(self) -> dict:
         """Hyperparameters as stored in records."""
         return {}
-
-    def static_shape(self) -> tuple[int | None, int]:
-        """(the exit layer every drafting round uses, or None where it varies; the most tokens a round may draft):
-        which graph-captured steps a run makes before its timed decode (engine/compiled.py StepShapes). Plain
-        decoding: (None, 0)."""
-        return None, 0
 
     def state(self) -> dict | None:
         """What the method carries from one prompt to the next (JSON-able), or None when it restarts with every

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from del_bench.methods.base import Method, Plan, SkipSet, check_gamma
+from del_bench.methods.base import LAYER_SKIPPING, Method, Plan, SkipSet, StaticShape, check_gamma
 from del_bench.methods.swift import skipping_plan
 from del_bench.numerics import widened
 
@@ -38,7 +38,7 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 class CLaSp(Method):
     name = "clasp"
-    draft_shape = "skipping"  # every layer, sublayers skipped (engine/skipping.py)
+    label, family, order = "CLaSp", LAYER_SKIPPING, 50
     wants_confidence = True  # stop after a draft below `confidence` (kept: drop_stopped_draft stays False)
 
     def __init__(self, skip_layers: int = 8, gamma: int = 4, confidence: float = 0.7, interval: int = 64, **_):
@@ -57,8 +57,10 @@ class CLaSp(Method):
         if not isinstance(self.interval, int) or isinstance(self.interval, bool) or self.interval < 1:
             raise ValueError(f"method.interval={self.interval!r} must be an integer ≥ 1 (rounds between selections)")
 
-    def static_shape(self) -> tuple[int | None, int]:
-        return None, self.gamma
+
+    def static_shape(self) -> StaticShape:
+        """A skip set chosen as it goes, up to gamma drafts a round."""
+        return StaticShape(None, self.gamma)
 
     def describe(self) -> dict:
         return {"skip_layers": self.skip_layers, "gamma": self.gamma, "confidence": self.confidence,

@@ -8,11 +8,13 @@ Choices made explicit (docs/design.md §4.4): `acceptance: round` uses the round
 the paper's DV numbers come from it). The authors' code keeps θ and AR across prompts; we restart them per
 prompt by default (`reset_per_prompt: true`) so results do not depend on prompt order or on resuming."""
 
-from del_bench.methods.base import Method, Plan, RoundEvidence, check_exit_layer, check_gamma
+from del_bench.methods.base import EARLY_EXIT, Method, Plan, RoundEvidence, StaticShape, check_exit_layer, check_gamma
 
 
 class DraftVerify(Method):
     name = "dv"
+    label, family, order = "DV", EARLY_EXIT, 30
+    label_hyperparameters = (("exit_layer", "E"),)
     wants_confidence = True
 
     def __init__(self, exit_layer: int, d_max: int = 18, theta: float = 0.6, beta1: float = 0.5,
@@ -61,11 +63,11 @@ class DraftVerify(Method):
         nudged = self.theta + self.epsilon if self.ar < self.target else self.theta - self.epsilon
         self.theta = self.beta2 * self.theta + (1 - self.beta2) * nudged
 
-    def static_shape(self) -> tuple[int | None, int]:
-        return self.exit_layer, self.d_max
-
     def describe(self) -> dict:
         return {"exit_layer": self.exit_layer, "d_max": self.d_max, "acceptance": self.acceptance}
+
+    def static_shape(self) -> StaticShape:
+        return StaticShape(self.exit_layer, self.d_max)
 
     def state(self) -> dict | None:
         if self.reset_per_prompt or not hasattr(self, "_started"):

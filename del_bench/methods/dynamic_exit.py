@@ -24,12 +24,24 @@ start-up (SmolLM2 on CPU: h ≈ 5), including the row of the candidate that stop
 dropped), and a verification batch of d + 1 positions through layers ℓ+1..L as c(d+1) single positions, c measured
 at start-up too (a batch is not free on a CPU; without it DEL with exit adapters drafted where drafting loses:
 0.81× Vanilla on SmolLM2 HumanEval); the default `layers` keeps the paper's d·ℓ + L so its numbers reproduce.
+Beyond the paper (`shadow_vocab: K`): shadow tokens scored over the first K token ids + the position's target
+(LayerStack.shadow_tokens), ~V/K times cheaper; their confidences are normalised over those ids only, which lifts
+them above the whole vocabulary's (on a tiny 8-layer model with K = 50 of 259 ids τ sat above every candidate). So a
+draft candidate is scored on the same scale: its top probability normalised over the first K ids and itself
+(layer_stack.top_confidence) — what the statistics record where it is the full model's token, so τ, a mean of such
+confidences, and the candidates it stops are like with like. The other way round (τ from whole-vocabulary
+confidences) would need the whole head over every shadow row, the cost K removes; scoring the candidate so costs
+nothing (its head row is whole anyway: the candidate is the whole vocabulary's argmax). Without K both are the whole
+vocabulary's top probability, as published.
 Beyond the paper (`defer_shadow: true`): while TPL provably keeps d = 0 whatever the pending rounds'
 shadow tokens are (`can_defer`), their scoring is batched — same statistics and decisions, fewer head passes.
 Beyond the paper, an approximation (`shadow_every: R`, default 1 = exact): shadow tokens are scored every R rounds,
 R rounds in one head pass (a batched row costs ~0.6 of a lone one on a CPU, and the per-round ops go), and TPL
 plans on statistics up to R − 1 rounds old; the statistics themselves end up the same. `make bench-controller`
 measures how often the plan (E, γ) differs from the exact one's on the same rounds.
+Beyond the paper, engine-side (`lookahead: K`, default 1): the stop decision on τ is read K candidates at a time
+(early_exit.draft_ahead) — identical drafts and decisions, one host read per K candidates (a read drains a GPU's
+queue), the passes of candidates drafted past the stop counted in loaded layers (so eTPL says what it cost).
 Ablations: DEL-E = no dynamic draft-exiting, γ from TPL; DEL-γ = fixed E (`exit_layer`), τ on;
 DEL-E-lim = E restricted to 3 < ℓ < L (`min_exit_layer: 4`).
 DEL as the KnapSpec authors' code runs it (`del_knapspec`, a peer's reading, not the paper; docs/design.md §3.8):
@@ -45,7 +57,37 @@ from functools import lru_cache
 
 import numpy as np
 
-from del_bench.methods.base import MAX_DEFERRED, Method, Plan, RoundEvidence, Shadow, check_exit_layer, check_gamma
+from del_bench.methods.base import (
+    EARLY_EXIT,
+    MAX_DEFERRED,
+    Method,
+    Plan,
+    RoundEvidence,
+    Shadow,
+    StaticShape,
+    check_exit_layer,
+    check_gamma,
+)
+
+DEFAULT_OMEGA = 0.95  # configs/method/del.yaml's ω: a label names ω only when a run's differs
+# the ablations' config names and labels, in the tables' order (DEL itself last)
+LABELS = {"del_gamma": "DEL-γ", "del_e": "DEL-E", "del_e_lim": "DEL-E-lim", "del": "DEL"}
+# DEL's variants by the settings that make them (variant()), in the tables' order, with their labels
+VARIANT_LABELS = {"": "DEL", "CPU": "DEL-CPU", "KnapSpec": "DEL (KnapSpec's)"}
+VARIANT_NOTE = ("DEL = the paper's configuration (TPL counts layers; exact shadow tokens); DEL-CPU = as we run "
+                "it on a CPU (configs/method/del_cpu.yaml: a head row costs its measured time in layers, shadow "
+                "tokens over 1,024 ids + the target, batched while d = 0); DEL (KnapSpec's) = as the KnapSpec "
+                "authors' code runs it (configs/method/del_knapspec.yaml). All three are lossless.")
+
+
+def variant(hyperparameters: dict) -> str:
+    """Which DEL a run is, by the settings that make it so: "" = the paper's configuration (configs/method/del.yaml),
+    "CPU" = measured costs (del_cpu: a head row costs h layers, cheap shadow tokens), "KnapSpec" = as the KnapSpec
+    authors run it (del_knapspec: the stopped candidate kept, the first round at E = 1). Other settings that differ
+    (a `method.d_max=` override) keep the plain label, and the tables add the run's tag where two rows coincide."""
+    if hyperparameters.get("keep_stopped_draft"):
+        return "KnapSpec"
+    return "CPU" if hyperparameters.get("cost_model") == "measured" else ""
 
 
 def tpl_table(alpha, num_layers: int, d_max: int, head_cost: float = 0.0, stop_head: bool = False,
@@ -65,6 +107,31 @@ def tpl_table(alpha, num_layers: int, d_max: int, head_cost: float = 0.0, stop_h
     drafts, cost = _round_costs(num_layers, len(alpha), d_max, head_cost, stop_head, tuple(batch_cost))
     expected_tokens = (alpha[None, :] ** drafts).cumsum(0)  # [d_max+1, ℓ]
     return expected_tokens / cost
+
+
+def batch_factors(batch_s: list, rows: int) -> tuple[float, ...]:
+    """c(T) for T = 1..rows: the measured seconds of T positions through every layer ÷ of one (LayerStack.measure_costs'
+    batch_s: [[T, seconds], …]), linear in T between measured sizes and beyond the largest along the last segment's
+    slope, at least 1. On a CPU a batch is not free (SmolLM2: c(2) ≈ 1.5, c(4..8) ≈ 2); on a GPU, where a layer's
+    weights stream once for every row, c stays near 1 — whatever the device measured."""
+    sizes, seconds = np.array(batch_s, dtype=np.float64).T
+    wanted = np.arange(1, rows + 1)
+    slope = (seconds[-1] - seconds[-2]) / (sizes[-1] - sizes[-2]) if len(sizes) > 1 else 0.0
+    total = np.where(wanted <= sizes[-1], np.interp(wanted, sizes, seconds), seconds[-1] + slope * (wanted - sizes[-1]))
+    return tuple(float(c) for c in np.maximum(total / seconds[0], 1.0))
+
+
+def round_cost(drafted: int, exit_layer: int | None, loaded_layers: float, head_rows: int, num_layers: int,
+               head_cost: float, batch_cost: tuple[float, ...]) -> float:
+    """A recorded round's cost in one-position layers, priced as tpl_table prices a plan: the layers it loaded one
+    position at a time, but the verification's layers over the d + 1 positions at c(d + 1) each (early exit: layers
+    E+1..L; a skipping draft, exit_layer None with d > 0: all L), and every head row h except the verification's,
+    whose d + 1 rows are one product priced as one row. A round's policy passes (SWIFT's optimiser, a selection)
+    count at one position a layer. For rounds.jsonl fields: (drafted, exit_layer, loaded_layers, head_calls)."""
+    L, d = num_layers, drafted
+    batched = 0 if d == 0 else L - exit_layer if exit_layer is not None else L  # layers verified over d + 1 rows
+    c = batch_cost[d] if batch_cost else 1.0
+    return loaded_layers - batched + batched * c + head_cost * (head_rows - d)
 
 
 @lru_cache(maxsize=64)
@@ -121,13 +188,16 @@ def drafting_alpha(num_layers: int, d_max: int, head_cost: float = 0.0, stop_hea
 
 class DEL(Method):
     name = "del"
+    aliases = ("del_gamma", "del_e", "del_e_lim")  # the ablations: configs/method/del_*.yaml
+    label, family, order = "DEL", EARLY_EXIT, 70
+    label_hyperparameters = (("exit_layer", "E"), ("omega", "ω", DEFAULT_OMEGA))
     wants_shadow = True
 
     def __init__(self, omega: float = 0.95, d_max: int = 18, dynamic_draft_exit: bool = True,
                  draft_budget: str = "d_max", exit_layer: int | None = None, min_exit_layer: int = 1,
                  prefill_window: int = 32, cost_model: str = "layers", shadow_vocab: int | None = None,
                  defer_shadow: bool = False, shadow_every: int = 1, min_draft: int = 0,
-                 keep_stopped_draft: bool = False, first_exit_layer: int | None = None, **_):
+                 keep_stopped_draft: bool = False, first_exit_layer: int | None = None, lookahead: int = 1, **_):
         self.omega, self.d_max = omega, d_max
         self.dynamic_draft_exit, self.draft_budget = dynamic_draft_exit, draft_budget
         self.fixed_exit_layer, self.min_exit_layer = exit_layer, min_exit_layer
@@ -142,6 +212,7 @@ class DEL(Method):
         self.wants_confidence = dynamic_draft_exit
         self.min_draft, self.keep_stopped_draft, self.first_exit_layer = min_draft, keep_stopped_draft, first_exit_layer
         self.drop_stopped_draft = not keep_stopped_draft
+        self.lookahead = lookahead  # candidates drafted before one read of their confidences (engine: draft_ahead)
 
     def validate(self, num_layers: int) -> None:
         if not 0 <= self.omega <= 1:
@@ -169,21 +240,16 @@ class DEL(Method):
                              "defer_shadow=false and shadow_every=1")
         if self.first_exit_layer is not None:
             check_exit_layer(self.first_exit_layer, num_layers, "method.first_exit_layer")
+        if not isinstance(self.lookahead, int) or self.lookahead < 1:
+            raise ValueError(f"method.lookahead={self.lookahead!r} must be a positive integer (1: read each draft "
+                             "candidate's confidence before drafting the next)")
 
     def set_costs(self, layer_s: float, head_s: float, batch_s: list | None = None, **_) -> None:
         """Measured once per model/device at start-up (cost_model=measured). batch_s: [[T, seconds of T
         positions through every layer], …] (LayerStack.measure_costs), interpolated for T = 1..d_max+1; absent
         in costs measured before it existed (then a batch costs what one position does, as before)."""
         self.head_cost = head_s / layer_s
-        self.batch_cost = ()
-        if batch_s:
-            sizes, seconds = np.array(batch_s, dtype=np.float64).T
-            wanted = np.arange(1, self.d_max + 2)
-            # linear in T between measured sizes, and beyond the largest along the last segment's slope
-            slope = (seconds[-1] - seconds[-2]) / (sizes[-1] - sizes[-2]) if len(sizes) > 1 else 0.0
-            total = np.where(wanted <= sizes[-1], np.interp(wanted, sizes, seconds),
-                             seconds[-1] + slope * (wanted - sizes[-1]))
-            self.batch_cost = tuple(float(c) for c in np.maximum(total / seconds[0], 1.0))
+        self.batch_cost = batch_factors(batch_s, self.d_max + 1) if batch_s else ()
 
     # ---- statistics ---------------------------------------------------------------------------
     def start(self, num_layers: int) -> None:
@@ -323,8 +389,26 @@ class DEL(Method):
     def keep_drafting(self, drafted: int, confidence: float) -> bool:
         return confidence >= self.threshold
 
-    def static_shape(self) -> tuple[int | None, int]:
-        return self.fixed_exit_layer, self.d_max
+    @classmethod
+    def table_label(cls, name: str, hyperparameters: dict) -> str:
+        """DEL, its variant (DEL-CPU, DEL (KnapSpec's): variant()) or its ablation (DEL-γ, DEL-E, DEL-E-lim), with
+        a fixed E and an ω other than 0.95: DEL-γ(E24), DEL(ω0.9)."""
+        base = VARIANT_LABELS[variant(hyperparameters)] if name == "del" else LABELS.get(name, name)
+        return cls.labelled(base, hyperparameters)
+
+    @classmethod
+    def table_order(cls, name: str, hyperparameters: dict) -> tuple:
+        """The ablations, then DEL; DEL's variants in VARIANT_LABELS' order."""
+        kind = list(LABELS).index(name) if name in LABELS else len(LABELS)
+        return (cls.order, kind, list(VARIANT_LABELS).index(variant(hyperparameters)) if name == "del" else 0)
+
+    @classmethod
+    def table_note(cls, name: str, hyperparameters: dict) -> str | None:
+        return VARIANT_NOTE if name == "del" and variant(hyperparameters) else None
+
+    def static_shape(self) -> StaticShape:
+        """Up to d_max drafts a round, at DEL-γ's fixed E; DEL chooses E every round (exit_layer None)."""
+        return StaticShape(self.fixed_exit_layer, self.d_max)
 
     def describe(self) -> dict:
         return {"omega": self.omega, "d_max": self.d_max, "dynamic_draft_exit": self.dynamic_draft_exit,
@@ -336,4 +420,5 @@ class DEL(Method):
                 **({"shadow_every": self.shadow_every} if self.shadow_every != 1 else {}),  # old keys stay as they were
                 **({"min_draft": self.min_draft} if self.min_draft else {}),
                 **({"keep_stopped_draft": True} if self.keep_stopped_draft else {}),
-                **({"first_exit_layer": self.first_exit_layer} if self.first_exit_layer is not None else {})}
+                **({"first_exit_layer": self.first_exit_layer} if self.first_exit_layer is not None else {}),
+                **({"lookahead": self.lookahead} if self.lookahead != 1 else {})}

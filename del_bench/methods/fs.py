@@ -5,11 +5,22 @@ Choices made explicit (docs/design.md §4.3): the paper's controller keeps γ �
 code has no floor (`floor: 0`: γ can reach 0, and a round with no drafts then counts as all accepted).
 `reset_per_prompt: true` restarts γ at every prompt, so results do not depend on prompt order."""
 
-from del_bench.methods.base import UNBOUNDED, Method, Plan, RoundEvidence, check_exit_layer, check_gamma
+from del_bench.methods.base import (
+    EARLY_EXIT,
+    UNBOUNDED,
+    Method,
+    Plan,
+    RoundEvidence,
+    StaticShape,
+    check_exit_layer,
+    check_gamma,
+)
 
 
 class FiniteState(Method):
     name = "fs"
+    label, family, order = "FS", EARLY_EXIT, 20
+    label_hyperparameters = (("exit_layer", "E"), ("gamma", "γ"))
 
     def __init__(self, exit_layer: int, gamma: int, floor: int = 1, max_gamma: int | None = None,
                  reset_per_prompt: bool = True, **_):
@@ -41,8 +52,9 @@ class FiniteState(Method):
         if self.max_gamma is not None:
             self.gamma = min(self.gamma, self.max_gamma)
 
-    def static_shape(self) -> tuple[int | None, int]:
-        return self.exit_layer, UNBOUNDED if self.max_gamma is None else self.max_gamma  # γ grows without a cap
-
     def describe(self) -> dict:
         return {"exit_layer": self.exit_layer, "gamma": self.initial_gamma, "floor": self.floor}
+
+    def static_shape(self) -> StaticShape:
+        """E, and γ as far as it may grow (max_gamma; without one, every width the steps have)."""
+        return StaticShape(self.exit_layer, UNBOUNDED if self.max_gamma is None else self.max_gamma)

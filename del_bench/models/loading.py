@@ -240,9 +240,26 @@ class ByteTokenizer:
         return data.decode("utf-8", errors="replace")
 
 
+def random_llama(config, dtype: torch.dtype, device: torch.device | str, seed: int):
+    """A LlamaForCausalLM of `config` with transformers' random initialisation, allocated and initialised on `device`
+    in `dtype` (no copy anywhere else). The weights depend only on the seed, the device type and the transformers
+    version: torch.manual_seed seeds every device's generator and the initialisation draws in module order."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # as from_pretrained(dtype=) builds: every parameter made in the dtype
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(default_dtype)
+    return model.eval()
+
+
 def build_tiny_random(cfg, dtype=torch.float64):
-    """A seeded random Llama (no download); `late_residual_scale` < 1 makes early exits agree more."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """A seeded random Llama (no download) on cfg.device; `late_residual_scale` < 1 makes early exits agree more."""
+    from transformers import LlamaConfig
 
     config = LlamaConfig(
         vocab_size=cfg.get("vocab_size", ByteTokenizer.vocab_size),
@@ -258,8 +275,11 @@ def build_tiny_random(cfg, dtype=torch.float64):
         eos_token_id=ByteTokenizer.eos_token_id,
         pad_token_id=ByteTokenizer.pad_token_id,
     )
-    torch.manual_seed(cfg.get("seed", 0))
-    model = LlamaForCausalLM(config).to(dtype)
+    device = torch.device(cfg.get("device") or "cpu")
+    # on the CPU float32 draws cast to the dtype (the weights the tests and the committed records were made with);
+    # on an accelerator drawn there in the dtype: no host copy (a 7B shape in bf16 is 13.5 GB)
+    model = random_llama(config, torch.float32 if device.type == "cpu" else dtype, device, cfg.get("seed", 0))
+    model = model.to(dtype)
     # Shrinking what layers 2..L write into the residual stream makes early exits agree with the last
     # layer often but not always, so tests exercise both acceptance and rejection.
     scale = cfg.get("late_residual_scale", 1.0)

@@ -27,12 +27,13 @@ WORKING = ("results/runs/report/tables", "results/runs/report/figures")  # built
 
 def write_report(roots: Iterable[str | Path] = DEFAULT_ROOTS, out_tables: str | Path | None = COMMITTED[0],
                  out_figures: str | Path | None = COMMITTED[1], adhoc: bool = True,
-                 exclude_busy: bool = False) -> list[Path]:
+                 exclude_busy: bool = False, exclude_unsteady: bool = False) -> list[Path]:
     """Read the runs under `roots` and write tables (.md + .tex) and figures (.png + .pdf); None skips one.
     adhoc: runs of no experiment join the tables too (the CLI leaves them out of the reference build). Figure
     files of ours that these records no longer produce are removed from out_figures (see write_figures).
-    exclude_busy: runs timed on an overloaded machine are left out (else they are marked ‡: collect, tables)."""
-    df = load_runs(roots, exclude_busy=exclude_busy)
+    exclude_busy: runs timed on an overloaded machine are left out (else they are marked ‡: collect, tables);
+    exclude_unsteady: runs not timed at steady state (else marked ¶)."""
+    df = load_runs(roots, exclude_busy=exclude_busy, exclude_unsteady=exclude_unsteady)
     written = []
     if out_tables is not None:
         from .specbench import write_specbench
@@ -46,11 +47,11 @@ def write_report(roots: Iterable[str | Path] = DEFAULT_ROOTS, out_tables: str | 
 
 
 def cli(argv: list[str]) -> int:
-    """`report [--tables-only|--figures-only] [--ad-hoc] [--exclude-busy] [--out-tables DIR] [--out-figures DIR]
-    [DIRS…]`."""
+    """`report [--tables-only|--figures-only] [--ad-hoc] [--exclude-busy] [--exclude-unsteady] [--out-tables DIR]
+    [--out-figures DIR] [DIRS…]`."""
     args, roots = list(argv), []
     outs: dict[str, str | None] = {}
-    only, adhoc, exclude_busy = None, False, False
+    only, adhoc, exclude = None, False, {"exclude_busy": False, "exclude_unsteady": False}
     logger: list[str] = []
     while args:
         arg = args.pop(0)
@@ -60,8 +61,8 @@ def cli(argv: list[str]) -> int:
             adhoc = True
         elif arg.partition("=")[0].partition(".")[0] == "logger":  # logger=wandb logger.mode=offline …, as `run`
             logger.append(arg)
-        elif arg == "--exclude-busy":
-            exclude_busy = True
+        elif arg in ("--exclude-busy", "--exclude-unsteady"):
+            exclude[arg[2:].replace("-", "_")] = True
         elif arg in ("--out-tables", "--out-figures") and args:
             outs[arg] = args.pop(0)
         elif arg.startswith("-"):
@@ -77,11 +78,11 @@ def cli(argv: list[str]) -> int:
     if not find_runs(roots):
         print(f"report: no run records (summary.json) under {', '.join(roots)}", file=sys.stderr)
         return 1
-    written = write_report(roots, out_tables, out_figures, adhoc, exclude_busy)
+    written = write_report(roots, out_tables, out_figures, adhoc, **exclude)
     for path in written:
         print(path)
     if logger:
-        log_report(logger, roots, adhoc, written, exclude_busy=exclude_busy)
+        log_report(logger, roots, adhoc, written, **exclude)
     return 0
 
 

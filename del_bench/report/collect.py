@@ -8,7 +8,8 @@ records.RunDir, whose reader trims torn lines in place), and never guesses a mis
                           (records.vanilla_baseline: the one pairing rule) and, for greedy runs, how many
                           outputs equal that partner's token for token (`outputs_equal` of `outputs_compared`);
                           `busy_samples`: samples timed on an overloaded machine (records.overloaded), which
-                          exclude_busy=True leaves out
+                          exclude_busy=True leaves out; `unsteady`: not timed at steady state
+                          (records.steady_state), which exclude_unsteady=True leaves out
     aggregate(df)         one row per configuration: mean/std/count over repeats (seeds or repeated runs)
     load_rounds(run_dir)  one row per SD round (timings, DEL's τ/E/α trace) for the figures
     segment_speeds(...)   tokens/s per fixed-length segment of one output, from its rounds (Figure 1b)
@@ -31,7 +32,9 @@ from del_bench.records import (
     load_summary,
     read_jsonl,
     run_key_of,
+    steady_state,
     throughput,
+    unsteady,
     vanilla_baseline,
     vanilla_partners,
 )
@@ -43,8 +46,9 @@ DEFAULT_ROOTS = (REFERENCE_ROOT,)
 # a Vanilla partner must match on all of these (RunKey.PAIR_FIELDS: the one pairing rule)
 PAIR_KEYS = list(RunKey.PAIR_FIELDS)
 # runs sharing all of these are repeats of one configuration (averaged as mean ± std); the seed is not a key,
-# so runs that differ only in seed (same prompts) or repeated runs into other out_dirs are repeats
-CONFIG_KEYS = PAIR_KEYS + ["method", "method_tag", "del_variant", "exit_layer", "gamma", "omega"]
+# so runs that differ only in seed (same prompts) or repeated runs into other out_dirs are repeats. label, family,
+# order and note are what the method's class says of the run (records.method_entry), functions of its hyperparameters
+CONFIG_KEYS = PAIR_KEYS + ["method", "method_tag", "label", "family", "order", "note", "exit_layer", "gamma", "omega"]
 GIB = 2**30  # memory is reported in GiB, as torch.cuda.max_memory_allocated figures usually are
 
 
@@ -79,6 +83,7 @@ def load_run(run_dir: str | Path) -> dict:
     tps = _mean([s.get("tokens_per_s") for s in samples]) if samples else summary.get("tokens_per_s")
     etpl = _mean([s.get("etpl") for s in samples]) if samples else summary.get("etpl")
     load = load_summary(samples) or {}
+    entry = key.entry()
     row = {
         "run_dir": str(run_dir),
         "run_key": key,
@@ -86,7 +91,10 @@ def load_run(run_dir: str | Path) -> dict:
         "max_new_tokens": str(key.max_new_tokens),
         "method": key.method,
         "method_tag": key.method_tag,
-        "del_variant": key.variant(),  # "", "CPU", "KnapSpec": DEL's label (records.del_variant)
+        "label": entry.label,  # as the method's class names the run: LS(E4-γ4), DEL-CPU (records.method_entry)
+        "family": entry.family,
+        "order": entry.order,
+        "note": entry.note or "",
         "exit_layer": key.hyperparameter("exit_layer"),
         "gamma": key.hyperparameter("gamma"),
         "omega": key.hyperparameter("omega"),
@@ -109,6 +117,9 @@ def load_run(run_dir: str | Path) -> dict:
         "model_gib": _float(summary.get("model_bytes")) / GIB,
         "outputs": {(str(s["sample_id"]), s.get("repeat", 0)): _digest(s.get("output_ids")) for s in samples},
         "busy_samples": load.get("overloaded", 0),  # timed on an overloaded machine (0: none, or not recorded)
+        # not timed at steady state (records.steady_state: judged from the records, today's rule)
+        "unsteady": unsteady(steady_state(samples, read_jsonl(run_dir / "rounds.jsonl"),
+                                          read_jsonl(run_dir / "setup.jsonl"))),
     }
     for name, value in (summary.get("quality") or {}).items():
         row[f"q_{name}"] = value
@@ -119,15 +130,19 @@ def _digest(output_ids) -> str:
     return hashlib.sha1(json.dumps(output_ids).encode()).hexdigest()
 
 
-def load_runs(roots: Iterable[str | Path] = DEFAULT_ROOTS, exclude_busy: bool = False) -> pd.DataFrame:
+def load_runs(roots: Iterable[str | Path] = DEFAULT_ROOTS, exclude_busy: bool = False,
+              exclude_unsteady: bool = False) -> pd.DataFrame:
     """All runs under the roots, one row each, with `speedup` and `vanilla_tps` filled where paired. exclude_busy:
-    runs timed on an overloaded machine (busy_samples > 0) are left out before pairing, so none is a baseline."""
+    runs timed on an overloaded machine (busy_samples > 0) are left out before pairing, so none is a baseline;
+    exclude_unsteady: so are runs not timed at steady state."""
     rows = [load_run(d) for d in find_runs(roots)]
     if exclude_busy:
         rows = [r for r in rows if not r["busy_samples"]]
+    if exclude_unsteady:
+        rows = [r for r in rows if not r["unsteady"]]
     empty = ["run_dir", "run_key"] + CONFIG_KEYS + ["n", "tokens_per_s", "etpl", "sample_set", "peak_memory_gib",
                                                     "memory_measure", "model_gib", "experiments", "outputs",
-                                                    "busy_samples"]
+                                                    "busy_samples", "unsteady"]
     df = pd.DataFrame(rows, columns=None if rows else empty)
     # None in the key columns (Vanilla has no E/γ/ω) would make groupby drop rows; use "" instead
     for col in ("exit_layer", "gamma", "omega"):
@@ -195,12 +210,13 @@ def tell_weights_apart(df: pd.DataFrame) -> pd.DataFrame:
 def add_speedup(df: pd.DataFrame) -> pd.DataFrame:
     """speedup = tokens/s ÷ the mean Vanilla tokens/s of its partners (records.vanilla_baseline: the same model,
     task, decoding, length, prompts, machine); memory_overhead_pct = peak memory ÷ that Vanilla's peak memory − 1,
-    in percent (Table 5); busy_vanilla: some partner was timed on an overloaded machine.
+    in percent (Table 5); busy_vanilla / unsteady_vanilla: some partner was timed on an overloaded machine / not at
+    steady state.
 
     Several Vanilla runs with the same key (repeats) are averaged. No partner → NaN and has_vanilla False.
     """
     df = tell_weights_apart(df).reset_index(drop=True)
-    for column, default in (("peak_memory_gib", math.nan), ("busy_samples", 0)):
+    for column, default in (("peak_memory_gib", math.nan), ("busy_samples", 0), ("unsteady", False)):
         if column not in df:
             df[column] = default
     vanillas = [(r["run_key"], r) for r in df[df["method"] == "vanilla"].to_dict("records")]
@@ -212,6 +228,7 @@ def add_speedup(df: pd.DataFrame) -> pd.DataFrame:
     if "throughput" in df:  # over the batch, against Vanilla at the same batch size (the figure of speedup vs B)
         df["throughput_speedup"] = df["throughput"] / pd.Series(baseline("throughput"), index=df.index, dtype=float)
     df["busy_vanilla"] = [any(v["busy_samples"] for v in vanilla_partners(key, vanillas)) for key in df["run_key"]]
+    df["unsteady_vanilla"] = [any(v["unsteady"] for v in vanilla_partners(key, vanillas)) for key in df["run_key"]]
     df["has_vanilla"] = df["vanilla_tps"].notna()
     df["speedup"] = df["tokens_per_s"] / df["vanilla_tps"]
     df["memory_overhead_pct"] = (df["peak_memory_gib"] / df["vanilla_memory_gib"] - 1) * 100
@@ -223,7 +240,8 @@ def aggregate(df: pd.DataFrame) -> pd.DataFrame:
     metric (q_*) over its repeats (runs with the same CONFIG_KEYS: other seeds, or repeated runs)."""
     optional = {"peak_memory_gib": math.nan, "vanilla_memory_gib": math.nan, "memory_overhead_pct": math.nan,
                 "memory_measure": "", "model_gib": math.nan, "sample_set": "eval", "outputs_equal": math.nan,
-                "outputs_compared": math.nan, "busy_samples": 0, "busy_vanilla": False}
+                "outputs_compared": math.nan, "busy_samples": 0, "busy_vanilla": False, "unsteady": False,
+                "unsteady_vanilla": False}
     df = df.assign(**{k: v for k, v in optional.items() if k not in df})  # frames built by older code
     metrics = ["etpl", "tokens_per_s", "speedup", "peak_memory_gib", "memory_overhead_pct"]
     metrics += sorted(c for c in df.columns if c.startswith("q_"))
@@ -244,6 +262,9 @@ def aggregate(df: pd.DataFrame) -> pd.DataFrame:
     # repeats timed on an overloaded machine, or paired with a Vanilla that was (records.overloaded)
     out["busy_runs"] = grouped["busy_samples"].agg(lambda v: int((v > 0).sum()))
     out["busy_vanilla"] = grouped["busy_vanilla"].any()
+    # repeats not timed at steady state, or paired with a Vanilla that was not (records.steady_state)
+    out["unsteady_runs"] = grouped["unsteady"].agg(lambda v: int(v.astype(bool).sum()))
+    out["unsteady_vanilla"] = grouped["unsteady_vanilla"].any()
     if "near_tie_at" in df:  # first-departure positions, pooled over repeats (lists: summed = concatenated)
         for column in ("near_tie_at", "departs_at"):
             out[column] = grouped[column].agg(lambda lists: sorted(p for at in lists for p in at))

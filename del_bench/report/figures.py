@@ -36,8 +36,10 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 from matplotlib.patches import Rectangle  # noqa: E402
 
+from del_bench.methods.dynamic_exit import DEFAULT_OMEGA  # noqa: E402
+
 from .collect import aggregate, load_rounds, segment_speeds  # noqa: E402,F401  (load_rounds: re-exported)
-from .tables import DEFAULT_OMEGA, METHOD_LABELS, TABLE3_TASKS, TASK_LABELS, in_experiment, method_label  # noqa: E402
+from .tables import TABLE3_TASKS, TASK_LABELS, in_experiment, method_label  # noqa: E402
 
 ABLATIONS = ["del", "del_e", "del_gamma", "del_e_lim"]
 MAX_ROUNDS_4A = 200  # the paper's Figure 4a: τ over 200 SD rounds
@@ -75,6 +77,11 @@ def _ls_grid(df: pd.DataFrame) -> pd.DataFrame:
     return aggregate(df[(df.method == "ls") & (df.exit_layer != "") & (df.gamma != "")])
 
 
+def _ls_label(cfg: tuple[float, float]) -> str:
+    """LS(E-γ) of an (E, γ) pair, as the tables label it."""
+    return method_label("ls", {"exit_layer": cfg[0], "gamma": cfg[1]})
+
+
 def best_ls_configs(agg: pd.DataFrame) -> dict[str, tuple[float, float]]:
     """task → (E, γ) with the highest mean tokens/s among that task's LS runs — its calibration grid points
     (`calibrate`, sample_set=calibration) when it has any, else all its LS runs. Ties: smaller E, then γ."""
@@ -107,7 +114,7 @@ def fig1a(df: pd.DataFrame, title: str = "") -> plt.Figure | None:
     width = 0.8 / len(configs)
     missing, hatched = [], False
     for i, (cfg, tuned) in enumerate(configs.items()):
-        label = f"{method_label('ls', *cfg)}: best on {', '.join(TASK_LABELS.get(t, t) for t in tuned)}"
+        label = f"{_ls_label(cfg)}: best on {', '.join(TASK_LABELS.get(t, t) for t in tuned)}"
         for j, task in enumerate(tasks):
             rec = None
             for rows in (evals, calib):
@@ -117,7 +124,7 @@ def fig1a(df: pd.DataFrame, title: str = "") -> plt.Figure | None:
                     rec = hit.iloc[0]
                     break
             if rec is None or not rec.has_vanilla:
-                missing.append(f"{method_label('ls', *cfg)} on {TASK_LABELS.get(task, task)}"
+                missing.append(f"{_ls_label(cfg)} on {TASK_LABELS.get(task, task)}"
                                + (" (no vanilla)" if rec is not None else ""))
                 continue
             x = j + (i - (len(configs) - 1) / 2) * width
@@ -232,7 +239,7 @@ def fig3a(df: pd.DataFrame, model: str, machine: str, title: str = "") -> plt.Fi
     for i, method in enumerate(methods):
         rows = stats[stats.method == method].set_index("task").reindex(tasks)
         xs = [j + (i - (len(methods) - 1) / 2) * width for j in range(len(tasks))]
-        ax.bar(xs, rows["mean"], width, yerr=rows["std"].fillna(0), label=METHOD_LABELS[method], capsize=2)
+        ax.bar(xs, rows["mean"], width, yerr=rows["std"].fillna(0), label=method_label(method), capsize=2)
     ax.axhline(1.0, color="grey", lw=0.8, ls="--")
     ax.set_xticks(range(len(tasks)), [TASK_LABELS.get(t, t) for t in tasks])
     ax.set_xlabel("Task")
@@ -252,11 +259,8 @@ def fig_batch(block: pd.DataFrame, title: str) -> plt.Figure | None:
     runs = block[block.throughput.notna()]
     if runs.batch_size.nunique() < 2:
         return None
-    keys = ["method", "method_tag", "del_variant", "exit_layer", "gamma", "omega"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(8, 3.2))
-    for key, lines in runs.groupby(keys, sort=True):
-        label = method_label(*(dict(zip(keys, key))[k] for k in ("method", "exit_layer", "gamma", "omega",
-                                                                 "del_variant")))
+    for (label, _), lines in runs.groupby(["label", "method_tag"], sort=True):  # label: the method's own (records)
         points = lines.groupby("batch_size")[["throughput", "throughput_speedup"]].mean().sort_index()
         left.plot(points.index, points.throughput, marker="o", label=label)
         right.plot(points.index, points.throughput_speedup, marker="o", label=label)

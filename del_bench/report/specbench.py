@@ -127,12 +127,11 @@ def specbench_table(df: pd.DataFrame, adhoc: bool = True) -> Table | None:
             for m in METRICS:
                 cells[f"{g}:{m}"] = _cell(list(group[f"{g}:{m}"]), m, has_vanilla, questions)
         cells["overall:tokens_per_s"] = _cell(list(group["tokens_per_s"]), "tokens_per_s", True, 1)
-        label = tables.method_label(key["method"], key["exit_layer"], key["gamma"], key["omega"], key["del_variant"])
-        label += tables.lossless_note([r for _, r in group.iterrows()])
+        label = key["label"] + tables.lossless_note([r for _, r in group.iterrows()])
         block = tuple(key[k] for k in block_keys + ["variant"])
         source = tables._ours(key["machine"], key["variant"], key["decoding"], key["max_new_tokens"])
         out.rows.append(Row(block, key["model"], label, source, cells, ranked=key["method"] != "vanilla",
-                            tag=key["method_tag"]))
+                            tag=key["method_tag"], family=key["family"], note=key["note"]))
     out.notes += _notes(runs, metrics)
     return tables.mark_best(tables.disambiguate(out))
 

@@ -28,13 +28,13 @@ from pathlib import Path
 
 import pandas as pd
 
-from del_bench.records import (  # noqa: F401 (figures…)
-    DEFAULT_OMEGA,
-    DEL_VARIANT_NOTE,
-    METHOD_LABELS,
+from del_bench.methods.base import LAYER_SKIPPING
+from del_bench.records import (
     PEER_MARK,
     PEER_NOTE,
+    STEADY_SLOWDOWN,
     batch_label,
+    method_entry,
     method_label,
     vanilla_partners,
 )
@@ -51,10 +51,6 @@ TABLE3_TASKS = ["aqua_rat", "cnndm_lm", "cnndm_sum", "gsm8k", "humaneval", "xsum
 TABLE2_TASKS = {"humaneval": "pass@1", "humaneval_pass10": "pass@10"}  # our task → the paper's setting
 TABLE4_TASKS = ["humaneval", "cnndm_lm"]
 TABLE5_TASKS = ["humaneval", "cnndm_lm", "cnndm_sum", "xsum", "gsm8k", "aqua_rat"]
-METHOD_ORDER = ["vanilla", "ls", "fs", "dv", "swift", "clasp", "knapspec", "del_gamma", "del_e", "del_e_lim", "del",
-                "hf_generate", "hf_forward_loop", "hf_assistant_early_exit"]  # peers (†) after ours
-DEL_VARIANT_ORDER = ["", "CPU", "KnapSpec"]  # DEL, DEL-CPU, DEL (KnapSpec's): records.del_variant
-SKIPPING = ("SWIFT", "CLaSp", "KnapSpec")  # layer-skipping rows (no early-exit training): their gain is over Vanilla
 DIGITS = {"etpl": 3, "tokens_per_s": 2, "speedup": 2, "gain": 2, "q_rouge2": 3, "peak_memory_gib": 3,
           "memory_overhead_pct": 2}
 METRIC_LABELS = {"etpl": "eTPL", "tokens_per_s": "Speed", "speedup": "Speedup", "q_rouge2": "ROUGE-2",
@@ -102,6 +98,8 @@ class Row:
     cells: dict[str, Cell]
     ranked: bool = False  # takes part in best/second marking
     tag: str = ""  # the run's method_tag, shown when two rows would otherwise look the same
+    family: str = ""  # the method's family (methods.base.FAMILIES); "" on paper rows
+    note: str = ""  # what the method says under a table with this row (Method.table_note)
 
     def cell(self, key: str) -> Cell:
         """The row's cell of column `key`; '–' where the row has none (a paper row in the = Vanilla column)."""
@@ -175,19 +173,17 @@ def paper_source(model: str) -> str:
 
 # ---------------------------------------------------------------- building
 
-ROW_KEYS = ["model", "machine", "decoding", "max_new_tokens", "method", "method_tag", "del_variant", "exit_layer",
-            "gamma", "omega", "batch_size"]
+# label, family, order, note: as the method's class presents the run (records.method_entry, load_run's columns)
+ROW_KEYS = ["model", "machine", "decoding", "max_new_tokens", "method", "method_tag", "label", "family", "order",
+            "note", "exit_layer", "gamma", "omega", "batch_size"]
 PAPER_MAX_NEW_TOKENS = "512"
 
 
 def _sort_key(key: dict):
-    method = key["method"]
-    rank = METHOD_ORDER.index(method) if method in METHOD_ORDER else len(METHOD_ORDER)
-    variant = key.get("del_variant", "")
-    rank = (rank, DEL_VARIANT_ORDER.index(variant) if variant in DEL_VARIANT_ORDER else len(DEL_VARIANT_ORDER))
+    """Rows of a block in the methods' declared order (Method.table_order), then by E, γ, ω and tag."""
     nums = [(_num(key[k]) if _num(key[k]) is not None else -1) for k in ("exit_layer", "gamma", "omega")]
     return (key["model"], key["machine"], key.get("decoding", ""), _num(key.get("max_new_tokens")) or 0,
-            key.get("variant", 0), rank, *nums, int(key.get("batch_size", 1)), key["method_tag"])
+            key.get("variant", 0), key["order"], *nums, int(key.get("batch_size", 1)), key["method_tag"])
 
 
 def _ours(machine: str, variant: int = 0, decoding: str = "greedy", max_new_tokens: str = "") -> str:
@@ -252,15 +248,16 @@ def lossless_counts(recs) -> tuple[int, int]:
     return int(equal), int(compared)
 
 
-def lossless_note(recs) -> str:
+def lossless_note(recs, reference: str = "Vanilla") -> str:
     """' (outputs = Vanilla k/n)' when some greedy outputs of these aggregated runs differ from their Vanilla
     partner's (summed over the runs); '' when all that could be compared are equal. Where the partner recorded its
     top-2 gaps (half precision), the note says how many of the others first depart at a near-tie (allowed) and how
-    many really depart, and at which tokens: ' (outputs = Vanilla 22/24; near-tie departures 2 at tokens 16, 63)'."""
+    many really depart, and at which tokens: ' (outputs = Vanilla 22/24; near-tie departures 2 at tokens 16, 63)'.
+    `reference` names the partner (bench gpu: 'generate')."""
     equal, compared = lossless_counts(recs)
     if equal >= compared:
         return ""
-    parts = [f"outputs = Vanilla {equal}/{compared}"]
+    parts = [f"outputs = {reference} {equal}/{compared}"]
     for label, column in (("near-tie departures", "near_tie_at"), ("real departures", "departs_at")):
         at = sorted(p for r in recs for p in (r.get(column) or []))
         if at:
@@ -274,10 +271,21 @@ BUSY_NOTE = ("‡ = timed on a busy machine: other processes kept more CPUs busy
              "be trusted. `report --exclude-busy` leaves such runs out.")
 
 
+UNSTEADY_MARK = " ¶"
+UNSTEADY_NOTE = ("¶ = not timed at steady state: a warm-up that did not converge, or a first timed sample slower than "
+                 f"{STEADY_SLOWDOWN:g}× the others' median per loaded layer, in the run or its Vanilla partner "
+                 "(records.steady_state); its speed or speedup is not to be trusted. `report --exclude-unsteady` "
+                 "leaves such runs out.")
+
+
 def busy_mark(recs) -> str:
     """' ‡' when a run behind these aggregated cells, or a Vanilla partner of one, was timed on an overloaded
-    machine (collect: busy_runs, busy_vanilla); '' otherwise, and for records from before the load was kept."""
-    return BUSY_MARK if any(r.get("busy_runs", 0) or r.get("busy_vanilla", False) for r in recs) else ""
+    machine (collect: busy_runs, busy_vanilla); ' ¶' when one was not timed at steady state (unsteady_runs,
+    unsteady_vanilla); both when both; '' otherwise, and for records from before the load was kept."""
+    recs = list(recs)
+    busy = any(r.get("busy_runs", 0) or r.get("busy_vanilla", False) for r in recs)
+    unsteady = any(r.get("unsteady_runs", 0) or r.get("unsteady_vanilla", False) for r in recs)
+    return BUSY_MARK * busy + UNSTEADY_MARK * unsteady
 
 
 def _isnan(value) -> bool:
@@ -317,14 +325,13 @@ def wide_table(df: pd.DataFrame, table: int, cols: list[Col], title: str, overal
         cells = {c.key: _cell(by_task.get(c.task), c.metric) for c in cols if c.task != "overall"}
         if overall:
             cells.update(overall(by_task))
-        label = method_label(key["method"], key["exit_layer"], key["gamma"], key["omega"], key["del_variant"])
-        label += batch_label(key.get("batch_size", 1))
         cells[LOSSLESS] = lossless_cell(by_task.values())
-        label += lossless_note(by_task.values())
+        label = key["label"] + batch_label(key.get("batch_size", 1)) + lossless_note(by_task.values())
         block = tuple(key[k] for k in ("model", "machine", "decoding", "max_new_tokens", "variant") if k in key)
         source = _ours(key["machine"], key["variant"], key.get("decoding", ""), key["max_new_tokens"])
         out.rows.append(Row(block, key["model"], label + busy_mark(by_task.values()), source, cells,
-                            ranked=key["method"] != "vanilla", tag=key["method_tag"]))
+                            ranked=key["method"] != "vanilla", tag=key["method_tag"], family=key["family"],
+                            note=key["note"]))
         batched = int(key.get("batch_size", 1)) != 1  # the paper decoded one prompt at a time: its row follows B = 1
         paper = _paper_row(table, key, cols, block, label) if paper_rows and not batched else None
         if paper:
@@ -333,8 +340,9 @@ def wide_table(df: pd.DataFrame, table: int, cols: list[Col], title: str, overal
 
 
 def _paper_row(table, key, cols: list[Col], block, label) -> Row | None:
-    """The paper's row for the same model and method config (DEL only in the paper's configuration, at ω = 0.95)."""
-    if key["method"] == "del" and (key["del_variant"] or _num(key["omega"]) not in (None, DEFAULT_OMEGA)):
+    """The paper's row for the same model and method config: one the paper prints under our row's label (so DEL only
+    in the paper's configuration, at ω = 0.95: DEL-CPU and DEL(ω0.9) have none)."""
+    if method_label(key["method"], {"exit_layer": key["exit_layer"], "gamma": key["gamma"]}) != key["label"]:
         return None
     cells = {}
     for c in cols:
@@ -352,15 +360,15 @@ def paper_block(table: int, model: str, cols: list[Col]) -> list[Row]:
     pv = paper_values()
     pv = pv[(pv.table == str(table)) & (pv.model == model)]
     configs = pv[["method", "exit_layer", "gamma"]].drop_duplicates().itertuples(index=False)
-    order = sorted(configs, key=lambda c: (METHOD_ORDER.index(c.method) if c.method in METHOD_ORDER else 99,
-                                           _num(c.exit_layer) or 0, _num(c.gamma) or 0))
+    order = sorted(configs, key=lambda c: (method_entry(c.method).order, _num(c.exit_layer) or 0, _num(c.gamma) or 0))
     rows = []
     for method, e, g in order:
         cells = {}
         for c in cols:
             task, setting, metric = c.paper()
             cells[c.key] = paper_cell(table, model, task, method, e, g, metric, setting) or Cell(text="–")
-        rows.append(Row(("paper", model), model, method_label(method, e, g), paper_source(model), cells))
+        label = method_label(method, {"exit_layer": e, "gamma": g})
+        rows.append(Row(("paper", model), model, label, paper_source(model), cells))
     return rows
 
 
@@ -415,7 +423,8 @@ def _paper_models(table: int) -> list[str]:
 
 def table4(df: pd.DataFrame) -> Table:
     """Gain = DEL speedup − LS speedup (DEL runs on LayerSkip) and SWIFT speedup − 1 (SWIFT runs on plain
-    decoding; so do CLaSp and KnapSpec, the layer-skipping methods after DEL, shown beside it). Our LS base per block
+    decoding; so does every method of the layer-skipping family, CLaSp and KnapSpec after DEL, shown beside it: a
+    method says its family, Method.family). Our LS base per block
     = the LS config with the best mean speedup over the tasks it covers (most tasks first); our SWIFT row says
     "no SWIFT runs" until a `swift` method has records."""
     cols = []
@@ -423,8 +432,8 @@ def table4(df: pd.DataFrame) -> Table:
         cols += [Col(f"{t}:speedup", f"{TASK_LABELS[t]} Speedup", t, "speedup"),
                  Col(f"{t}:gain", f"{TASK_LABELS[t]} Gain", t, "gain")]
     speed_cols = [c for c in cols if c.metric == "speedup"]
-    methods = ["vanilla", "ls", "swift", "clasp", "knapspec", "del"]
-    base = wide_table(df[df["method"].isin(methods)], 4, speed_cols, "", paper_rows=False)
+    shown = df["method"].isin(["vanilla", "ls", "del"]) | (df["family"] == LAYER_SKIPPING)
+    base = wide_table(df[shown], 4, speed_cols, "", paper_rows=False)
     out = Table("table4", "Table 4: DEL's gain over LS vs SWIFT's gain over Vanilla",
                 [(c.key, c.header) for c in cols] + [LOSSLESS_COLUMN], notes=base.notes, marked=False)
     ours: list[Row] = []
@@ -433,17 +442,17 @@ def table4(df: pd.DataFrame) -> Table:
         rows = [r for r in base.rows if r.block == block]
         for r in rows:
             r.ranked = False
-        if not any(r.label.startswith(("LS", "DEL", *SKIPPING)) for r in rows):
+        skipping = [r for r in rows if r.family == LAYER_SKIPPING]
+        if not skipping and not any(r.label.startswith(("LS", "DEL")) for r in rows):
             continue  # a Vanilla run alone says nothing about gains
         pick = [r for r in rows if r.label.startswith("LS")]
         ls = max(pick, key=_ls_score, default=None)
-        skipping = [r for r in rows if r.label.startswith(SKIPPING)]
         if not any(r.label.startswith("SWIFT") for r in skipping):
             cells = {c.key: Cell(text="no SWIFT runs" if c.metric == "speedup" else "–") for c in cols}
             skipping.insert(0, Row(block, rows[0].model, "SWIFT", rows[0].source, cells))
         for r in rows:
             for t in TABLE4_TASKS:
-                if r.label.startswith(SKIPPING):
+                if r.family == LAYER_SKIPPING:
                     r.cells[f"{t}:gain"] = _gain(r.cells[f"{t}:speedup"], r.label, Cell(mean=1.0))
                 else:
                     against = ls if r.label.startswith("DEL") else None
@@ -600,8 +609,9 @@ def _notes(table: Table) -> list[str]:
     marks = ["Bold = best, underline = second best among our runs of the same model and machine "
              "(Vanilla excluded), computed from the numbers; paper rows are printed as in the paper."]
     busy = [BUSY_NOTE] if any(BUSY_MARK in r.label for r in table.rows) else []
+    busy += [UNSTEADY_NOTE] if any(UNSTEADY_MARK in r.label for r in table.rows) else []
     busy += [PEER_NOTE] if any(PEER_MARK in r.label for r in table.rows) else []
-    busy += [DEL_VARIANT_NOTE] if any(r.label.startswith(("DEL-CPU", "DEL (")) for r in table.rows) else []
+    busy += list(dict.fromkeys(r.note for r in table.rows if r.note))  # what the methods say of their rows
     busy += [LOSSLESS_NOTE] if any(k == LOSSLESS for k, _ in table.columns) else []
     return table.notes + busy + (marks if table.marked else []) + [
         "Mean ± std over repeats where a configuration was run more than once (other seeds or repeated runs "
@@ -628,7 +638,7 @@ def to_markdown(table: Table) -> str:
 _TEX = {"\\": r"\textbackslash{}", "_": r"\_", "%": r"\%", "&": r"\&", "#": r"\#", "±": r"$\pm$",
         "γ": r"$\gamma$", "ω": r"$\omega$", "×": r"$\times$", "–": "--", "α": r"$\alpha$",
         "τ": r"$\tau$", "÷": r"$\div$", "−": "-", "≥": r"$\geq$", "^": r"\^{}", "$": r"\$",
-        "{": r"\{", "}": r"\}", "~": r"\textasciitilde{}", "§": r"\S{}", "‡": r"$\ddagger$"}
+        "{": r"\{", "}": r"\}", "~": r"\textasciitilde{}", "§": r"\S{}", "‡": r"$\ddagger$", "¶": r"\P{}"}
 
 
 def tex_escape(text: str) -> str:

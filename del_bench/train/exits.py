@@ -236,7 +236,7 @@ def identity_of(cfg: DictConfig, model_cfg: DictConfig, layers: list[int]) -> di
 def train(cfg: DictConfig) -> Path:
     from del_bench.models import loading
     from del_bench.models.layer_stack import LayerStack
-    from del_bench.runner import eos_ids
+    from del_bench.session import eos_ids
 
     torch.set_num_threads(int(cfg.threads))
     torch.manual_seed(cfg.seed)

