@@ -16,7 +16,7 @@ import threading
 import pytest
 import torch
 
-from del_bench import runner
+from del_bench import runner, session
 from del_bench.__main__ import format_table
 from del_bench.bench.peers import peer_method
 from del_bench.engine.batch import Batch
@@ -185,14 +185,16 @@ def test_a_row_leaking_into_its_neighbour_fails_the_equality(setup, leak, monkey
     assert [g.output_ids for g in gens] != refs
 
 
-def test_determinism_the_same_batched_run_twice_gives_the_same_records(run_cfg, tmp_path):
+def test_determinism_the_same_batched_run_twice_gives_the_same_records(run_cfg, tmp_path, monkeypatch):
     """Thread timing must not matter: every record — in file order, slots and the rows' shares of the batch's loads
     included — is the same in two runs of one batch, but for its times."""
     overrides = ("method=del_cpu", "limit=5", "max_new_tokens=12", "batch_size=3")
+    monkeypatch.setattr(LayerStack, "cost_device", lambda self: "this device")  # the costs below were measured here
     runs = []
     for name in ("one", "two"):  # DEL-CPU decides on measured costs: both runs read the same (the clock's aside)
         (tmp_path / name).mkdir()
-        RunDir(tmp_path / name).write_costs({"layer_s": 1.0, "head_s": 0.2, "batch_s": [[1, 4.0], [2, 4.4], [4, 5.2]]})
+        RunDir(tmp_path / name).write_costs({"layer_s": 1.0, "head_s": 0.2, "batch_s": [[1, 4.0], [2, 4.4], [4, 5.2]],
+                                             "device": "this device"})
         runner.run(run_cfg(*overrides, f"out_dir={tmp_path / name}"))
         samples, rounds = (read_jsonl(tmp_path / name / f) for f in ("samples.jsonl", "rounds.jsonl"))
         for r in samples:
@@ -242,7 +244,7 @@ def test_continuous_batching_refills_a_slot_as_its_row_ends(setup):
 # ---- the run: config, records, resume ----------------------------------------------------------------------------
 @pytest.mark.parametrize("bad", ["0", "-2", "1.5", "two", "true"])
 def test_batch_size_must_be_a_positive_integer_before_any_weights_load(run_cfg, bad, monkeypatch):
-    monkeypatch.setattr(runner, "load_model", lambda *a: pytest.fail("a model was loaded"))
+    monkeypatch.setattr(session, "load_model", lambda *a: pytest.fail("a model was loaded"))
     with pytest.raises(ConfigError, match="batch_size"):
         runner.run(run_cfg("method=vanilla", f"batch_size={bad}"))
 
