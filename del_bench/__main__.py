@@ -108,9 +108,9 @@ def format_table(summaries: list[dict], keys: list | None = None) -> str:
     """Speed, speedup (vs the mean speed of the Vanilla summaries among them that it pairs with:
     records.vanilla_baseline, the report's rule), eTPL, α, the decoder-layer loop that ran (fused | eager: a failed
     fused build shows here); methods labelled as the tables label them (RunKey.label; a note names the full tags
-    where two labels coincide); then notes: runs timed on a busy machine (`*`, records.overloaded), runs not timed at
-    steady state (`~`, records.steady_state) and runs that drafted nothing (why their α is '-'). A speedup carries its
-    Vanilla partners' marks too."""
+    where two labels coincide; a batched run's label says B=…); then notes: runs timed on a busy machine (`*`,
+    records.overloaded), runs not timed at steady state (`~`, records.steady_state), batched runs' throughput over the
+    batch, and runs that drafted nothing (why their α is '-'). A speedup carries its Vanilla partners' marks too."""
     from del_bench.records import PEER_MARK, PEER_NOTE, is_peer, run_key_of, vanilla_baseline, vanilla_partners
 
     keys = keys or [run_key_of(s) for s in summaries]
@@ -141,6 +141,13 @@ def format_table(summaries: list[dict], keys: list | None = None) -> str:
             notes.append(f"~ {label} on {s['model']}/{s['task']}: not timed at steady state — "
                          f"{_why_unsteady(unsteady)}; its speed and the speedups against it are not to be trusted "
                          "(rerun with warmup=steady).")
+        if key.batch_size != 1 and s.get("throughput"):
+            base = vanilla_baseline(key, runs, "throughput")
+            versus = f", {s['throughput'] / base:.2f}x Vanilla's at B={key.batch_size}" if base else ""
+            notes.append(f"{label} on {s['model']}/{s['task']}: {key.batch_size} prompts decoded together — its tok/s "
+                         f"is a prompt's (its tokens ÷ its latency, waiting for the batch included); over the batch "
+                         f"{s['throughput']:.2f} tok/s{versus}, {s['batch_etpl']:.3f} tokens per layer the batch "
+                         "loaded.")
         if s["method"] != "vanilla" and not is_peer(s["method"]) and not s.get("drafted"):
             notes.append(f"{label} drafted no token on {s['model']}: its policy never expected an early "
                          "exit to pay on this model, so every round was a full pass (eTPL = 1/L, α '-'), as Vanilla's.")

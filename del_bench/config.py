@@ -49,6 +49,14 @@ def _flag(on, name: str) -> str:
     return f"-{name}" if on else ""
 
 
+def batch_tag(batch_size) -> str:
+    """${batch_tag:${batch_size}}: out_dir's suffix for a batched run ("-b8"), none at batch size 1 (every earlier run's
+    directory), so runs of different batch sizes never resume into one another."""
+    return "" if str(batch_size) == "1" else f"-b{batch_size}"
+
+
+if not OmegaConf.has_resolver("batch_tag"):
+    OmegaConf.register_new_resolver("batch_tag", batch_tag)
 if not OmegaConf.has_resolver("flag"):
     OmegaConf.register_new_resolver("flag", _flag)
 if not OmegaConf.has_resolver("decoding"):
@@ -199,6 +207,7 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"compile={setting!r} is not a choice.{did_you_mean(str(setting), COMPILE_CHOICES)} Options: "
                           f"{', '.join(COMPILE_CHOICES)}")
     check_warmup(cfg)
+    validate_batch(cfg, method_cls, setting)
     if cfg.limit is not None and (not isinstance(cfg.limit, int) or cfg.limit < 1):
         raise ConfigError(f"limit={cfg.limit!r} must be a positive integer or null (all samples)")
     if not isinstance(cfg.max_new_tokens, int) or cfg.max_new_tokens < 1:
@@ -206,3 +215,18 @@ def validate(cfg: DictConfig) -> None:
     n = cfg.task.get("samples_per_prompt", 1)
     if not isinstance(n, int) or n < 1:
         raise ConfigError(f"task.samples_per_prompt={n!r} must be a positive integer")
+
+
+def validate_batch(cfg: DictConfig, method_cls, compile_choice: str) -> None:
+    """batch_size: a positive integer; above 1 (engine/batch.py) our engine decodes, on the stack's layer loop."""
+    batch = cfg.get("batch_size", 1)
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise ConfigError(f"batch_size={batch!r} must be a positive integer (1 = one prompt at a time)")
+    if batch == 1:
+        return
+    if getattr(method_cls, "decoder", None) is not None:
+        raise ConfigError(f"method={cfg.method.name} is transformers' own decoding (a peer row), which decodes one "
+                          "prompt at a time: use batch_size=1")
+    if compile_choice == "on":
+        raise ConfigError("compile=on: the graph-captured steps serve batch size 1; a batched run decodes on the "
+                          "stack's layer loop (compile=auto or off)")

@@ -67,12 +67,35 @@ class PeakMemory:
         return self
 
     def __exit__(self, *exc) -> None:
+        self.bytes = self.read()
+
+    def read(self) -> int | None:
+        """The peak since __enter__ (its reset), read now."""
         if _cuda(self.device):
-            self.bytes = sum(torch.cuda.max_memory_allocated(i) for i in range(torch.cuda.device_count()))
-        elif self.measure == RSS_MEASURE:
-            self.bytes = _vm_hwm()
-        else:  # ru_maxrss is in kB on Linux, bytes on macOS
-            self.bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+            return sum(torch.cuda.max_memory_allocated(i) for i in range(torch.cuda.device_count()))
+        if self.measure == RSS_MEASURE:
+            return _vm_hwm()
+        # ru_maxrss is in kB on Linux, bytes on macOS
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+
+    def so_far(self) -> "BatchPeak":
+        """For one row of a batch (engine/batch.py): a context whose bytes are this peak's at its exit — the whole
+        batch's since it began (one reset for the batch: a reset per row would cut its neighbours' peaks short)."""
+        return BatchPeak(self)
+
+
+class BatchPeak:
+    """PeakMemory.so_far: `with …as peak:` then peak.bytes, peak.measure, as PeakMemory's."""
+
+    def __init__(self, batch: PeakMemory):
+        self.batch, self.bytes = batch, None
+        self.measure = f"{batch.measure}; batched: the batch's peak from its start to the row's end"
+
+    def __enter__(self) -> "BatchPeak":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.bytes = self.batch.read()
 
 
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter

@@ -47,6 +47,9 @@ RESUMABLE_KEYS = ("limit", "out_dir", "logger", "threads", "warmup", "warmup_tok
 RESUMABLE_TASK_KEYS = ("score_workers", "sandbox")
 # model options added later, at the value that means "as before" (model.exit_adapters: null = the own head)
 ADDED_MODEL_OPTIONS = {"exit_adapters": None}
+# run options added later, at the value that means "as before" (batch_size 1: one prompt at a time)
+ADDED_RUN_OPTIONS = {"batch_size": 1}
+
 # model options that only feed other keys: the LS defaults reach a run as method.exit_layer / method.gamma, compared
 # resolved, so moving them (to a newly measured best) leaves Vanilla's, DEL's and every other run resumable
 RESUMABLE_MODEL_KEYS = ("default_exit_layer", "default_gamma")
@@ -104,6 +107,14 @@ class SampleRecord:
     # the machine's load around this sample's timed decoding (del_bench/machine_load.py: load averages, busy CPUs,
     # our own, cores, torch threads); None in records from before it was kept. `overloaded` judges it
     load: dict | None = None
+    # seconds from the start of its generation to its first token (the prefill; at batch size B > 1 its waiting for
+    # the batch too; a multi-turn sample: the first turn's). None in records from before it was kept
+    ttft_s: float | None = None
+    # batch size B > 1 only (else None; engine/batch.py): {"size": B, "slot", "session" (the decoding session: the
+    # run's setup line), "start_s", "end_s" (when its generation began and ended, seconds after its session's batch
+    # began: its latency is wall_s, waiting for the batch included), "loaded_layers", "head_passes" (its share of the
+    # layers and head passes the batch loaded: a batched call's loads ÷ its rows; the shares sum to the batch's)}
+    batch: dict | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -160,6 +171,31 @@ def load_summary(samples: list[dict]) -> dict | None:
     others = [o for o in map(other_cores, loads) if o is not None]
     return {"samples": len(loads), "overloaded": sum(map(overloaded, loads)),
             "max_other_cores": max(others) if others else None, "free_cores": min(map(free_cores, loads))}
+
+
+def throughput(samples: list[dict]) -> float | None:
+    """Tokens per second over the batch: all generated tokens ÷ the wall seconds of decoding them. Batched records
+    (`batch`): each session's batch ran from 0 to its last row's end_s, and the sessions' spans add up (a resumed run);
+    one prompt at a time: the samples' wall_s add up. None without tokens or time."""
+    tokens = sum(s["generated_tokens"] for s in samples)
+    spans: dict = {}
+    for s in samples:
+        if s.get("batch"):
+            session = s["batch"]["session"]
+            spans[session] = max(spans.get(session, 0.0), s["batch"]["end_s"])
+        else:
+            spans[("sample", s["sample_id"], s.get("repeat", 0))] = s["wall_s"]
+    seconds = sum(spans.values())
+    return tokens / seconds if tokens and seconds > 0 else None
+
+
+def batch_etpl(samples: list[dict]) -> float | None:
+    """Tokens per layer the batch loaded: all generated tokens ÷ Σ the rows' shares of the batch's loads (a batched
+    call of layers [s, e) counted once for all its rows: SampleRecord.batch); one prompt at a time, ÷ Σ loaded_layers
+    (the pooled eTPL). None without loads."""
+    tokens = sum(s["generated_tokens"] for s in samples)
+    layers = sum(s["batch"]["loaded_layers"] if s.get("batch") else s["loaded_layers"] for s in samples)
+    return tokens / layers if layers else None
 
 
 # ---------------------------------------------------------------- steady state (summary's steady_state)
@@ -277,9 +313,12 @@ class RunKey:
     # prompt_digest of the samples' records: what the model saw ("" in records from before it was kept, which so
     # pair among themselves only)
     prompt_digest: str = ""
+    # prompts decoded together (run.yaml batch_size; 1 in records from before it existed): a row's speed and latency
+    # depend on it, so runs of different batch sizes never pair
+    batch_size: int = 1
 
     PAIR_FIELDS = ("model", "weights", "task", "task_version", "decoding", "max_new_tokens", "prompts", "prompt_digest",
-                   "machine")
+                   "machine", "batch_size")
 
     def pair_id(self) -> tuple:
         return tuple(getattr(self, f) for f in self.PAIR_FIELDS)
@@ -292,8 +331,9 @@ class RunKey:
         return dict(self.hyperparameters).get(name, default)
 
     def label(self) -> str:
-        """The method as the tables name it (method_label: `DEL`, `LS(E4-γ4)`); the full tag stays method_tag."""
-        return self.entry().label
+        """The method as the tables name it (method_label: `DEL`, `LS(E4-γ4)`, and ` B=8` for a batched run); the
+        full tag stays method_tag."""
+        return self.entry().label + batch_label(self.batch_size)
 
     def entry(self) -> MethodEntry:
         """The run's method as its class presents it: label, family, order, note (method_entry)."""
@@ -316,7 +356,13 @@ class RunKey:
         data["hyperparameters"] = tuple(sorted((data.get("hyperparameters") or {}).items()))
         data["experiments"] = tuple(data.get("experiments") or ())
         data["max_new_tokens"] = int(data["max_new_tokens"])
+        data["batch_size"] = int(data.get("batch_size", 1))
         return cls(**data)
+
+
+def batch_label(batch_size: int) -> str:
+    """" B=8" after a batched run's label (show, the tables); "" at batch size 1."""
+    return "" if int(batch_size) == 1 else f" B={batch_size}"
 
 
 def vanilla_partners(key: RunKey, runs: Iterable[tuple[RunKey, Any]]) -> list:
@@ -399,7 +445,7 @@ def run_key_of(summary: dict, samples: list[dict] | None = None) -> RunKey:
         method_tag=summary.get("method_tag", summary["method"]),
         hyperparameters=tuple(sorted(method_cfg.items())), decoding=_decoding_of(summary),
         max_new_tokens=int(cfg.get("max_new_tokens", 0)), prompts=prompts_fingerprint(summary.get("task_version"), ids),
-        machine=machine_of(summary.get("provenance") or {}))
+        machine=machine_of(summary.get("provenance") or {}), batch_size=int(cfg.get("batch_size", 1)))
 
 
 def _decoding_of(summary: dict) -> str:
@@ -489,9 +535,11 @@ class RunDir:
     @staticmethod
     def fingerprint(run_config: dict) -> dict:
         """The settings that define a run's results (what run_config.json holds). Options added after records
-        were written are left out at the value that means "as before" (ADDED_MODEL_OPTIONS), so those still resume.
-        Idempotent: a stored run_config.json (written before a key became resumable) is compared through it too."""
-        fingerprint = {k: v for k, v in run_config.items() if k not in RESUMABLE_KEYS}
+        were written are left out at the value that means "as before" (ADDED_MODEL_OPTIONS, ADDED_RUN_OPTIONS), so those
+        still resume. Idempotent: a stored run_config.json (written before a key became resumable) is compared through
+        it too."""
+        fingerprint = {k: v for k, v in run_config.items()
+                       if k not in RESUMABLE_KEYS and ADDED_RUN_OPTIONS.get(k, ...) != v}
         if isinstance(fingerprint.get("model"), dict):
             fingerprint["model"] = {k: v for k, v in fingerprint["model"].items()
                                     if k not in RESUMABLE_MODEL_KEYS and ADDED_MODEL_OPTIONS.get(k, ...) != v}

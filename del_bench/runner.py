@@ -23,12 +23,14 @@ from tqdm import tqdm
 
 from del_bench import memory, session, tracking
 from del_bench.config import validate
+from del_bench.engine.batch import Batch
 from del_bench.machine_load import LoadProbe
 from del_bench.models import exit_adapters
 from del_bench.records import (
     RunDir,
     RunKey,
     SampleRecord,
+    batch_etpl,
     key_of,
     load_summary,
     machine_of,
@@ -36,6 +38,7 @@ from del_bench.records import (
     prompts_fingerprint,
     run_key_of,
     steady_state,
+    throughput,
     write_json,
 )
 from del_bench.selection import select_samples, selection
@@ -107,18 +110,21 @@ def run_key(cfg: DictConfig, method, task, samples: list, records: list[dict], p
                  hyperparameters=tuple(sorted(method.describe().items())), decoding=cfg.decoding,
                  max_new_tokens=int(cfg.max_new_tokens), machine=machine_of(provenance), experiments=tuple(previous),
                  prompts=prompts_fingerprint(task.version, [s.id for s in samples]),
-                 prompt_digest=prompt_digest(records, task.stop_strings))
+                 prompt_digest=prompt_digest(records, task.stop_strings), batch_size=int(cfg.get("batch_size", 1)))
     return key.with_experiment(cfg.get("experiment_name"))
 
 
 def decode_all(cfg, todo, task, method, run_dir: RunDir, load=None) -> None:
     """Generate every (sample, repeat) in `todo`, appending its records (and its peak memory) as it finishes: the
     session set up (session.build: model, engine, costs, graph-captured steps), the method's carried state restored,
-    the warm-up, then the timed samples."""
+    the warm-up, then the timed samples; at batch_size > 1, decode_batched."""
     samples = [s for s, _ in todo]
     ready = session.build(cfg, load, task=task, method=method, run_dir=run_dir, samples=samples)
     if ready.costs is not None:  # the calibrated cost model: measured once per run and device (a resume reuses it)
         run_dir.write_costs(ready.costs)
+    if int(cfg.get("batch_size", 1)) > 1:
+        decode_batched(cfg, todo, ready, run_dir)
+        return
     finished = restore_method_state(method, run_dir)
     t0 = time.perf_counter()
     warmup = warm_up(cfg, ready, samples)
@@ -137,6 +143,61 @@ def decode_all(cfg, todo, task, method, run_dir: RunDir, load=None) -> None:
         finished += 1
         run_dir.write_method_state(method.state(), finished)  # first: the sample line commits it (RunDir)
         run_dir.append(record.as_dict(), rounds)
+
+
+def decode_batched(cfg, todo, ready: session.Session, run_dir: RunDir) -> None:
+    """decode_all at batch_size B > 1 (engine/batch.py): B rows decode together, each with its own copy of the method
+    (what a method carries across prompts is per slot), a slot taking the next (sample, repeat) as soon as its last
+    one ends; each sample's records are appended as it finishes, so an interrupted run resumes without losing or
+    repeating any. Peak memory is the batch's (one reset for the whole batch), each record holding it up to its end."""
+    B, tokenizer, task, method, loaded, stack = (int(cfg.batch_size), ready.tokenizer, ready.task, ready.method,
+                                                  ready.loaded, ready.stack)
+    cache_len = session.longest_sequence([s for s, _ in todo], task, tokenizer, int(cfg.max_new_tokens)) + 1
+    batch = Batch(stack, B, ready.sampling, ready.eos, ready.stop, cache_len=cache_len)
+    methods = [copy.deepcopy(method) for _ in range(B)]
+    finished = restore_slot_states(methods, run_dir)
+    t0 = time.perf_counter()
+    if cfg.warmup_tokens:  # untimed, every slot at once (the batched shapes' first calls); throwaway method copies
+        first = todo[0][0]
+        warm = tokenizer(first.prompt if first.turns is None else task.render(first, []))["input_ids"]
+        batch.run(range(B), lambda row, _: row.engine.generate(warm, copy.deepcopy(method), cfg.warmup_tokens, 0))
+    session_line = len(run_dir.setup())  # this session's line in setup.jsonl
+    run_dir.append_setup({**ready.setup, "warmup": {"mode": "quick" if cfg.warmup_tokens else "off"},
+                          "warmup_s": time.perf_counter() - t0, "samples_before": finished, "batch_size": B})
+    weights = memory.model_bytes(loaded.model)
+    progress = tqdm(total=len(todo), desc=f"{cfg.method.tag} on {cfg.task.name} (B={B})", unit="sample")
+
+    def decode_row(row, job) -> None:  # in the row's thread, one row at a time (engine/batch.py)
+        nonlocal finished
+        sample, repeat = job
+        decode = decode_one if sample.turns is None else decode_turns
+        record, rounds = decode(cfg, row.engine, tokenizer, task, methods[row.slot], sample, repeat, loaded, peak)
+        record.model_bytes, record.kv_cache_bytes = weights, memory.cache_bytes(batch.cache)
+        record.layer_path = stack.layer_path
+        record.batch = {"size": B, "slot": row.slot, "session": session_line, "start_s": row.start_s,
+                        "end_s": batch.elapsed(), "loaded_layers": row.loaded_layers, "head_passes": row.head_passes}
+        finished += 1
+        states = [m.state() for m in methods]
+        run_dir.write_method_state({"slots": states} if any(s is not None for s in states) else None, finished)
+        run_dir.append(record.as_dict(), rounds)
+        progress.update()
+
+    with memory.PeakMemory(loaded.device) as peak:
+        batch.run(todo, decode_row)
+    progress.close()
+
+
+def restore_slot_states(methods: list, run_dir: RunDir) -> int:
+    """restore_method_state for a batched run: slot i's method gets slot i's saved state. Returns how many samples are
+    finished. (Which slot takes which prompt depends on the answers' lengths, so a resumed run's slots go on from
+    their states but may take other prompts than an uninterrupted run's.)"""
+    finished = len(run_dir.finished())
+    saved = run_dir.method_state(finished)
+    if saved is not None and saved["samples"] <= finished:
+        for m, state in zip(methods, saved["state"].get("slots", [])):
+            if state is not None:
+                m.restore(state)
+    return finished
 
 
 # ---------------------------------------------------------------- the untimed warm-up
@@ -239,11 +300,17 @@ def decoding_past_stops(engine):
         engine.eos_ids, engine.stop = eos, stop
 
 
-def decode_one(cfg, engine, tokenizer, task, method, sample, repeat, loaded) -> tuple[SampleRecord, list[dict]]:
+def peak_of(loaded, batch_peak: memory.PeakMemory | None):
+    """The peak-memory context of one sample: its own (reset before it), or a batched row's: the batch's so far."""
+    return memory.PeakMemory(loaded.device) if batch_peak is None else batch_peak.so_far()
+
+
+def decode_one(cfg, engine, tokenizer, task, method, sample, repeat, loaded,
+               batch_peak: memory.PeakMemory | None = None) -> tuple[SampleRecord, list[dict]]:
     """A single-prompt sample: one generation, its record and its round lines."""
     prompt_ids = list(tokenizer(sample.prompt)["input_ids"])
     # memory reset/read and the load readings outside the engine's timed region
-    with memory.PeakMemory(loaded.device) as peak, LoadProbe() as probe:
+    with peak_of(loaded, batch_peak) as peak, LoadProbe() as probe:
         gen = engine.generate(prompt_ids, method, cfg.max_new_tokens, sample_seed(cfg.seed, sample.id, repeat))
     text = tokenizer.decode(gen.output_ids, skip_special_tokens=True)
     record = sample_record(sample, repeat, prompt_ids, gen, text, task, loaded.num_layers)
@@ -279,7 +346,8 @@ def score_pending(task, samples, run_dir: RunDir, info: dict, chunk: int = 64) -
         run_dir.set_scores({key_of(r): {"scores": sc, **info} for r, sc in zip(part, scores)})
 
 
-def decode_turns(cfg, engine, tokenizer, task, method, sample, repeat, loaded) -> tuple[SampleRecord, list[dict]]:
+def decode_turns(cfg, engine, tokenizer, task, method, sample, repeat, loaded,
+                 batch_peak: memory.PeakMemory | None = None) -> tuple[SampleRecord, list[dict]]:
     """A multi-turn sample: each turn a fresh generation over the whole conversation rendered by the task (the
     model's own earlier answers in it), max_new_tokens per turn. The record's totals are sums over turns; its
     `turns` keep each turn's tokens, time and rounds; each round line gets its `turn` (rounds restart at 0)."""
@@ -287,12 +355,14 @@ def decode_turns(cfg, engine, tokenizer, task, method, sample, repeat, loaded) -
     turns: list[dict] = []
     rounds: list[dict] = []
     gaps: list[float] | None = []  # the turns' top-2 gaps, concatenated like their output_ids (None: not recorded)
-    with memory.PeakMemory(loaded.device) as peak, LoadProbe() as probe:  # the whole conversation
+    ttft = None
+    with peak_of(loaded, batch_peak) as peak, LoadProbe() as probe:  # the whole conversation
         for t, user in enumerate(sample.turns):
             prompt = task.render(sample, history)
             prompt_ids = list(tokenizer(prompt)["input_ids"])
             seed = sample_seed(cfg.seed, sample.id if t == 0 else f"{sample.id}#turn{t}", repeat)
             gen = engine.generate(prompt_ids, method, cfg.max_new_tokens, seed)
+            ttft = gen.ttft_s if t == 0 else ttft
             text = tokenizer.decode(gen.output_ids, skip_special_tokens=True)
             turns.append({"turn": t, "user": user, "prompt": prompt, "prompt_ids": prompt_ids,
                           "output_ids": gen.output_ids, "output_text": text, "new_tokens": len(gen.output_ids),
@@ -316,7 +386,7 @@ def decode_turns(cfg, engine, tokenizer, task, method, sample, repeat, loaded) -
         drafted=total("drafted"), accepted=total("accepted"),
         scores=None if task.batch_scoring else task.score(sample, text), peak_memory_bytes=peak.bytes,
         memory_measure=peak.measure, category=sample.category, prompt_format=task.prompt_format, turns=turns,
-        top2_gap_ulps=gaps, load=probe.load)
+        top2_gap_ulps=gaps, load=probe.load, ttft_s=ttft)
     return record, rounds
 
 
@@ -329,6 +399,7 @@ def sample_record(sample, repeat, prompt_ids, gen, text, task, num_layers) -> Sa
         tokens_per_s=tokens / gen.wall_s if gen.wall_s > 0 else None,
         etpl=tokens / gen.loaded_layers if gen.loaded_layers else None,
         drafted=gen.drafted, accepted=gen.accepted, category=sample.category, top2_gap_ulps=gen.top2_gap_ulps,
+        ttft_s=gen.ttft_s,
         scores=None if task.batch_scoring else task.score(sample, text))  # batch: set by score_pending
 
 
@@ -350,8 +421,11 @@ def summarize(cfg: DictConfig, records: list[dict], rounds: list[dict], task) ->
         "task_version": task.version,
         "decoding": cfg.decoding,  # greedy | sample-t…-p… (the task's own generation settings win)
         "n_samples": len(records),
+        "batch_size": int(cfg.get("batch_size", 1)),
         "tokens_per_s": _mean(r["tokens_per_s"] for r in records),  # mean over samples (paper B.4)
         "etpl": _mean(r["etpl"] for r in records),  # mean over samples (paper B.4)
+        "throughput": throughput(records),  # all tokens ÷ the batch's wall seconds (records.throughput)
+        "batch_etpl": batch_etpl(records),  # all tokens ÷ the layers the batch loaded (records.batch_etpl)
         "acceptance_rate": accepted / drafted if drafted else None,  # accepted drafts / drafted tokens
         "generated_tokens": sum(r["generated_tokens"] for r in records),
         "loaded_layers": sum(r["loaded_layers"] for r in records),

@@ -152,7 +152,11 @@ def build(cfg: DictConfig, load: Load | None = None, *, task=None, method=None, 
               else Engine(stack, sampling, eos, stop=stop, shadow_with_acceptance=shadow_with_acceptance))
     if not peer and method.wants_shadow:  # where DEL's statistics reach the host (engine/shadow.py)
         setup["shadow_with_acceptance"] = engine.shadow_with_acceptance
-    if not peer:  # the graph-captured steps (compile: auto | on | off): made and checked here, untimed
+    if int(cfg.get("batch_size", 1)) > 1:  # the graphs serve one prompt at a time; a stack shared with a bench's
+        stack.compiled = None  # batch-1 row may hold some
+        setup.update(compile=compiled.compile_setting(cfg.get("compile", "auto")), compiled=False,
+                     reason="batch_size > 1 decodes on the stack's layer loop")
+    elif not peer:  # the graph-captured steps (compile: auto | on | off): made and checked here, untimed
         reach = longest_sequence(samples, task, loaded.tokenizer, int(cfg.max_new_tokens)) + 1 if samples else 1024
         setup.update(compiled.choose(stack, cfg.get("compile", "auto"), method, int(cfg.max_new_tokens),
                                      cache_len=reach))

@@ -9,34 +9,39 @@ round made — held in tests against an independent counter of the tensor reads 
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import torch
 
-_reads = 0  # every read since the process started; the engine takes differences around a round
+# reads so far, per thread: a batched run's rows each decode in a thread of their own (engine/batch.py), and a row's
+# Round.host_syncs counts its own reads, not its neighbours'
+_counts = threading.local()
 
 
 def reads() -> int:
-    """How many device → host reads the engine has made so far (a round's count: the difference around it)."""
-    return _reads
+    """How many device → host reads this thread has made so far (a round's count: the difference around it)."""
+    return getattr(_counts, "reads", 0)
+
+
+def _count() -> None:
+    _counts.reads = reads() + 1
 
 
 def to_list(values: torch.Tensor) -> list:
     """values (any device) → a Python list (a 0-d tensor → a scalar): one counted transfer."""
-    global _reads
-    _reads += 1
+    _count()
     return values.tolist()
 
 
 def to_device(values: list, device: torch.device) -> torch.Tensor:
     """Host values (token ids) → a long tensor on device: one counted transfer (a blocking copy from pageable host
     memory waits for the queue on CUDA, as a read does)."""
-    global _reads
-    _reads += 1
+    _count()
     return torch.tensor(values, dtype=torch.long, device=device)
 
 
 def to_numpy(values: torch.Tensor) -> np.ndarray:
     """values (any device) → a NumPy array on the host: one counted transfer."""
-    global _reads
-    _reads += 1
+    _count()
     return values.cpu().numpy()

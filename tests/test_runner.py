@@ -167,7 +167,7 @@ def test_interrupted_run_resumes_without_loss_or_duplicates(run_cfg, monkeypatch
 
 
 MEASURED = {  # measurements of time and memory, different in any two runs: blanked before records are compared
-    "samples.jsonl": ("wall_s", "tokens_per_s", "peak_memory_bytes", "load"),
+    "samples.jsonl": ("wall_s", "tokens_per_s", "peak_memory_bytes", "load", "ttft_s"),
     "rounds.jsonl": ("draft_s", "verify_s", "policy_s", "opt_s"),
 }
 # a method that carries state across prompts (θ), so a resume must also continue it from the right sample

@@ -36,6 +36,7 @@ RUNS = ["--root", "{tmp}/runs", "--set", "layers=eager", "threads=1", "warmup_to
 BENCHES = {
     "adapters": ["--adapters", "{tmp}/adapters", "--model", TINY, "--limit", "1", "--max-new-tokens", "8",
                  "--methods", "vanilla,ls", *RUNS],
+    "batch": ["--models", TINY, "--batch-sizes", "1,2", "--limit", "2", "--max-new-tokens", "6", *RUNS],
     "compile": ["--models", TINY, "--context", "8", "--reps", "1", "--threads", "1", "--backend", "eager",
                 "--no-fused"],
     "controller": ["--model", TINY, "--limit", "1", "--max-new-tokens", "8", "--vocab", "64", "--every", "2", *RUNS],
@@ -218,8 +219,10 @@ def check_recomputable(rows: list[dict], printed: str) -> None:
         assert r["tokens_per_s"] == pytest.approx(speed, rel=1e-9)
         speedup = speed / statistics.fmean(map(mean_speed, vanilla))  # one model × task × length here
         assert r["speedup"] == pytest.approx(speedup, rel=1e-9)
-        busy = r" \*" if r["busy_samples"] else ""  # timed on a busy machine: marked
-        assert re.search(rf"{re.escape(r['row'])}{busy}\s+{speed:.2f}\s+{speedup:.2f}x", printed), r["row"]
+        # timed on a busy machine, or not at steady state: marked (harness._marks)
+        marks = "*" * bool(r["busy_samples"]) + "~" * bool(r.get("unsteady"))
+        marked = re.escape(r["row"]) + (" " + re.escape(marks) if marks else "")
+        assert re.search(rf"{marked}\s+{speed:.2f}\s+{speedup:.2f}x", printed), r["row"]
 
 
 def check_interleaved(rows: list[dict], limit: int) -> None:

@@ -22,6 +22,7 @@ BENCHES = {  # name: module of this package (a module's `main(argv)` runs it)
     "half-lossless": "half_lossless",
     "profile": "profile",
     "specbench-speed": "specbench_speed",
+    "batch": "batch",
 }
 
 

@@ -138,20 +138,22 @@ def row(label: str, root: str, experiment: str, *overrides: str, load=None, suff
     return Row(label, cfg, load, may_fail=may_fail)
 
 
-def run_rows(rows: list[Row], limit: int, before_prompt: Callable | None = None) -> list[Row]:
+def run_rows(rows: list[Row], limit: int, before_prompt: Callable | None = None, step: int = 1) -> list[Row]:
     """Every row's run grown one prompt at a time across all rows (`limit` is resumable: a run with limit i + 1
     decodes only what limit i did not); `before_prompt()` runs before each prompt's rows. Fills each row's
-    summary (summary.json of its finished run). A row that may fail and does is left with its `failure` (its
-    summary emptied: `finished` leaves it out of tables) and skipped from then on; any other error ends the bench."""
+    summary (summary.json of its finished run). step: prompts a row decodes at a time (a batched row: its batch's
+    worth, so its slots fill), every row taking the same prompts before any takes the next. A row that may fail and
+    does is left with its `failure` (its summary emptied: `finished` leaves it out of tables) and skipped from then
+    on; any other error ends the bench."""
     from del_bench.runner import run
 
-    for i in range(1, limit + 1):
+    for i in range(step, limit + step, step):
         if before_prompt is not None:
             before_prompt()
         for r in rows:
             if r.failure:
                 continue
-            r.cfg.limit = i
+            r.cfg.limit = min(i, limit)
             try:
                 r.summary = run(r.cfg, r.load)
             except Exception as err:

@@ -55,6 +55,7 @@ class PeerGeneration:
     accepted: int = 0
     rounds: list = field(default_factory=list)
     top2_gap_ulps: list | None = None
+    ttft_s: float | None = None  # generate returns all its tokens at once: no first token's time
 
 
 @dataclass

@@ -49,12 +49,14 @@ from del_bench.transfer import reads, to_device, to_list
 
 class Engine:
     def __init__(self, stack: LayerStack, sampling: Sampling, eos_ids: set[int], stop=None,
-                 shadow_with_acceptance: bool | None = None):
+                 shadow_with_acceptance: bool | None = None, cache: KVCache | None = None):
         """stop: optional callable(output_ids) → True to end generation after the latest token
         (per-task stop strings); checked token by token, so no token after the stop is kept.
         shadow_with_acceptance: DEL's shadow statistics come to the host on the round's acceptance read, scored over
         all d + 1 positions (engine/shadow.py); None: where the head is not on the CPU (a read stalls a queue there,
-        and a CPU pays for the rejected positions' rows)."""
+        and a CPU pays for the rejected positions' rows).
+        cache: the KV cache to decode in (a batched row: its view of the batch's cache, engine/batch.py); None: one
+        allocated at the first generate."""
         self.stack = stack
         self.sampling = sampling
         self.eos_ids = set(eos_ids)
@@ -62,7 +64,7 @@ class Engine:
         self.device = stack.embed_weight.device  # token ids start here; logits, the RNG: stack.head_device
         # greedy in half precision: each output token's top-2 gap is recorded (Generation.top2_gap_ulps, numerics.py)
         self.track_gaps = is_half(stack.dtype) and not sampling.do_sample
-        self._cache: KVCache | None = None
+        self._cache: KVCache | None = cache
         if shadow_with_acceptance is None:
             shadow_with_acceptance = stack.head_device.type != "cpu"
         self.shadow_with_acceptance = shadow_with_acceptance
@@ -111,6 +113,7 @@ class Engine:
         t0 = time.perf_counter()
         if max_new_tokens > 0:
             self._prefill(prompt_ids, cache, gen, method, rng)
+            gen.ttft_s = time.perf_counter() - t0  # the first token is on the host: its read waited for the device
             if method.schedule == "layer_parallel":  # AdaDecode: its own step (engine/layer_parallel.py)
                 layer_parallel.decode(self, len(prompt_ids), cache, gen, method, max_new_tokens, rng)
             # seq length N = prompt + emitted; the last emitted token is not yet in any layer's cache

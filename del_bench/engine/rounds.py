@@ -46,6 +46,7 @@ class Generation:
     output_ids: list[int]
     rounds: list[Round] = field(default_factory=list)
     wall_s: float = 0.0
+    ttft_s: float | None = None  # seconds from the start to the first token (the prefill; None: no token asked for)
     stopped: bool = False  # ended by EOS or a stop condition (not by max_new_tokens)
     # half-precision models only (else None): per output token, the top-2 gap of the logits it was chosen from, in
     # ulps (del_bench/numerics.py) — what judges a later departure from this output as a near-tie or a real one

@@ -205,16 +205,29 @@ class KVCache:
     During drafting the early layers run ahead of the late ones, so lengths differ per layer;
     rejection only lowers lengths (stale slots are overwritten by the next write)."""
 
-    def __init__(self, stack: "LayerStack", max_len: int, num_layers: int | None = None):
-        """num_layers: allocate only the first layers (a latency probe of one layer at a long context)."""
+    def __init__(self, stack: "LayerStack", max_len: int, num_layers: int | None = None, batch: int = 1):
+        """num_layers: allocate only the first layers (a latency probe of one layer at a long context). batch: rows
+        (a batched run's shared cache, engine/batch.py: each row decodes in its own view, `row`)."""
         self.max_len = max_len
         self.k, self.v = [], []
         for layer in stack.layers[:num_layers]:
-            # k, v: [1, KV, max_len, hd]
-            shape = (1, stack.n_kv_heads, max_len, stack.head_dim)
+            # k, v: [batch, KV, max_len, hd]
+            shape = (batch, stack.n_kv_heads, max_len, stack.head_dim)
             self.k.append(torch.empty(shape, dtype=stack.dtype, device=layer.device))
             self.v.append(torch.empty(shape, dtype=stack.dtype, device=layer.device))
         self.lengths = [0] * len(self.k)
+
+    def row(self, r: int, view: "KVCache | None" = None) -> "KVCache":
+        """Row r of a batched cache as a cache of its own: each layer's [1, KV, max_len, hd] view of that row (a slice
+        along the batch dimension: contiguous, the strides of a one-row cache), with its own lengths — a row writes
+        in place, so nothing is copied per round. `view`: an existing row view to re-point (the cache grew)."""
+        view = view if view is not None else object.__new__(KVCache)
+        view.max_len = self.max_len
+        view.k = [k[r : r + 1] for k in self.k]
+        view.v = [v[r : r + 1] for v in self.v]
+        if not hasattr(view, "lengths"):
+            view.lengths = [0] * len(self.k)
+        return view
 
     def crop(self, length: int) -> None:
         """Forget every position ≥ length in every layer."""
@@ -253,6 +266,28 @@ class TreeMask:
         at the same position, sees the cached prefix and its own earlier tokens, never another chain (a selection's
         candidate draft models, each over the same window)."""
         return TreeMask.of([-1 if t == 0 else b * length + t - 1 for b in range(count) for t in range(length)])
+
+
+@dataclass
+class RaggedRow:
+    """One row of a ragged batch (LayerStack.attention_rows, engine/batch.py): its states h [1, T, D] at positions
+    pos .. pos+T−1, its own KV cache (a view of its row of the batch's cache: KVCache.row), its rotary tables and mask
+    (LayerStack._rope_and_mask: a chain or a token tree) and whether its attention writes the cache (False: SWIFT's
+    teacher-forced probe)."""
+
+    h: torch.Tensor
+    pos: int
+    cache: KVCache
+    cos: torch.Tensor
+    sin: torch.Tensor
+    mask: torch.Tensor | None
+    write: bool = True
+
+
+def _split(out: torch.Tensor, rows: list[RaggedRow]) -> None:
+    """out [1, ΣT, D], the rows' positions in order → each row's h, a view of its own positions [1, T_r, D]."""
+    for r, h in zip(rows, out.split([r.h.shape[1] for r in rows], dim=1)):
+        r.h = h
 
 
 class LayerStack:
@@ -477,9 +512,10 @@ class LayerStack:
         return {"layer_s": layers_s / self.num_layers, "head_s": head_s, "batch_s": batch_s}
 
     # ---- pieces -----------------------------------------------------------------------------
-    def new_cache(self, max_len: int) -> KVCache:
+    def new_cache(self, max_len: int, batch: int = 1) -> KVCache:
+        """A KV cache of max_len positions (batch rows: a batched run's shared cache, KVCache.row)."""
         self._ensure_rope(max_len)
-        return KVCache(self, max_len)
+        return KVCache(self, max_len, batch=batch)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """ids: [1, T] → h: [1, T, D]"""
@@ -789,7 +825,14 @@ class LayerStack:
         """h + attention(norm(h)) for layer i; with write=False the new keys/values stay out of the cache."""
         w, h, cos, sin, mask = self._attention_inputs(i, h, cos, sin, mask)
         q, k_new, v_new = self.project_qkv(w, h, cos, sin)
-        end = pos + h.shape[1]
+        return self.attention_out(w, self._attend_cached(i, w, q, k_new, v_new, pos, mask, cache, write), h)
+
+    def _attend_cached(self, i, w: _Layer, q, k_new, v_new, pos: int, mask, cache: KVCache,
+                       write: bool = True) -> torch.Tensor:
+        """q [1, H, T, hd] (positions pos..) over layer i's cached keys [0, pos) and its own k_new, v_new
+        [1, KV, T, hd]: written into the cache first, or (write=False) joined to the cached prefix unwritten →
+        [1, H, T, hd]."""
+        end = pos + q.shape[2]
         if write:
             cache.k[i][:, :, pos:end] = k_new
             cache.v[i][:, :, pos:end] = v_new
@@ -797,8 +840,44 @@ class LayerStack:
         else:  # the cached prefix [0, pos) and this pass's own keys, [1, KV, end, hd]
             k = torch.cat([cache.k[i][:, :, :pos], k_new], dim=2)
             v = torch.cat([cache.v[i][:, :, :pos], v_new], dim=2)
-        attn = self._attend_layer(w, q, k, v, mask, pos)
-        return self.attention_out(w, attn, h)
+        return self._attend_layer(w, q, k, v, mask, pos)
+
+    # ---- a ragged batch (engine/batch.py): several rows' segments through one sublayer, or the head, at once. The
+    # weight-bound products run over all rows' positions concatenated ([1, ΣT, D]: each weight read once for the
+    # batch); RoPE reads each position's own table; the cache write and the attention run per row, each exactly as
+    # the eager loop runs that row alone (its own positions, cache, mask) — so no row sees another's keys
+    def attention_rows(self, i: int, rows: list[RaggedRow]) -> None:
+        """Layer i's attention sublayer for every row (one load of it): each row's h becomes h + attention(norm(h));
+        a row that writes sets its cache's length of layer i."""
+        for r in rows:
+            if r.cache.lengths[i] < r.pos:
+                raise RuntimeError(f"layer {i} holds {r.cache.lengths[i]} positions; cannot attend at {r.pos}")
+        h = torch.cat([r.h for r in rows], dim=1)  # [1, ΣT, D]
+        cos = torch.cat([r.cos for r in rows], dim=-3)  # [(R,) 1, ΣT, 1, hd]: each position's table
+        sin = torch.cat([r.sin for r in rows], dim=-3)
+        w, h, cos, sin, _ = self._attention_inputs(i, h, cos, sin, None)
+        q, k_new, v_new = self.project_qkv(w, h, cos, sin)  # q [1, H, ΣT, hd]; k_new, v_new [1, KV, ΣT, hd]
+        attn, a = [], 0
+        for r in rows:
+            b = a + r.h.shape[1]
+            mask = r.mask if not isinstance(r.mask, torch.Tensor) else r.mask.to(w.device)
+            attn.append(self._attend_cached(i, w, q[:, :, a:b], k_new[:, :, a:b], v_new[:, :, a:b], r.pos, mask,
+                                            r.cache, r.write))  # [1, H, T_r, hd]
+            if r.write:
+                r.cache.lengths[i] = r.pos + (b - a)
+            a = b
+        _split(self.attention_out(w, torch.cat(attn, dim=2), h), rows)
+
+    def mlp_rows(self, i: int, rows: list[RaggedRow]) -> None:
+        """Layer i's MLP for every row (one load of it): each row's h becomes h + MLP(norm(h))."""
+        _split(self._mlp(i, torch.cat([r.h for r in rows], dim=1)), rows)
+
+    def head_rows(self, hs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The LM head over several rows' normed states (each [1, T_r, D]) in one product → each row's logits
+        [1, T_r, V]."""
+        if len(hs) == 1:
+            return [self.head(hs[0])]
+        return list(self.head(torch.cat(hs, dim=-2)).split([h.shape[-2] for h in hs], dim=-2))
 
     # ---- one decoder layer's math: the eager loop above and the static-shape steps (engine/compiled.py) both run
     # these, on h [B, T, D] (the eager loop: B = 1); FamilyLayerStack overrides them with its family's variations

@@ -3,7 +3,8 @@
 The report only reads records: it never decodes, never writes into a run directory (so it does not use
 records.RunDir, whose reader trims torn lines in place), and never guesses a missing Vanilla partner.
 
-    load_runs(roots)      one row per run (speed, eTPL, quality, memory), `speedup` vs its Vanilla partners
+    load_runs(roots)      one row per run (speed, eTPL, throughput over the batch, quality, memory), `speedup` vs
+                          its Vanilla partners
                           (records.vanilla_baseline: the one pairing rule) and, for greedy runs, how many
                           outputs equal that partner's token for token (`outputs_equal` of `outputs_compared`);
                           `busy_samples`: samples timed on an overloaded machine (records.overloaded), which
@@ -27,10 +28,12 @@ import pandas as pd
 from del_bench.numerics import compare
 from del_bench.records import (
     RunKey,
+    batch_etpl,
     load_summary,
     read_jsonl,
     run_key_of,
     steady_state,
+    throughput,
     unsteady,
     vanilla_baseline,
     vanilla_partners,
@@ -99,6 +102,10 @@ def load_run(run_dir: str | Path) -> dict:
         "n": summary.get("n_samples", len(samples)),
         "tokens_per_s": _float(tps),
         "etpl": _float(etpl),
+        # over the batch (all tokens ÷ the batch's wall seconds, ÷ the layers it loaded): records.throughput,
+        # records.batch_etpl; at batch size 1 the pooled speed and eTPL
+        "throughput": _float(throughput(samples) if samples else summary.get("throughput")),
+        "batch_etpl": _float(batch_etpl(samples) if samples else summary.get("batch_etpl")),
         "acceptance": summary.get("acceptance_rate"),
         "seed": summary.get("config", {}).get("seed"),
         # "calibration" for the LS grid points of `python -m del_bench calibrate` (paper B.3), else "eval"
@@ -218,6 +225,8 @@ def add_speedup(df: pd.DataFrame) -> pd.DataFrame:
         return [_float(vanilla_baseline(key, vanillas, metric)) for key in df["run_key"]]
 
     df["vanilla_tps"], df["vanilla_memory_gib"] = baseline("tokens_per_s"), baseline("peak_memory_gib")
+    if "throughput" in df:  # over the batch, against Vanilla at the same batch size (the figure of speedup vs B)
+        df["throughput_speedup"] = df["throughput"] / pd.Series(baseline("throughput"), index=df.index, dtype=float)
     df["busy_vanilla"] = [any(v["busy_samples"] for v in vanilla_partners(key, vanillas)) for key in df["run_key"]]
     df["unsteady_vanilla"] = [any(v["unsteady"] for v in vanilla_partners(key, vanillas)) for key in df["run_key"]]
     df["has_vanilla"] = df["vanilla_tps"].notna()

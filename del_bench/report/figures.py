@@ -13,6 +13,8 @@
         conf_mismatched) and each draft candidate's confidence, accepted vs rejected (draft_confidences);
         records from before these fields existed get τ alone and a note saying so
     4c  chosen exit layer and its α over one prompt's rounds
+    batch  throughput (tokens/s over the batch) and its speedup over Vanilla at the same batch size, against the
+        batch size, per method: for a model/machine/task/length block with runs at two or more batch sizes
 
 Each figure function returns a matplotlib Figure (so tests can check axes and labels) or None when the
 records do not allow it; write_figures() saves them as PNG + PDF with fixed metadata (no creation date,
@@ -248,6 +250,34 @@ def fig3a(df: pd.DataFrame, model: str, machine: str, title: str = "") -> plt.Fi
     return fig
 
 
+# ---------------------------------------------------------------- batched decoding
+
+def fig_batch(block: pd.DataFrame, title: str) -> plt.Figure | None:
+    """Two panels against the batch size (one block: a model, machine, decoding, length and task), one line per
+    method config (mean over repeats): throughput — all tokens ÷ the batch's wall seconds (records.throughput) — and
+    its speedup over Vanilla's at the same batch size. None unless the block has runs at two or more batch sizes."""
+    runs = block[block.throughput.notna()]
+    if runs.batch_size.nunique() < 2:
+        return None
+    fig, (left, right) = plt.subplots(1, 2, figsize=(8, 3.2))
+    for (label, _), lines in runs.groupby(["label", "method_tag"], sort=True):  # label: the method's own (records)
+        points = lines.groupby("batch_size")[["throughput", "throughput_speedup"]].mean().sort_index()
+        left.plot(points.index, points.throughput, marker="o", label=label)
+        right.plot(points.index, points.throughput_speedup, marker="o", label=label)
+    for ax, ylabel in ((left, "Throughput (tokens/s over the batch)"), (right, "Speedup over Vanilla at the same B")):
+        sizes = sorted(runs.batch_size.unique())
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sizes, [str(b) for b in sizes])
+        ax.minorticks_off()
+        ax.set_xlabel("Batch size B")
+        ax.set_ylabel(ylabel, fontsize=8)
+    right.axhline(1.0, color="grey", lw=0.8, ls="--")
+    right.legend(fontsize=7)
+    fig.suptitle(f"Batched decoding: {title}", fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
 # ---------------------------------------------------------------- Figure 3b
 
 def fig3b(rounds: pd.DataFrame, title: str, note: str = "") -> plt.Figure | None:
@@ -394,12 +424,23 @@ def iter_figures(df: pd.DataFrame):
     """(name, Figure) for every figure the records allow, in a stable order: 1a per model/machine/decoding;
     3a, 3b (per E setting) per model/machine/decoding/length block; 1b per block and task; 4a per machine;
     4b/4c per default DEL run. One at a time, so a caller can save and close each before the next is drawn.
-    Runs of Spec-Bench sweeps only (run_key.experiments all specbench*) have their own table, not these figures."""
+    Runs of Spec-Bench sweeps only (run_key.experiments all specbench*) have their own table, not these figures.
+    The paper's figures draw runs at batch size 1 (as the paper decoded); runs at other batch sizes draw the batch
+    figure, per block and task, beside those at batch size 1."""
     if "experiments" in df:
         df = df[~df["experiments"].map(_spec_bench_only)]
     if df.empty:
         return
     taken: set[str] = set()
+    if "batch_size" in df and "throughput" in df:
+        for key, block in df.groupby(BLOCK_KEYS, sort=True):
+            for task, runs in block.groupby("task", sort=True):
+                fig = fig_batch(runs, f"{TASK_LABELS.get(task, task)}, {_block_title(*key)}")
+                if fig:
+                    yield _unique(taken, f"batch_{_slug(f'{key[0]}_{key[1]}_{key[2]}_max{key[3]}')}_{_slug(task)}"), fig
+        df = df[df["batch_size"].astype(int) == 1]
+        if df.empty:
+            return
     cache: dict[str, pd.DataFrame] = {}
 
     def rounds_of(run_dir: str) -> pd.DataFrame:
@@ -475,7 +516,7 @@ def save_figure(fig: plt.Figure, path: Path) -> None:
     fig.savefig(path, dpi=150, metadata=SAVE_METADATA.get(path.suffix))
 
 
-FIGURE_FILES = re.compile(r"fig(1a|1b|3a|3b|4a|4b|4c)_.+\.(png|pdf)")
+FIGURE_FILES = re.compile(r"(fig(1a|1b|3a|3b|4a|4b|4c)|batch)_.+\.(png|pdf)")
 
 
 def write_figures(df: pd.DataFrame, out_dir: str | Path = "results/figures", prune: bool = True) -> list[Path]:

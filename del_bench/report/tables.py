@@ -29,7 +29,15 @@ from pathlib import Path
 import pandas as pd
 
 from del_bench.methods.base import LAYER_SKIPPING
-from del_bench.records import PEER_MARK, PEER_NOTE, STEADY_SLOWDOWN, method_entry, method_label, vanilla_partners
+from del_bench.records import (
+    PEER_MARK,
+    PEER_NOTE,
+    STEADY_SLOWDOWN,
+    batch_label,
+    method_entry,
+    method_label,
+    vanilla_partners,
+)
 
 from .collect import aggregate
 
@@ -167,7 +175,7 @@ def paper_source(model: str) -> str:
 
 # label, family, order, note: as the method's class presents the run (records.method_entry, load_run's columns)
 ROW_KEYS = ["model", "machine", "decoding", "max_new_tokens", "method", "method_tag", "label", "family", "order",
-            "note", "exit_layer", "gamma", "omega"]
+            "note", "exit_layer", "gamma", "omega", "batch_size"]
 PAPER_MAX_NEW_TOKENS = "512"
 
 
@@ -175,7 +183,7 @@ def _sort_key(key: dict):
     """Rows of a block in the methods' declared order (Method.table_order), then by E, γ, ω and tag."""
     nums = [(_num(key[k]) if _num(key[k]) is not None else -1) for k in ("exit_layer", "gamma", "omega")]
     return (key["model"], key["machine"], key.get("decoding", ""), _num(key.get("max_new_tokens")) or 0,
-            key.get("variant", 0), key["order"], *nums, key["method_tag"])
+            key.get("variant", 0), key["order"], *nums, int(key.get("batch_size", 1)), key["method_tag"])
 
 
 def _ours(machine: str, variant: int = 0, decoding: str = "greedy", max_new_tokens: str = "") -> str:
@@ -318,13 +326,14 @@ def wide_table(df: pd.DataFrame, table: int, cols: list[Col], title: str, overal
         if overall:
             cells.update(overall(by_task))
         cells[LOSSLESS] = lossless_cell(by_task.values())
-        label = key["label"] + lossless_note(by_task.values())
+        label = key["label"] + batch_label(key.get("batch_size", 1)) + lossless_note(by_task.values())
         block = tuple(key[k] for k in ("model", "machine", "decoding", "max_new_tokens", "variant") if k in key)
         source = _ours(key["machine"], key["variant"], key.get("decoding", ""), key["max_new_tokens"])
         out.rows.append(Row(block, key["model"], label + busy_mark(by_task.values()), source, cells,
                             ranked=key["method"] != "vanilla", tag=key["method_tag"], family=key["family"],
                             note=key["note"]))
-        paper = _paper_row(table, key, cols, block, label) if paper_rows else None
+        batched = int(key.get("batch_size", 1)) != 1  # the paper decoded one prompt at a time: its row follows B = 1
+        paper = _paper_row(table, key, cols, block, label) if paper_rows and not batched else None
         if paper:
             out.rows.append(paper)
     return out

@@ -1,0 +1,135 @@
+"""Batched decoding: throughput and speedup by batch size (1, 2, 4, 8) for Vanilla, LS and DEL, Vanilla beside each.
+
+Every row is a run with records at a batch size B (run.yaml batch_size; del_bench/engine/batch.py), after the
+runner's untimed warm-up. Rows take the prompts a chunk at a time — every row decodes prompts [kC, (k+1)C) before any
+decodes the next chunk, C = the largest batch size, so a batched row's slots fill and a shared machine's drift hits
+every row alike. Per row, from its records: throughput (all tokens ÷ the batch's wall seconds: records.throughput),
+its speedup over Vanilla at the same batch size, its scaling over the same method at batch size 1, the row speed
+(the mean over prompts of tokens ÷ a prompt's latency, waiting for the batch included), eTPL per prompt and per batch
+(tokens ÷ the layers the batch loaded: records.batch_etpl), α, and how many outputs equal Vanilla's at batch size 1
+(greedy: all of them, or batching broke losslessness).
+
+On this CPU: SmolLM2 on HumanEval and the LayerSkip testbed on its held-out code prompts, LS at each model's own
+(E, γ), DEL as run on a CPU (`--del-method del_cpu`). `--random [bench gpu's options …]` (the last option: what follows
+it goes to bench gpu's parser) runs bench gpu's random model instead — Llama-2-7B-shaped in bf16 on its --device by
+default, its random byte prompts — where batch size 1 runs twice: with the graph-captured steps (compile=auto: CUDA
+graphs on CUDA) and without (compile=off); batched rows decode on the layer loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+from pathlib import Path
+
+import torch
+
+from del_bench.bench import gpu
+from del_bench.bench import harness as h
+from del_bench.models.layer_stack import LayerStack
+from del_bench.models.loading import Loaded
+from del_bench.records import run_key_of, vanilla_baseline
+
+TASKS = {"smollm2-135m": "humaneval", "testbed": "code"}
+COLUMNS = ["row", ("B", "batch_size", "d", 3), ("tok/s", "throughput", ".1f", 7), "speedup",
+           ("×B=1", "scaling", "x", 6), ("row tok/s", "tokens_per_s", ".1f", 9), "eTPL",
+           ("b.eTPL", "batch_etpl", ".3f", 6), "α", ("= Vanilla", "equal_vanilla", "", 9)]
+
+
+def parse(argv):
+    ap = h.parser("batch", __doc__, limit=16, max_new_tokens=64)
+    ap.add_argument("--models", default="smollm2-135m,testbed", help="comma-separated models (this CPU)")
+    ap.add_argument("--batch-sizes", default="1,2,4,8")
+    ap.add_argument("--del-method", default="del_cpu", help="the DEL row's method config (del: the paper's)")
+    ap.add_argument("--random", nargs=argparse.REMAINDER, default=None, metavar="GPU_ARGS",
+                    help="bench gpu's random model instead of --models (its shape, dtype, device, prompts options)")
+    return ap.parse_args(argv)
+
+
+def batch_rows(args, row, ls: tuple[int, int], graphs: bool) -> list[h.Row]:
+    """Vanilla, LS(E, γ) and DEL at each batch size; with `graphs`, batch size 1 also without the graph-captured
+    steps (the rows at compile=auto and compile=off pair with their own Vanilla: RunKey.machine tells them apart)."""
+    e, g = ls
+    methods = [("Vanilla", ["method=vanilla"]), (f"LS(E{e}-γ{g})", h.ls_args("ls", e, g)),
+               ("DEL", [f"method={args.del_method}"])]
+    rows = []
+    for B in map(int, args.batch_sizes.split(",")):
+        loops = [("graphs", "compile=auto"), ("eager", "compile=off")] if graphs and B == 1 else [("", "")]
+        for loop, setting in loops:
+            for label, overrides in methods:
+                extra = [o for o in (setting,) if o]
+                rows.append(row(f"{label}{f' ({loop})' if loop else ''}", *overrides, f"batch_size={B}", *extra,
+                                suffix=f"-b{B}{f'-{loop}' if loop else ''}"))
+    return rows
+
+
+def ratio(value, base) -> float | None:
+    return value / base if value is not None and base else None
+
+
+def with_batch(rows: list[h.Row]) -> list[dict]:
+    """h.table's rows plus each row's throughput, its speedup over the Vanilla it pairs with (same batch size),
+    its scaling over the same method at batch size 1, batch eTPL, and outputs equal to Vanilla's at batch size 1."""
+    table = h.table(rows)
+    for r, t in zip(rows, table):
+        t.update(batch_size=r.summary["batch_size"], throughput=r.summary["throughput"],
+                 batch_etpl=r.summary["batch_etpl"], compile=r.cfg.get("compile"))
+    runs = list(zip((run_key_of(r.summary) for r in rows), table))
+    first = {(t["model"], t["method_tag"], t["compile"]): t for _, t in runs if t["batch_size"] == 1}
+    reference = next(t["out_dir"] for _, t in runs if t["method"] == "vanilla" and t["batch_size"] == 1)
+    for key, t in runs:
+        t["speedup"] = ratio(t["throughput"], vanilla_baseline(key, runs, "throughput"))
+        alone = first.get((t["model"], t["method_tag"], t["compile"]))
+        t["scaling"] = ratio(t["throughput"], alone and alone["throughput"])
+        t["equal_vanilla"] = "{}/{}".format(*h.outputs_equal(t["out_dir"], reference))
+    return table
+
+
+def cpu_rows(args) -> list[dict]:
+    """Each of --models on its task, one loaded model for all its rows."""
+    out = []
+    for model in args.models.split(","):
+        root = f"{args.root}/{model}"
+        base = [f"model={model}", *h.task_overrides(TASKS.get(model, "humaneval"), model, root),
+                f"max_new_tokens={args.max_new_tokens}", *args.set]
+        load = h.shared_load(h.compose(*base))
+
+        def row(label, *overrides, suffix="", base=base, root=root, load=load):
+            return h.row(label, root, args.experiment, *base, *overrides, load=load, suffix=suffix)
+
+        rows = batch_rows(args, row, h.grid_of(None, model, whole=False)[0], graphs=False)
+        out += with_batch(h.run_rows(rows, args.limit, step=max(map(int, args.batch_sizes.split(",")))))
+    return out
+
+
+def random_rows(args) -> list[dict]:
+    """bench gpu's random model (its shape, dtype, device, prompt length; LS at its first --configs point)."""
+    shape = gpu.parse_args(args.random)
+    device = torch.device(shape.device)
+    model = gpu.build_model(shape, device)
+    stack = LayerStack(model, layers=shape.loop)
+    loaded = (Loaded(model, gpu.AnyIds(), shape.layers, str(device)), stack)
+    rng = random.Random(shape.seed)
+    words = [{"id": f"random-{i}", "prompt": "".join(chr(rng.randrange(33, 127)) for _ in range(shape.prompt_len - 1))}
+             for i in range(args.limit)]
+    base = [*gpu.model_overrides(shape), *h.prompts_task(Path(args.root) / "prompts.jsonl", words),
+            f"max_new_tokens={args.max_new_tokens}", f"layers={shape.loop}", f"threads={shape.threads}", *args.set]
+    print(f"{shape.layers} layers × {shape.hidden} ({shape.heads}/{shape.kv_heads} heads, {shape.intermediate} MLP, "
+          f"{shape.vocab} vocab), {shape.dtype} on {device}; our loop: {stack.layer_path}")
+
+    def row(label, *overrides, suffix=""):
+        return h.row(label, args.root, args.experiment, *base, *overrides, load=lambda: loaded, suffix=suffix)
+
+    rows = batch_rows(args, row, h.grid_of(shape.configs, "tiny-random")[0], graphs=True)
+    return with_batch(h.run_rows(rows, args.limit, step=max(map(int, args.batch_sizes.split(",")))))
+
+
+def main(argv: list[str]) -> int:
+    args = parse(argv)
+    table = random_rows(args) if args.random is not None else cpu_rows(args)
+    for model in dict.fromkeys(t["model"] for t in table):
+        h.print_table([t for t in table if t["model"] == model], COLUMNS,
+                      f"{model}, {args.limit} prompts, {args.max_new_tokens} new tokens, greedy; tok/s = throughput "
+                      "over the batch, speedup over Vanilla at the same B, ×B=1 over the same method at B = 1")
+    h.write_result(args.out, "batch", vars(args), rows=table)
+    return 0

@@ -1,0 +1,380 @@
+"""Batched decoding (batch_size = B > 1, del_bench/engine/batch.py) is lossless per row: at B = 4, with prompts of
+different lengths and answers of different lengths (budgets, an EOS), every method's rows each decode exactly what
+that prompt decodes alone — greedy tokens equal to its batch-1 output and to `generate`'s, sampled tokens equal to its
+batch-1 output under the same seed (float64), its rounds (plans, drafts, acceptance, loads, head rows, host reads) the
+same — and in half precision equal or first departing at a near-tie of the batch-1 run's logits. A row that leaks its
+positions, cache or logits into a neighbour fails these checks (the mutants below); the same batch decoded twice gives
+the same records; and the batch's loads are counted where they run."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import threading
+
+import pytest
+import torch
+
+from del_bench import runner, session
+from del_bench.__main__ import format_table
+from del_bench.bench.peers import peer_method
+from del_bench.engine.batch import Batch
+from del_bench.engine.decode import Engine
+from del_bench.engine.sampling import Sampling
+from del_bench.errors import ConfigError
+from del_bench.models.layer_stack import LayerStack
+from del_bench.numerics import compare
+from del_bench.records import RunDir, RunKey, batch_etpl, read_jsonl, throughput
+from del_bench.report.collect import load_runs
+from del_bench.report.figures import build_figures
+from del_bench.report.tables import build_tables
+from tests.conftest import compose_run, tiny_model
+from tests.test_counted import VARIANTS, method_of
+from tests.test_engine import hf_greedy
+from tests.test_specbench import write_questions
+
+B = 4
+# six prompts of different lengths for four slots (two slots take a second prompt as their first ends); budgets of
+# different lengths, and an EOS some answers reach (EOS_FROM: the token prompt 1's greedy answer emits 4th)
+PROMPTS = ["def add(a, b):\n", "The quick brown fox jumps over", "x", "import os\nimport sys\n\nprint(",
+           "def fibonacci(n):\n    if n < 2:\n        return n\n    return fib", "1, 2, 3,"]
+BUDGETS = [14, 9, 18, 6, 12, 16]
+# the first four jobs fit in the shared cache; the fifth (a prompt longer than DEL's prefill window of 32, which a
+# slot takes mid-run) does not: the cache grows while the other rows hold their positions
+CACHE_LEN = 48
+CASES = {  # every method, in the configurations tests/test_counted.py drives on this 4-layer model
+    "vanilla": [], "ls": ["method.exit_layer=1", "method.gamma=3"], "fs": [], "dv": [], "del": [],
+    "del_cpu": [],  # DEL as on a CPU: measured costs, restricted shadow vocabulary, deferred scoring
+    "swift-search": dict(VARIANTS["swift"])["search"], "swift-tree": dict(VARIANTS["swift"])["tree"],
+    "clasp": VARIANTS["clasp"][0][1], "knapspec": VARIANTS["knapspec"][0][1],
+    "adadecode": dict(VARIANTS["adadecode"])["eager-exits"],
+}
+GREEDY = Sampling()
+SAMPLING = Sampling(do_sample=True, temperature=1.2, top_p=0.95)
+
+
+def method(case: str):
+    return method_of(case.split("-")[0], CASES[case])
+
+
+@pytest.fixture(scope="module")
+def setup():
+    """(stack, prompt ids, EOS ids, generate's greedy answers): the float64 tiny model, its references taken before
+    LayerStack lays its weights out."""
+    model, tok = tiny_model()
+    prompts = [tok(p)["input_ids"] for p in PROMPTS]
+    eos = {hf_greedy(model, prompts[1], 4)[3]}
+    refs = [hf_greedy(model, p, n, eos=list(eos)) for p, n in zip(prompts, BUDGETS)]
+    return LayerStack(model), prompts, eos, refs
+
+
+def alone(stack, prompts, eos, m, sampling=GREEDY):
+    """Each prompt decoded by itself (batch 1), a fresh copy of the method each."""
+    engine = Engine(stack, sampling, eos)
+    return [engine.generate(p, copy.deepcopy(m), n, seed=i) for i, (p, n) in enumerate(zip(prompts, BUDGETS))]
+
+
+def batched(stack, prompts, eos, m, sampling=GREEDY, budgets=BUDGETS):
+    """The prompts decoded by a batch of B slots → (each prompt's Generation, the batch's counts, its rows'
+    (slot, share of loaded layers) per prompt)."""
+    batch = Batch(stack, B, sampling, eos, cache_len=CACHE_LEN)
+    out, shares = {}, {}
+
+    def decode(row, i):
+        out[i] = row.engine.generate(prompts[i], copy.deepcopy(m), budgets[i], seed=i)
+        shares[i] = (row.slot, row.loaded_layers)
+
+    stats = batch.run(range(len(prompts)), decode)
+    return [out[i] for i in range(len(prompts))], stats, [shares[i] for i in range(len(prompts))]
+
+
+def rounds_of(gen) -> list[dict]:
+    """A generation's rounds without their timings (what must be the same alone and in a batch)."""
+    return [{k: v for k, v in r.as_dict().items() if not k.endswith("_s")} for r in gen.rounds]
+
+
+def close(a, b) -> bool:
+    """Equal, floats to 1e-9 relative (a row's products share a GEMM with its neighbours': float64 rounding)."""
+    if isinstance(a, float) or isinstance(b, float):
+        return a is not None and b is not None and math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(close(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(close(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+# ---- lossless per row --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("case", CASES)
+def test_every_row_greedy_is_its_batch1_output_and_generates(setup, case):
+    stack, prompts, eos, refs = setup
+    m = method(case)
+    single = alone(stack, prompts, eos, m)
+    gens, stats, shares = batched(stack, prompts, eos, m)
+    for i, (one, gen) in enumerate(zip(single, gens)):
+        assert gen.output_ids == one.output_ids == refs[i], f"prompt {i}"
+        assert close(rounds_of(gen), rounds_of(one)), f"prompt {i}: its rounds differ from batch 1's"
+    assert any(r.drafted for g in gens for r in g.rounds) or case == "vanilla"  # drafts happened (not vacuous)
+    assert {slot for slot, _ in shares} == set(range(B))  # every slot decoded, two of them a second prompt
+    # the batch loads each (sub)layer once for all its rows: fewer than the rows alone, the rows' shares its total
+    assert math.isclose(sum(share for _, share in shares), stats["loaded_layers"])
+    assert stats["loaded_layers"] < sum(g.loaded_layers for g in gens)
+
+
+@pytest.mark.parametrize("case", ["vanilla", "ls", "del", "swift-tree", "clasp", "knapspec", "adadecode"])
+def test_every_row_sampled_is_its_batch1_output_with_its_seed(setup, case):
+    """Each row draws from its own RNG stream (seeded per prompt) on its own logits: its neighbours change nothing."""
+    stack, prompts, eos, _ = setup
+    m = method(case)
+    single = alone(stack, prompts, eos, m, SAMPLING)
+    gens, _, _ = batched(stack, prompts, eos, m, SAMPLING)
+    assert [g.output_ids for g in gens] == [g.output_ids for g in single]
+    assert len({tuple(g.output_ids) for g in gens}) == len(gens)
+
+
+@pytest.mark.parametrize("case", ["vanilla", "ls", "del", "swift-tree", "adadecode"])
+def test_half_precision_rows_follow_the_near_tie_rule_against_batch1(case):
+    """bfloat16: a row's products share a GEMM with its neighbours' rows, so it may round otherwise than alone; its
+    output equals its batch-1 output or first departs at a near-tie of the batch-1 run's own logits."""
+    model, tok = tiny_model(torch.bfloat16)
+    stack = LayerStack(model)
+    prompts = [tok(p)["input_ids"] for p in PROMPTS]
+    m = method(case)
+    single = alone(stack, prompts, set(), m)
+    gens, _, _ = batched(stack, prompts, set(), m)
+    for one, gen in zip(single, gens):
+        assert compare(gen.output_ids, one.output_ids, one.top2_gap_ulps).kind in ("equal", "near_tie")
+
+
+# ---- mutants: a row that leaks into a neighbour fails the checks above ------------------------------------------
+def _swap_first_two_positions(original):
+    def mutant(self, i, rows):
+        if len(rows) > 1:
+            rows[0].pos, rows[1].pos = rows[1].pos, rows[0].pos
+        return original(self, i, rows)
+    return mutant
+
+
+def _one_cache_for_all(original):
+    def mutant(self, r, view=None):
+        return original(self, 0, view)  # every row's view is row 0's
+    return mutant
+
+
+def _rotated_logits(original):
+    def mutant(self, group):
+        out = original(self, group)
+        return out[1:] + out[:1] if len(out) > 1 and all(o.shape == out[0].shape for o in out) else out
+    return mutant
+
+
+@pytest.mark.parametrize("leak", ["positions", "cache", "logits"])
+def test_a_row_leaking_into_its_neighbour_fails_the_equality(setup, leak, monkeypatch):
+    from del_bench.models.layer_stack import KVCache
+
+    cls, name, factory = {"positions": (LayerStack, "attention_rows", _swap_first_two_positions),
+                          "cache": (KVCache, "row", _one_cache_for_all),
+                          "logits": (Batch, "_head_step", _rotated_logits)}[leak]
+    stack, prompts, eos, refs = setup
+    monkeypatch.setattr(cls, name, factory(getattr(cls, name)))
+    try:
+        gens, _, _ = batched(stack, prompts, eos, method("ls"))
+    except RuntimeError:  # a leaked position may also break a row's cache lengths: caught either way
+        return
+    assert [g.output_ids for g in gens] != refs
+
+
+def test_determinism_the_same_batched_run_twice_gives_the_same_records(run_cfg, tmp_path, monkeypatch):
+    """Thread timing must not matter: every record — in file order, slots and the rows' shares of the batch's loads
+    included — is the same in two runs of one batch, but for its times."""
+    overrides = ("method=del_cpu", "limit=5", "max_new_tokens=12", "batch_size=3")
+    monkeypatch.setattr(LayerStack, "cost_device", lambda self: "this device")  # the costs below were measured here
+    runs = []
+    for name in ("one", "two"):  # DEL-CPU decides on measured costs: both runs read the same (the clock's aside)
+        (tmp_path / name).mkdir()
+        RunDir(tmp_path / name).write_costs({"layer_s": 1.0, "head_s": 0.2, "batch_s": [[1, 4.0], [2, 4.4], [4, 5.2]],
+                                             "device": "this device"})
+        runner.run(run_cfg(*overrides, f"out_dir={tmp_path / name}"))
+        samples, rounds = (read_jsonl(tmp_path / name / f) for f in ("samples.jsonl", "rounds.jsonl"))
+        for r in samples:
+            r["batch"] = {k: v for k, v in r["batch"].items() if not k.endswith("_s")}
+        runs.append([untimed(r) for r in samples + rounds])
+    assert runs[0] == runs[1]
+    assert sorted({r["batch"]["slot"] for r in runs[0] if "batch" in r}) == [0, 1, 2]
+
+
+def untimed(record: dict) -> dict:
+    """A record without what a clock or the machine measured."""
+    measured = {"wall_s", "tokens_per_s", "ttft_s", "peak_memory_bytes", "load", "draft_s", "verify_s", "policy_s"}
+    return {k: v for k, v in record.items() if k not in measured}
+
+
+# ---- the batch's accounting --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("case", ["vanilla", "ls", "del", "swift-search", "clasp", "adadecode"])
+def test_the_batch_loads_are_what_ran(setup, case):
+    """The batch's loaded layers equal the layers, sublayers and selection passes the stack executed (its counter),
+    each batched call of a (sub)layer counted once for all its rows."""
+    stack, prompts, eos, _ = setup
+    with stack.counting() as counter:
+        gens, stats, _ = batched(stack, prompts, eos, method(case))
+    assert counter.layers == stats["loaded_layers"]
+    assert counter.head_rows == sum(g.head_calls for g in gens)  # head rows are per row, as alone
+
+
+def test_vanilla_rows_in_lockstep_share_every_layer(setup):
+    """Four equal rows: each step runs a layer for all four, so the batch loads a quarter of what the rows claim."""
+    stack, prompts, _, _ = setup
+    gens, stats, _ = batched(stack, [prompts[0]] * B, set(), method("vanilla"), budgets=[10] * B)
+    assert stats["loaded_layers"] * B == sum(g.loaded_layers for g in gens)
+    assert stats["head_passes"] * B == sum(g.head_calls for g in gens)
+
+
+def test_continuous_batching_refills_a_slot_as_its_row_ends(setup):
+    """Vanilla emits one token a row per sweep: the row with the shortest answer ends first and its slot, not the
+    first slot, takes the next prompt at once."""
+    stack, prompts, eos, refs = setup
+    _, _, shares = batched(stack, prompts, eos, method("vanilla"))
+    slots = [slot for slot, _ in shares]
+    assert slots[:B] == list(range(B))  # the first four prompts start in slot order
+    first_to_end = min(range(B), key=lambda i: len(refs[i]))
+    assert first_to_end != 0 and slots[B] == first_to_end
+
+
+# ---- the run: config, records, resume ----------------------------------------------------------------------------
+@pytest.mark.parametrize("bad", ["0", "-2", "1.5", "two", "true"])
+def test_batch_size_must_be_a_positive_integer_before_any_weights_load(run_cfg, bad, monkeypatch):
+    monkeypatch.setattr(session, "load_model", lambda *a: pytest.fail("a model was loaded"))
+    with pytest.raises(ConfigError, match="batch_size"):
+        runner.run(run_cfg("method=vanilla", f"batch_size={bad}"))
+
+
+def test_a_batched_run_refuses_what_decodes_one_prompt_at_a_time(run_cfg):
+    cfg = run_cfg("method=vanilla", "batch_size=2")
+    cfg.method = peer_method("hf_generate")  # a peer row (del_bench/bench/peers.py): transformers decodes
+    with pytest.raises(ConfigError, match="one prompt at a time"):
+        runner.run(cfg)
+    with pytest.raises(ConfigError, match="compile=on"):
+        runner.run(run_cfg("method=vanilla", "batch_size=2", "compile=on"))
+
+
+def test_a_batched_run_records_its_batch(tmp_path):
+    """out_dir, run key, per-row latency and time to first token, slots and shares; the summary's throughput and
+    batch eTPL recomputed from the records; greedy outputs those of the same run at batch size 1."""
+    def run(*extra):  # run.yaml's own out_dir, under tmp_path
+        return runner.run(compose_run("model=tiny-random", "limit=5", "max_new_tokens=16", "warmup_tokens=0",
+                                      "threads=1", "products=wt_x", f"records_root={tmp_path}", *extra))
+
+    ls = ("method=ls", "method.exit_layer=1", "method.gamma=3")
+    one, four = run(*ls), run(*ls, "batch_size=4")
+    assert four["config"]["out_dir"] == one["config"]["out_dir"] + "-b4"
+    key1, key4 = RunKey.from_dict(one["run_key"]), RunKey.from_dict(four["run_key"])
+    assert (key1.batch_size, key4.batch_size, four["batch_size"]) == (1, 4, 4)
+    assert key4.pair_id() != key1.pair_id() and key4.label() == key1.label() + " B=4"
+    samples = read_jsonl(RunDir(four["config"]["out_dir"]).samples_path)
+    alone_samples = {s["sample_id"]: s for s in read_jsonl(RunDir(one["config"]["out_dir"]).samples_path)}
+    for s in samples:
+        assert s["output_ids"] == alone_samples[s["sample_id"]]["output_ids"]
+        assert 0 < s["ttft_s"] <= s["wall_s"] and s["batch"]["start_s"] < s["batch"]["end_s"]
+        assert s["batch"]["loaded_layers"] < s["loaded_layers"]  # its share of layers it ran beside other rows
+    assert sorted({s["batch"]["slot"] for s in samples}) == [0, 1, 2, 3]
+    assert four["throughput"] == throughput(samples) == pytest.approx(
+        four["generated_tokens"] / max(s["batch"]["end_s"] for s in samples))
+    assert four["batch_etpl"] == batch_etpl(samples) > four["etpl"]  # the rows' shared loads
+    assert one["batch_etpl"] == pytest.approx(one["generated_tokens"] / one["loaded_layers"])
+
+    # show and the report: the batched rows labelled, the figure of speedup against the batch size drawn
+    vanilla = [run("method=vanilla", f"batch_size={b}") for b in (1, 4)]
+    shown = format_table([one, four, *vanilla])
+    assert "LS(E1-γ3) B=4" in shown and "Vanilla B=4" in shown and "4 prompts decoded together" in shown
+    df = load_runs([tmp_path])
+    assert sorted(zip(df.method, df.batch_size)) == [("ls", 1), ("ls", 4), ("vanilla", 1), ("vanilla", 4)]
+    assert list(df[df.method == "vanilla"].throughput_speedup) == [1.0, 1.0]  # each over Vanilla at its own B
+    figures = build_figures(df)
+    batch = [name for name in figures if name.startswith("batch_")]
+    assert len(batch) == 1 and [len(line.get_xdata()) for line in figures[batch[0]].axes[1].lines[:2]] == [2, 2]
+    table2 = build_tables(df)[1]  # HumanEval's: each batch size its own row, labelled
+    ours = sorted(r.label.removesuffix(" ‡") for r in table2.rows if r.source.startswith("ours"))  # ‡: busy
+    assert ours == ["LS(E1-γ3)", "LS(E1-γ3) B=4", "Vanilla", "Vanilla B=4"]
+
+
+def test_an_interrupted_batched_run_resumes_without_losing_or_repeating_a_sample(run_cfg, tmp_path, monkeypatch):
+    """The run stops (an error in a row's thread) right after the 3rd sample's rounds are written, before its sample
+    line: the rerun decodes exactly the samples not finished, and the records are those of an uninterrupted run."""
+    overrides = ("method=dv", "method.exit_layer=2", "limit=6", "max_new_tokens=10", "batch_size=3")
+    runner.run(run_cfg(*overrides, f"out_dir={tmp_path / 'whole'}"))
+    append, calls = RunDir.append, []
+
+    def append_then_stop(self, sample, rounds):
+        calls.append(sample["sample_id"])
+        if len(calls) == 3:
+            with open(self.rounds_path, "a") as f:  # its rounds, not its sample line
+                f.write("".join(json.dumps(r) + "\n" for r in rounds))
+            raise KeyboardInterrupt
+        append(self, sample, rounds)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(RunDir, "append", append_then_stop)
+        with pytest.raises(KeyboardInterrupt):
+            runner.run(run_cfg(*overrides, f"out_dir={tmp_path / 'cut'}"))
+    assert len(read_jsonl(tmp_path / "cut" / "samples.jsonl")) == 2
+    runner.run(run_cfg(*overrides, f"out_dir={tmp_path / 'cut'}"))
+    whole, cut = ({s["sample_id"]: s for s in read_jsonl(tmp_path / d / "samples.jsonl")} for d in ("whole", "cut"))
+    assert len(read_jsonl(tmp_path / "cut" / "samples.jsonl")) == 6 and whole.keys() == cut.keys()
+    assert all(cut[i]["output_ids"] == whole[i]["output_ids"] for i in whole)
+    rounds = read_jsonl(tmp_path / "cut" / "rounds.jsonl")
+    for i, s in cut.items():  # no sample's rounds twice
+        assert sum(r["emitted"] for r in rounds if r["sample_id"] == i) == s["generated_tokens"]
+    assert {s["batch"]["session"] for s in cut.values()} == {0, 1}  # two sessions, each its own span
+
+
+def test_multi_turn_samples_decode_turn_by_turn_in_a_batch(run_cfg, tmp_path):
+    """Spec-Bench's two-turn questions at batch size 2: each turn a generation in the row's thread (the second over
+    a longer prompt: the shared cache grows), the outputs those of batch size 1."""
+    questions = write_questions(tmp_path / "question.jsonl")
+
+    def specbench(batch_size):
+        out = tmp_path / f"b{batch_size}"
+        runner.run(run_cfg("task=specbench", f"task.data_files={questions}", "method=ls", "method.exit_layer=1",
+                           "method.gamma=2", "limit=null", "max_new_tokens=6", f"out_dir={out}",
+                           f"batch_size={batch_size}"))
+        return {s["sample_id"]: s for s in read_jsonl(out / "samples.jsonl")}
+
+    one, two = specbench(1), specbench(2)
+    assert any(len(s["turns"]) == 2 for s in two.values())
+    assert {i: s["output_ids"] for i, s in two.items()} == {i: s["output_ids"] for i, s in one.items()}
+
+
+def test_records_from_before_batch_size_read_as_batch_1(run_cfg, tmp_path):
+    """An older run_config.json (no batch_size) still resumes at batch size 1; an older run key pairs as batch 1."""
+    cfg = run_cfg("method=vanilla", "limit=1")
+    summary = runner.run(cfg)
+    path = RunDir(cfg.out_dir).config_path
+    assert "batch_size" not in json.loads(path.read_text())  # batch size 1 is left out: as before it existed
+    runner.run(run_cfg("method=vanilla", "limit=2"))
+    old = {k: v for k, v in summary["run_key"].items() if k != "batch_size"}
+    assert RunKey.from_dict(old) == RunKey.from_dict(summary["run_key"])
+    assert RunKey.from_dict(old).pairs_with(RunKey.from_dict(summary["run_key"]))
+
+
+def test_an_error_in_a_row_stops_the_batch_and_reaches_the_caller(setup):
+    """A row whose job raises (mid-batch, its neighbours blocked on their calls): the batch unwinds every row's thread
+    and raises that error where it was run; the Batch then decodes again."""
+    stack, prompts, eos, refs = setup
+    batch = Batch(stack, B, GREEDY, eos, cache_len=CACHE_LEN)
+    vanilla = method("vanilla")
+    threads = threading.active_count()
+
+    def decode(row, i):
+        gen = row.engine.generate(prompts[i], copy.deepcopy(vanilla), BUDGETS[i], seed=i)
+        if i == 2:
+            raise ValueError("row 2 failed")
+        return gen
+
+    with pytest.raises(ValueError, match="row 2 failed"):
+        batch.run(range(len(prompts)), decode)
+    assert threading.active_count() == threads
+    out = {}
+    batch.run(range(2), lambda row, i: out.setdefault(i, row.engine.generate(prompts[i], copy.deepcopy(vanilla),
+                                                                             BUDGETS[i], seed=i).output_ids))
+    assert [out[0], out[1]] == refs[:2]
