@@ -153,6 +153,7 @@ def decode_batched(cfg, todo, ready: session.Session, run_dir: RunDir) -> None:
     B, tokenizer, task, method, loaded, stack = (int(cfg.batch_size), ready.tokenizer, ready.task, ready.method,
                                                   ready.loaded, ready.stack)
     cache_len = session.longest_sequence([s for s, _ in todo], task, tokenizer, int(cfg.max_new_tokens)) + 1
+    wide = stack.tune_rows(B)  # the products' layouts at a batch's width (LayerStack.products_for), untimed
     batch = Batch(stack, B, ready.sampling, ready.eos, ready.stop, cache_len=cache_len)
     methods = [copy.deepcopy(method) for _ in range(B)]
     finished = restore_slot_states(methods, run_dir)
@@ -163,7 +164,8 @@ def decode_batched(cfg, todo, ready: session.Session, run_dir: RunDir) -> None:
         batch.run(range(B), lambda row, _: row.engine.generate(warm, copy.deepcopy(method), cfg.warmup_tokens, 0))
     session_line = len(run_dir.setup())  # this session's line in setup.jsonl
     run_dir.append_setup({**ready.setup, "warmup": {"mode": "quick" if cfg.warmup_tokens else "off"},
-                          "warmup_s": time.perf_counter() - t0, "samples_before": finished, "batch_size": B})
+                          "warmup_s": time.perf_counter() - t0, "samples_before": finished, "batch_size": B,
+                          "wide_products": wide.as_dict()})
     weights = memory.model_bytes(loaded.model)
     progress = tqdm(total=len(todo), desc=f"{cfg.method.tag} on {cfg.task.name} (B={B})", unit="sample")
 

@@ -164,3 +164,30 @@ def test_a_run_records_the_layouts_and_a_resume_keeps_them(run_cfg, monkeypatch)
                       "layouts": {shape: {"one": X_WT, "many": X_WT} for shape in products.SHAPES}}
     with pytest.raises(ConfigError, match="products='xwt'.*Did you mean 'x_wt'"):
         runner.run(run_cfg("method=vanilla", "products=xwt"))
+
+
+def test_a_batchs_width_gets_the_layouts_timed_at_it():
+    """Batched decoding's ragged steps run wider than the verification batches auto timed: products.for_rows times
+    every shape at the batch's width and keeps the fastest (the head and the layers may differ), the one-row layouts
+    untouched; a forced setting and half precision keep theirs. LayerStack.products_for uses them only beyond 5 rows."""
+    own = choose("auto", torch.float32, fake_timer(MIXED, []))
+    calls = []
+
+    def at_eight(shape, layout, rows):
+        calls.append(rows)
+        return {X_WT: 1.0, WT_X: 0.5 if shape == "head" else 2.0}[layout]
+
+    wide = products.for_rows(own, torch.float32, at_eight, 8)
+    assert set(calls) == {8}
+    assert {shape: lay.many for shape, lay in wide.layouts.items()} == {**dict.fromkeys(products.LAYER_SHAPES, X_WT),
+                                                                       "head": WT_X}
+    assert {shape: lay.one for shape, lay in wide.layouts.items()} == {s: lay.one for s, lay in own.layouts.items()}
+    forced = choose("wt_x", torch.float32, fake_timer(MIXED, []))
+    assert products.for_rows(forced, torch.float32, at_eight, 8) is forced
+    assert products.for_rows(own, torch.bfloat16, at_eight, 8) is own
+    stack = LayerStack(tiny_model()[0], products="auto")
+    stack.wide_products = wide
+    for rows, expected in ((5, stack.products), (6, wide), (16, wide)):
+        with stack.products_for(rows):
+            assert stack.products is expected
+    assert stack.products is not wide

@@ -25,7 +25,17 @@ from torch import nn
 from del_bench.models import fused
 from del_bench.models.families import LayerMath, decoder_of, resolve
 from del_bench.models.loading import check_resident
-from del_bench.models.products import TUNED, X_WT, X_WT_COPY, Layout, Products, product, time_products
+from del_bench.models.products import (
+    FEW_ROWS,
+    TUNED,
+    X_WT,
+    X_WT_COPY,
+    Layout,
+    Products,
+    for_rows,
+    product,
+    time_products,
+)
 from del_bench.models.products import choose as choose_products
 from del_bench.numerics import HALF_DTYPES, widened
 
@@ -846,12 +856,38 @@ class LayerStack:
     # weight-bound products run over all rows' positions concatenated ([1, ΣT, D]: each weight read once for the
     # batch); RoPE reads each position's own table; the cache write and the attention run per row, each exactly as
     # the eager loop runs that row alone (its own positions, cache, mask) — so no row sees another's keys
+    def tune_rows(self, rows: int) -> Products:
+        """Time the products' layouts at `rows` rows (products.for_rows: batched decoding's ragged steps, wider than
+        the verification batches `auto` timed) for products_for; untimed setup, before a batch decodes."""
+        with torch.inference_mode():
+            self.wide_products = for_rows(self.products, self.dtype, time_products(self), rows)
+        return self.wide_products
+
+    @contextmanager
+    def products_for(self, rows: int) -> Iterator[None]:
+        """The products' layouts for a ragged batch of `rows` positions: the stack's own (timed at one row and at
+        FEW_ROWS), or beyond those rows the layouts tune_rows timed. Only the ragged steps of batched decoding ask
+        (they run one at a time; B = 1 keeps its layouts and bits)."""
+        wide = getattr(self, "wide_products", None)
+        if rows <= max(FEW_ROWS) or wide is None:
+            yield
+            return
+        own, self.products = self.products, wide
+        try:
+            yield
+        finally:
+            self.products = own
+
     def attention_rows(self, i: int, rows: list[RaggedRow]) -> None:
         """Layer i's attention sublayer for every row (one load of it): each row's h becomes h + attention(norm(h));
         a row that writes sets its cache's length of layer i."""
         for r in rows:
             if r.cache.lengths[i] < r.pos:
                 raise RuntimeError(f"layer {i} holds {r.cache.lengths[i]} positions; cannot attend at {r.pos}")
+        with self.products_for(sum(r.h.shape[1] for r in rows)):
+            self._attention_rows(i, rows)
+
+    def _attention_rows(self, i: int, rows: list[RaggedRow]) -> None:
         h = torch.cat([r.h for r in rows], dim=1)  # [1, ΣT, D]
         cos = torch.cat([r.cos for r in rows], dim=-3)  # [(R,) 1, ΣT, 1, hd]: each position's table
         sin = torch.cat([r.sin for r in rows], dim=-3)
@@ -870,14 +906,16 @@ class LayerStack:
 
     def mlp_rows(self, i: int, rows: list[RaggedRow]) -> None:
         """Layer i's MLP for every row (one load of it): each row's h becomes h + MLP(norm(h))."""
-        _split(self._mlp(i, torch.cat([r.h for r in rows], dim=1)), rows)
+        with self.products_for(sum(r.h.shape[1] for r in rows)):
+            _split(self._mlp(i, torch.cat([r.h for r in rows], dim=1)), rows)
 
     def head_rows(self, hs: list[torch.Tensor]) -> list[torch.Tensor]:
         """The LM head over several rows' normed states (each [1, T_r, D]) in one product → each row's logits
         [1, T_r, V]."""
         if len(hs) == 1:
             return [self.head(hs[0])]
-        return list(self.head(torch.cat(hs, dim=-2)).split([h.shape[-2] for h in hs], dim=-2))
+        with self.products_for(sum(h.shape[-2] for h in hs)):
+            return list(self.head(torch.cat(hs, dim=-2)).split([h.shape[-2] for h in hs], dim=-2))
 
     # ---- one decoder layer's math: the eager loop above and the static-shape steps (engine/compiled.py) both run
     # these, on h [B, T, D] (the eager loop: B = 1); FamilyLayerStack overrides them with its family's variations

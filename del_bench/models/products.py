@@ -117,6 +117,18 @@ def choose(setting: str, dtype: torch.dtype, seconds: Callable[[str, str, int], 
     return Products(setting, layouts, times, time.perf_counter() - t0)
 
 
+def for_rows(own: Products, dtype: torch.dtype, seconds: Callable[[str, str, int], float], rows: int) -> Products:
+    """own's layouts with the several-rows one chosen again at `rows` rows, as `auto` chooses (x_wt unless another
+    beats it by MARGIN): for batched decoding's ragged steps, wider than the verification batches auto timed (on this
+    CPU at 8 rows x_wt took 0.56–0.79 of wt_x's time on SmolLM2's layer matrices, but 5× wt_x's on its LM head). A
+    forced setting, and half precision, keep own."""
+    if own.setting != "auto" or dtype in HALF_DTYPES:
+        return own
+    times = {shape: {layout: seconds(shape, layout, rows) for layout in candidates(shape, rows)} for shape in SHAPES}
+    layouts = {shape: Layout(lay.one, pick(times[shape])) for shape, lay in own.layouts.items()}
+    return Products(own.setting, layouts, {**own.seconds, f"rows_{rows}": times}, own.setup_s)
+
+
 def summed(times: dict[int, dict[str, float]], row_class: tuple[int, ...]) -> dict[str, float]:
     """{layout: seconds over the row class's row counts}, for the layouts timed at all of them."""
     layouts = set.intersection(*(set(times[rows]) for rows in row_class))
