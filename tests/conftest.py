@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import threading
+
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
@@ -20,6 +23,21 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4, nu
 # `pytest -rs` (addopts) prints, so a CPU-only run says what it did not check.
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="no CUDA device here: the lossless tests ran on CPU only"))]
+
+
+# A hung test (a lock nobody will release, a child that never answers) must end the run, red, with where it hung —
+# not run CI into its time limit with nothing printed, as a leftover build lock once did (models/fused.build_lock).
+# pytest's faulthandler_timeout (pyproject.toml) prints the stacks first; this ends the process a little after.
+HUNG_TEST_S = 900 + 15
+
+
+@pytest.fixture(autouse=True)
+def _a_hung_test_ends_the_run():
+    timer = threading.Timer(HUNG_TEST_S, os._exit, (70,))
+    timer.daemon = True
+    timer.start()
+    yield
+    timer.cancel()
 
 
 def tiny_model(dtype=torch.float64, **overrides):

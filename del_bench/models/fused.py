@@ -15,12 +15,15 @@ bits. `layers` (configs/run.yaml) chooses:
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
 import shutil
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
 
@@ -38,9 +41,6 @@ class FusedUnavailable(RuntimeError):
     """The fused loop cannot serve this model on this machine (the message says why)."""
 
 
-STALE_LOCK_S = 600  # a build takes ~25 s: a lock this old was left by a killed build
-
-
 def build_dir() -> Path:
     """Where the build lives: beside the model cache (DEL_BENCH_CACHE), one per torch version and per version of the
     C++ source, so checkouts of different sources on one machine (a branch, a test's mutant copy) never rebuild over
@@ -49,13 +49,23 @@ def build_dir() -> Path:
     return cache_root() / "torch_extensions" / f"torch-{torch.__version__}" / source
 
 
-def clear_stale_lock(directory: Path) -> None:
-    """torch waits on a build directory's lock file forever: one left by a run killed mid-build must not hang the
-    next run (a lock younger than STALE_LOCK_S may belong to a build in progress, and stays)."""
-    lock = directory / "lock"
-    if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
-        log.warning("removing %s, left by a build that was killed", lock)
-        lock.unlink(missing_ok=True)
+@contextmanager
+def build_lock(directory: Path) -> Iterator[None]:
+    """Hold the build directory for one load. torch's own lock (the file `lock`, made by FileBaton while it checks or
+    builds, ~1 s or ~25 s) is a bare file: a process killed while holding it leaves it, and every later load waits on
+    it forever — CI hung so, started minutes after a session's runs were killed. This lock is the kernel's (flock): it
+    goes with its holder, so once we hold it no live process of ours is loading here, and a `lock` still there was
+    left by a killed one and is removed."""
+    with open(directory / "build.flock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # waits only for a live load (it ends, or dies and releases)
+        try:
+            left = directory / "lock"
+            if left.exists():
+                log.warning("removing %s, left by a build that was killed", left)
+                left.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(held, fcntl.LOCK_UN)
 
 
 @cache
@@ -66,12 +76,12 @@ def extension():
 
     directory = build_dir()
     directory.mkdir(parents=True, exist_ok=True)
-    clear_stale_lock(directory)
     if not put_ninja_on_path():
         raise FusedUnavailable("ninja is not installed (`pip install ninja`: torch.utils.cpp_extension builds with it)")
     try:
-        return load(name="del_bench_fused_layers", sources=[str(SOURCE)], extra_cflags=["-O3"],
-                    build_directory=str(directory), verbose=False)
+        with build_lock(directory):
+            return load(name="del_bench_fused_layers", sources=[str(SOURCE)], extra_cflags=["-O3"],
+                        build_directory=str(directory), verbose=False)
     except Exception as err:  # no compiler, no ninja, a header mismatch: all mean "use eager"
         raise FusedUnavailable(f"building {SOURCE.name} failed ({type(err).__name__}: {err})") from err
 
