@@ -257,6 +257,42 @@ def unsteady(state: dict | None) -> bool:
     return bool(state) and not state["steady"]
 
 
+# A run and its Vanilla partner must have been timed on the machine in one state: a VM's host can make the same matrix
+# products several times slower from one day to the next (this 2-core VM: the SmolLM2 layer products' one-row time,
+# median 2.0 ms over one day's 116 runs, 6.0 ms another day, with nothing else running), which no load sampling sees.
+# A speedup whose run and partner differ by more than this factor in machine_probe is marked (the report's §).
+DRIFT_LIMIT = 1.5
+# Below this a probe is call overhead and timer noise, not the machine: the testbed's (11.5M parameters, ~1 ms) ranged
+# 0.3–1.5 ms between runs minutes apart; SmolLM2's is ~18 ms.
+MIN_PROBE_S = 5e-3
+
+
+def machine_probe(setup: list[dict]) -> float | None:
+    """Seconds the model's matrix products took for one token when the run set up — a probe of the machine's state
+    taken on every run: the sum over shape classes of the one-row time of HF's layout (x_wt) that `products: auto`
+    measured on the model's own matrices (setup.jsonl's products.seconds), the median over the run's sessions. None
+    where nothing was timed (a forced layout, half precision, records from before)."""
+    probes = []
+    for line in setup:
+        seconds = (line.get("products") or {}).get("seconds") or {}
+        one_row = [by_rows.get("1", {}).get("x_wt") for shape, by_rows in seconds.items()
+                   if not shape.startswith("rows_")]  # rows_B: a batch's widths (products.for_rows)
+        if one_row and all(isinstance(t, (int, float)) and t > 0 for t in one_row):
+            probes.append(math.fsum(one_row))
+    return median(probes) if probes else None
+
+
+def drifted(probe: float | None, partner_probes: Iterable[float | None]) -> bool:
+    """A run's machine_probe and its Vanilla partners' differ by more than DRIFT_LIMIT either way (False where either
+    side has none, or one too short to tell: MIN_PROBE_S): its speedup compares two states of the machine, not two
+    methods."""
+    partners = [p for p in partner_probes if p and p >= MIN_PROBE_S]
+    if not probe or probe < MIN_PROBE_S or not partners:
+        return False
+    ratio = probe / (math.fsum(partners) / len(partners))
+    return max(ratio, 1 / ratio) > DRIFT_LIMIT
+
+
 def machine_of(provenance: dict) -> str:
     """device/CPU (+ torch threads on CPU, which change speed as much as the hardware does; + the layer loop unless
     eager, see SampleRecord.layer_path): the runs a speedup may pair must share it. The provenance holds no host

@@ -372,3 +372,38 @@ def test_tables_mark_runs_not_at_steady_state_and_the_report_can_leave_them_out(
     assert r"\P{}" in tables.to_latex(table3)
     assert write_report([runs], tmp_path / "t", None, exclude_unsteady=True)
     assert "¶" not in (tmp_path / "t" / "table3.md").read_text()
+
+
+def _products_line(ms_one_row: dict[str, float], **extra) -> dict:
+    """A setup line as `products: auto` writes it: seconds per shape class, row count and layout."""
+    seconds = {shape: {"1": {"x_wt": ms / 1e3, "wt_x": 9.0}, "2": {"x_wt": 9.0, "wt_x": 9.0}}
+               for shape, ms in ms_one_row.items()}
+    return {"products": {"setting": "auto", "seconds": {**seconds, **extra}}}
+
+
+def test_the_machine_probe_is_one_tokens_products_and_a_drift_is_a_factor_either_way():
+    shapes = {"qkv": 2.0, "o": 1.0, "gate_up": 8.0, "down": 3.0, "head": 4.0}  # ms: SmolLM2 on a good day
+    line = _products_line(shapes, rows_8={"qkv": {"x_wt": 5.0}})  # a batch's widths (products.for_rows): not one row
+    assert records.machine_probe([line]) == pytest.approx(0.018)
+    slow = _products_line({s: 3 * ms for s, ms in shapes.items()})
+    assert records.machine_probe([line, slow, line]) == pytest.approx(0.018)  # the median over sessions
+    assert records.machine_probe([{"products": {"setting": "wt_x", "layouts": {}}}, {"load_s": 1.0}]) is None
+    assert records.drifted(0.018, [0.026]) is False  # 1.44×: within DRIFT_LIMIT
+    assert records.drifted(0.018, [0.028]) and records.drifted(0.028, [0.018])  # slower or faster, either way
+    assert records.drifted(0.018, [0.030, 0.030]) and not records.drifted(0.018, [0.030, 0.012])  # partners' mean
+    assert not records.drifted(0.001, [0.004]) and not records.drifted(None, [0.018])  # too short to tell; none
+
+
+def test_tables_mark_a_speedup_paired_across_machine_states(tmp_path):
+    from tests.data.report_golden.records import write_records
+
+    runs = write_records(tmp_path)
+    df = load_runs([runs]).query("model == 'llama2-7b' and task == 'gsm8k'")
+    for method, ms in (("vanilla", 4.0), ("ls", 10.0), ("del", 5.0)):  # LS ran with the machine 2.5× slower
+        run_dir = Path(df[df.method == method].run_dir.iloc[0])
+        line = _products_line({"qkv": ms, "gate_up": ms})
+        (run_dir / "setup.jsonl").write_text(json.dumps(line) + "\n")
+    table3 = tables.build_tables(load_runs([runs]))[2]
+    labels = {r.label for r in table3.rows if r.source.startswith("ours") and r.model == "llama2-7b"}
+    assert "LS(E7-γ6) §" in labels and "DEL" in labels and "Vanilla" in labels  # DEL: 1.25×, within the limit
+    assert tables.DRIFT_NOTE in tables.to_markdown(table3) and r"\S{}" in tables.to_latex(table3)

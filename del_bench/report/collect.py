@@ -29,7 +29,9 @@ from del_bench.numerics import compare
 from del_bench.records import (
     RunKey,
     batch_etpl,
+    drifted,
     load_summary,
+    machine_probe,
     read_jsonl,
     run_key_of,
     steady_state,
@@ -83,6 +85,7 @@ def load_run(run_dir: str | Path) -> dict:
     tps = _mean([s.get("tokens_per_s") for s in samples]) if samples else summary.get("tokens_per_s")
     etpl = _mean([s.get("etpl") for s in samples]) if samples else summary.get("etpl")
     load = load_summary(samples) or {}
+    setup = read_jsonl(run_dir / "setup.jsonl")
     entry = key.entry()
     row = {
         "run_dir": str(run_dir),
@@ -118,8 +121,8 @@ def load_run(run_dir: str | Path) -> dict:
         "outputs": {(str(s["sample_id"]), s.get("repeat", 0)): _digest(s.get("output_ids")) for s in samples},
         "busy_samples": load.get("overloaded", 0),  # timed on an overloaded machine (0: none, or not recorded)
         # not timed at steady state (records.steady_state: judged from the records, today's rule)
-        "unsteady": unsteady(steady_state(samples, read_jsonl(run_dir / "rounds.jsonl"),
-                                          read_jsonl(run_dir / "setup.jsonl"))),
+        "unsteady": unsteady(steady_state(samples, read_jsonl(run_dir / "rounds.jsonl"), setup)),
+        "probe_s": machine_probe(setup),  # the machine's state when it ran (records.machine_probe)
     }
     for name, value in (summary.get("quality") or {}).items():
         row[f"q_{name}"] = value
@@ -211,12 +214,14 @@ def add_speedup(df: pd.DataFrame) -> pd.DataFrame:
     """speedup = tokens/s ÷ the mean Vanilla tokens/s of its partners (records.vanilla_baseline: the same model,
     task, decoding, length, prompts, machine); memory_overhead_pct = peak memory ÷ that Vanilla's peak memory − 1,
     in percent (Table 5); busy_vanilla / unsteady_vanilla: some partner was timed on an overloaded machine / not at
-    steady state.
+    steady state; drifted: the run's machine state (records.machine_probe) differs from its partners' by more than
+    records.DRIFT_LIMIT.
 
     Several Vanilla runs with the same key (repeats) are averaged. No partner → NaN and has_vanilla False.
     """
     df = tell_weights_apart(df).reset_index(drop=True)
-    for column, default in (("peak_memory_gib", math.nan), ("busy_samples", 0), ("unsteady", False)):
+    for column, default in (("peak_memory_gib", math.nan), ("busy_samples", 0), ("unsteady", False),
+                            ("probe_s", None)):
         if column not in df:
             df[column] = default
     vanillas = [(r["run_key"], r) for r in df[df["method"] == "vanilla"].to_dict("records")]
@@ -229,6 +234,8 @@ def add_speedup(df: pd.DataFrame) -> pd.DataFrame:
         df["throughput_speedup"] = df["throughput"] / pd.Series(baseline("throughput"), index=df.index, dtype=float)
     df["busy_vanilla"] = [any(v["busy_samples"] for v in vanilla_partners(key, vanillas)) for key in df["run_key"]]
     df["unsteady_vanilla"] = [any(v["unsteady"] for v in vanilla_partners(key, vanillas)) for key in df["run_key"]]
+    df["drifted"] = [drifted(row["probe_s"], [v["probe_s"] for v in vanilla_partners(row["run_key"], vanillas)])
+                     for row in df.to_dict("records")]
     df["has_vanilla"] = df["vanilla_tps"].notna()
     df["speedup"] = df["tokens_per_s"] / df["vanilla_tps"]
     df["memory_overhead_pct"] = (df["peak_memory_gib"] / df["vanilla_memory_gib"] - 1) * 100
@@ -241,7 +248,7 @@ def aggregate(df: pd.DataFrame) -> pd.DataFrame:
     optional = {"peak_memory_gib": math.nan, "vanilla_memory_gib": math.nan, "memory_overhead_pct": math.nan,
                 "memory_measure": "", "model_gib": math.nan, "sample_set": "eval", "outputs_equal": math.nan,
                 "outputs_compared": math.nan, "busy_samples": 0, "busy_vanilla": False, "unsteady": False,
-                "unsteady_vanilla": False}
+                "unsteady_vanilla": False, "drifted": False}
     df = df.assign(**{k: v for k, v in optional.items() if k not in df})  # frames built by older code
     metrics = ["etpl", "tokens_per_s", "speedup", "peak_memory_gib", "memory_overhead_pct"]
     metrics += sorted(c for c in df.columns if c.startswith("q_"))
@@ -265,6 +272,8 @@ def aggregate(df: pd.DataFrame) -> pd.DataFrame:
     # repeats not timed at steady state, or paired with a Vanilla that was not (records.steady_state)
     out["unsteady_runs"] = grouped["unsteady"].agg(lambda v: int(v.astype(bool).sum()))
     out["unsteady_vanilla"] = grouped["unsteady_vanilla"].any()
+    # repeats whose machine state differed from their Vanilla partners' (records.drifted)
+    out["drifted_runs"] = grouped["drifted"].agg(lambda v: int(v.astype(bool).sum()))
     if "near_tie_at" in df:  # first-departure positions, pooled over repeats (lists: summed = concatenated)
         for column in ("near_tie_at", "departs_at"):
             out[column] = grouped[column].agg(lambda lists: sorted(p for at in lists for p in at))

@@ -30,6 +30,7 @@ import pandas as pd
 
 from del_bench.methods.base import LAYER_SKIPPING
 from del_bench.records import (
+    DRIFT_LIMIT,
     PEER_MARK,
     PEER_NOTE,
     STEADY_SLOWDOWN,
@@ -278,14 +279,23 @@ UNSTEADY_NOTE = ("¶ = not timed at steady state: a warm-up that did not converg
                  "leaves such runs out.")
 
 
+DRIFT_MARK = " §"
+DRIFT_NOTE = (f"§ = paired across machine states: the matrix products of one token, timed as each run set up "
+              f"(records.machine_probe), took more than {DRIFT_LIMIT:g}× as long in the run as in its Vanilla partner "
+              "or the other way round (a VM's host slows or speeds up between days); its speedup compares the "
+              "machine's states, not only the methods. Re-measure the row and its Vanilla together.")
+
+
 def busy_mark(recs) -> str:
     """' ‡' when a run behind these aggregated cells, or a Vanilla partner of one, was timed on an overloaded
     machine (collect: busy_runs, busy_vanilla); ' ¶' when one was not timed at steady state (unsteady_runs,
-    unsteady_vanilla); both when both; '' otherwise, and for records from before the load was kept."""
+    unsteady_vanilla); ' §' when one was timed in another machine state than its partner (drifted_runs); each
+    that applies; '' otherwise, and for records from before the load was kept."""
     recs = list(recs)
     busy = any(r.get("busy_runs", 0) or r.get("busy_vanilla", False) for r in recs)
     unsteady = any(r.get("unsteady_runs", 0) or r.get("unsteady_vanilla", False) for r in recs)
-    return BUSY_MARK * busy + UNSTEADY_MARK * unsteady
+    drift = any(r.get("drifted_runs", 0) for r in recs)
+    return BUSY_MARK * busy + UNSTEADY_MARK * unsteady + DRIFT_MARK * drift
 
 
 def _isnan(value) -> bool:
@@ -610,6 +620,7 @@ def _notes(table: Table) -> list[str]:
              "(Vanilla excluded), computed from the numbers; paper rows are printed as in the paper."]
     busy = [BUSY_NOTE] if any(BUSY_MARK in r.label for r in table.rows) else []
     busy += [UNSTEADY_NOTE] if any(UNSTEADY_MARK in r.label for r in table.rows) else []
+    busy += [DRIFT_NOTE] if any(DRIFT_MARK in r.label for r in table.rows) else []
     busy += [PEER_NOTE] if any(PEER_MARK in r.label for r in table.rows) else []
     busy += list(dict.fromkeys(r.note for r in table.rows if r.note))  # what the methods say of their rows
     busy += [LOSSLESS_NOTE] if any(k == LOSSLESS for k, _ in table.columns) else []
