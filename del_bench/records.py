@@ -270,8 +270,8 @@ MIN_PROBE_S = 5e-3
 def machine_probe(setup: list[dict]) -> float | None:
     """Seconds the model's matrix products took for one token when the run set up — a probe of the machine's state
     taken on every run: the sum over shape classes of the one-row time of HF's layout (x_wt) that `products: auto`
-    measured on the model's own matrices (setup.jsonl's products.seconds), the median over the run's sessions. None
-    where nothing was timed (a forced layout, half precision, records from before)."""
+    measured on the model's own matrices (the seconds under a setup.jsonl line's products), the median over the run's
+    sessions. None where nothing was timed (a forced layout, half precision, records from before)."""
     probes = []
     for line in setup:
         seconds = (line.get("products") or {}).get("seconds") or {}
