@@ -28,12 +28,9 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
 # A hung test (a lock nobody will release, a child that never answers) must end the run, red, with where it hung —
 # not run CI into its time limit with nothing printed, as a leftover build lock once did (models/fused.build_lock).
 # pytest's faulthandler_timeout (pyproject.toml) prints the stacks first; this ends the process a little after.
-HUNG_TEST_S = 900 + 15
-
-
 @pytest.fixture(autouse=True)
-def _a_hung_test_ends_the_run():
-    timer = threading.Timer(HUNG_TEST_S, os._exit, (70,))
+def _a_hung_test_ends_the_run(request):
+    timer = threading.Timer(float(request.config.getini("faulthandler_timeout")) + 15, os._exit, (70,))
     timer.daemon = True
     timer.start()
     yield

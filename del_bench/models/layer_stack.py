@@ -353,6 +353,7 @@ class LayerStack:
         self.adapters = None  # ExitAdapters (del_bench/models/exit_adapters.py): the early-exit heads, or own head
         self.counter: WorkCounter | None = None  # set only while counting (tests); None: no counting at all
         self.use_products(self._choose_products(products))
+        self.wide_products: Products | None = None  # a batch's width (tune_rows): batched decoding's ragged steps
         self._fused_family = self._fused_family_args()
         # engine/compiled.py's static-shape graphs (`compile`: off | auto | on), set by compiled.choose after loading:
         # they take the chain calls of the widths they were compiled for; every other call runs the loop above. None
@@ -868,11 +869,10 @@ class LayerStack:
         """The products' layouts for a ragged batch of `rows` positions: the stack's own (timed at one row and at
         FEW_ROWS), or beyond those rows the layouts tune_rows timed. Only the ragged steps of batched decoding ask
         (they run one at a time; B = 1 keeps its layouts and bits)."""
-        wide = getattr(self, "wide_products", None)
-        if rows <= max(FEW_ROWS) or wide is None:
+        if rows <= max(FEW_ROWS) or self.wide_products is None:
             yield
             return
-        own, self.products = self.products, wide
+        own, self.products = self.products, self.wide_products
         try:
             yield
         finally:

@@ -232,10 +232,10 @@ def add_speedup(df: pd.DataFrame) -> pd.DataFrame:
     df["vanilla_tps"], df["vanilla_memory_gib"] = baseline("tokens_per_s"), baseline("peak_memory_gib")
     if "throughput" in df:  # over the batch, against Vanilla at the same batch size (the figure of speedup vs B)
         df["throughput_speedup"] = df["throughput"] / pd.Series(baseline("throughput"), index=df.index, dtype=float)
-    df["busy_vanilla"] = [any(v["busy_samples"] for v in vanilla_partners(key, vanillas)) for key in df["run_key"]]
-    df["unsteady_vanilla"] = [any(v["unsteady"] for v in vanilla_partners(key, vanillas)) for key in df["run_key"]]
-    df["drifted"] = [drifted(row["probe_s"], [v["probe_s"] for v in vanilla_partners(row["run_key"], vanillas)])
-                     for row in df.to_dict("records")]
+    partners = [vanilla_partners(key, vanillas) for key in df["run_key"]]
+    df["busy_vanilla"] = [any(v["busy_samples"] for v in theirs) for theirs in partners]
+    df["unsteady_vanilla"] = [any(v["unsteady"] for v in theirs) for theirs in partners]
+    df["drifted"] = [drifted(probe, [v["probe_s"] for v in theirs]) for probe, theirs in zip(df["probe_s"], partners)]
     df["has_vanilla"] = df["vanilla_tps"].notna()
     df["speedup"] = df["tokens_per_s"] / df["vanilla_tps"]
     df["memory_overhead_pct"] = (df["peak_memory_gib"] / df["vanilla_memory_gib"] - 1) * 100
