@@ -5,7 +5,7 @@ every token the host hands the device (a prompt, a token drafted on the host).
 On a GPU each read waits for the queue: the kernels queued before it drain while the host idles, and nothing around
 it can be captured as a CUDA graph. So the engine batches what a round needs into few reads (greedy early exit: the
 round's drafts, targets and, in half precision, their top-2 logits in one), and `Round.host_syncs` reports how many a
-round made — held in tests against an independent counter of the tensor reads themselves (del_bench/engine/syncs.py)."""
+round made — held in tests against an independent counter of the tensor reads themselves (del_bench/bench/syncs.py)."""
 
 from __future__ import annotations
 

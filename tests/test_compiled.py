@@ -16,12 +16,12 @@ import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from del_bench import runner
+from del_bench.bench.syncs import count_syncs
 from del_bench.config import ConfigError, validate
 from del_bench.engine import compiled
 from del_bench.engine.compiled import Graphs, StaticSteps, StepShapes, _CudaGraphs, bucket_of, static_mask
 from del_bench.engine.decode import Engine
 from del_bench.engine.sampling import Sampling
-from del_bench.engine.syncs import count_syncs
 from del_bench.methods.clasp import CLaSp
 from del_bench.methods.dynamic_exit import DEL
 from del_bench.methods.knapspec import KnapSpec

@@ -101,7 +101,7 @@ def mean_speed(out_dir: str) -> float:
 
 def test_every_bench_is_run_here_and_listed():
     assert set(bench.BENCHES) == set(BENCHES) | set(NOT_HERE)
-    modules = {p.stem for p in (REPO / "del_bench" / "bench").glob("*.py")} - {"__init__", "harness", "peers"}
+    modules = {p.stem for p in (REPO / "del_bench" / "bench").glob("*.py")} - {"__init__", "harness", "peers", "syncs"}
     assert modules == set(bench.BENCHES.values())  # no bench module outside the listing
     listing = bench.listing().splitlines()
     assert [line.split()[0] for line in listing] == list(bench.BENCHES)
@@ -131,7 +131,7 @@ def test_bench_runs_on_the_tiny_model(name, tmp_path, capsys):
     assert result["bench"] == name and result["provenance"]
     if name == "specbench-speed":  # method 8 tokens/s, baseline 4: speedup 2 on every selection it has
         assert "2.0000" in out and "(no questions)" in out
-    if name == "engine":  # host syncs per row, counted independently after the timed rows (engine/syncs.py)
+    if name == "engine":  # host syncs per row, counted independently after the timed rows (bench/syncs.py)
         syncs = result["models"][0]["host_syncs"]
         rows = [r["row"] for r in result["models"][0]["rows"]]  # DEL's also with its statistics on acceptance
         assert [r["row"] for r in syncs] == [x for r in rows for x in (r, r + ON_ACCEPTANCE)[: 1 + r.startswith("DEL")]]

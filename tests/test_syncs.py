@@ -1,4 +1,4 @@
-"""The independent host-sync counter (del_bench/engine/syncs.py): each kind it counts on synthetic code, what it leaves
+"""The independent host-sync counter (del_bench/bench/syncs.py): each kind it counts on synthetic code, what it leaves
 alone, per-round attribution, and the engine's greedy rounds under it (issue 26: ≤ 3 a round for LS and DEL)."""
 
 from __future__ import annotations
@@ -10,9 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from del_bench.engine.decode import Engine
-from del_bench.engine.sampling import Sampling
-from del_bench.engine.syncs import (
+from del_bench.bench.syncs import (
     CUDA_SYNC_MESSAGE,
     SyncCounter,
     SyncReport,
@@ -22,6 +20,8 @@ from del_bench.engine.syncs import (
     measure,
     print_syncs,
 )
+from del_bench.engine.decode import Engine
+from del_bench.engine.sampling import Sampling
 from del_bench.methods.dynamic_exit import DEL
 from del_bench.methods.ls import LayerSkip
 from del_bench.methods.vanilla import Vanilla

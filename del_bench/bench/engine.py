@@ -28,7 +28,7 @@ from hydra.utils import get_class
 
 from del_bench import session
 from del_bench.bench import harness as h
-from del_bench.engine.syncs import SyncReport, measure, print_syncs
+from del_bench.bench.syncs import SyncReport, measure, print_syncs
 from del_bench.methods.dynamic_exit import batch_factors, round_cost
 from del_bench.models.layer_stack import _linear
 from del_bench.models.products import layer_matrices
@@ -135,7 +135,7 @@ ON_ACCEPTANCE = " (stats on acceptance)"  # a DEL row counted again with Engine(
 def config_syncs(cfg, load, prompt_ids: list[list[int]], shadow_with_acceptance: bool | None = None) -> SyncReport:
     """A run config's method and decoding on these prompts (token ids), set up as its run was (session.build: the
     task's generation settings and stop strings, the costs and product layouts its out_dir holds, its compiled steps),
-    counted by engine/syncs.py's measure, untimed. load: () → (Loaded, LayerStack), as runner.run takes it (None: the
+    counted by bench/syncs.py's measure, untimed. load: () → (Loaded, LayerStack), as runner.run takes it (None: the
     config's model loaded here). shadow_with_acceptance: the Engine's (None: as the device decides)."""
     run_dir = RunDir(cfg.out_dir) if cfg.get("out_dir") else None
     ready = session.build(cfg, load, run_dir=run_dir, shadow_with_acceptance=shadow_with_acceptance)

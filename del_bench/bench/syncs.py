@@ -389,7 +389,7 @@ def print_syncs(rows: list[dict], sites: int = 3) -> None:
     """bench-engine's table of SyncReport.as_dict() rows (each with its "row" label): rounds, syncs, syncs/round, the
     worst round (where attributed), the engine's own count per round (where it keeps one), per kind, and the call
     sites that made the most."""
-    print("  host syncs, counted independently of the engine (engine/syncs.py), untimed; engine: Round.host_syncs")
+    print("  host syncs, counted independently of the engine (bench/syncs.py), untimed; engine: Round.host_syncs")
     width = max([22, *(len(r["row"]) for r in rows)])
     print(f"  {'row':<{width}} {'rounds':>6} {'syncs':>6} {'/round':>7} {'worst':>5} {'engine':>7}  kinds; top sites")
     for r in rows:
