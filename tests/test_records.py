@@ -15,7 +15,7 @@ from del_bench import jobs, machine_load, records, runner
 from del_bench.__main__ import format_table
 from del_bench.engine.rounds import Round
 from del_bench.records import RunKey, SampleRecord, run_key_of
-from del_bench.report import tables
+from del_bench.report import render, tables
 from del_bench.report.build import write_report
 from del_bench.report.collect import DEFAULT_ROOTS, load_runs
 
@@ -233,7 +233,7 @@ def test_tables_mark_busy_runs_and_their_partners_and_the_report_can_leave_them_
               and r.model == "llama2-7b"}
     assert {"Vanilla ‡", "LS(E7-γ6) ‡", "DEL ‡"} <= set(table3)  # the partners of a busy Vanilla too
     assert "FS(E7-γ6)" in table3  # not run on GSM8K: its speedups stand
-    assert tables.BUSY_NOTE in tables.to_markdown(tables.build_tables(load_runs([runs]))[2])
+    assert render.BUSY_NOTE in tables.to_markdown(tables.build_tables(load_runs([runs]))[2])
     assert r"$\ddagger$" in tables.to_latex(tables.build_tables(load_runs([runs]))[2])
     kept = load_runs([runs], exclude_busy=True)
     assert len(kept) == len(load_runs([runs])) - 1
@@ -366,7 +366,7 @@ def test_tables_mark_runs_not_at_steady_state_and_the_report_can_leave_them_out(
     table3 = tables.build_tables(load_runs([runs]))[2]
     labels = {r.label for r in table3.rows if r.source.startswith("ours") and r.model == "llama2-7b"}
     assert {"Vanilla ¶", "LS(E7-γ6) ¶", "DEL ¶"} <= labels and "FS(E7-γ6)" in labels  # partners too
-    assert tables.UNSTEADY_NOTE in tables.to_markdown(table3) and tables.BUSY_NOTE not in tables.to_markdown(table3)
+    assert render.UNSTEADY_NOTE in tables.to_markdown(table3) and render.BUSY_NOTE not in tables.to_markdown(table3)
     kept = load_runs([runs], exclude_unsteady=True)
     assert len(kept) == len(load_runs([runs])) - 1
     assert r"\P{}" in tables.to_latex(table3)
@@ -406,4 +406,4 @@ def test_tables_mark_a_speedup_paired_across_machine_states(tmp_path):
     table3 = tables.build_tables(load_runs([runs]))[2]
     labels = {r.label for r in table3.rows if r.source.startswith("ours") and r.model == "llama2-7b"}
     assert "LS(E7-γ6) §" in labels and "DEL" in labels and "Vanilla" in labels  # DEL: 1.25×, within the limit
-    assert tables.DRIFT_NOTE in tables.to_markdown(table3) and r"\S{}" in tables.to_latex(table3)
+    assert render.DRIFT_NOTE in tables.to_markdown(table3) and r"\S{}" in tables.to_latex(table3)

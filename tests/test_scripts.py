@@ -24,8 +24,8 @@ from del_bench.bench.engine import ON_ACCEPTANCE
 from del_bench.bench.peers import cut
 from del_bench.errors import ConfigError
 from del_bench.records import PEER_NOTE, RunKey, method_label, read_jsonl
-from del_bench.report import tables
-from del_bench.report.tables import Row, Table
+from del_bench.report import render
+from del_bench.report.render import Row, Table
 from tests.conftest import compose_run
 from tests.test_exit_adapters import random_adapters
 
@@ -207,8 +207,8 @@ def test_tables_mark_a_peer_and_say_why():
              {"cost_model": "layers", "keep_stopped_draft": True}, {"d_max": 4})] == \
         ["DEL", "DEL-CPU", "DEL (KnapSpec's)", "DEL"]
     table = Table("t", "T", [], rows=[Row("b", "m", method_label("hf_generate"), "ours", {})])
-    assert PEER_NOTE in tables._notes(table)
-    assert PEER_NOTE not in tables._notes(Table("t", "T", [], rows=[Row("b", "m", "DEL", "ours", {})]))
+    assert PEER_NOTE in render.notes(table)
+    assert PEER_NOTE not in render.notes(Table("t", "T", [], rows=[Row("b", "m", "DEL", "ours", {})]))
 
 
 def check_recomputable(rows: list[dict], printed: str) -> None:

@@ -110,13 +110,13 @@ def log_report(logger: list[str], roots: Iterable[str | Path], adhoc: bool, writ
 def wandb_table(table) -> dict:
     """A report Table as tracking.mirror_report takes it: the .md's header and cells (best/second marked ** and
     <u></u> as there; every cell a string, as printed), its title and notes."""
-    from .tables import _notes
+    from .render import notes
 
     mark = {"best": "**{}**", "second": "<u>{}</u>", "": "{}"}  # as to_markdown marks them
     rows = [[r.model, r.label, r.source] + [mark[r.cell(k).mark].format(r.cell(k).render()) for k, _ in table.columns]
             for r in table.rows]
     return {"name": table.name, "title": table.title, "columns": ["Model", "Method", "Source"] +
-            [h for _, h in table.columns], "rows": rows, "notes": _notes(table)}
+            [h for _, h in table.columns], "rows": rows, "notes": notes(table)}
 
 
 def shared_experiment(df) -> str | None:

@@ -37,9 +37,10 @@ import pandas as pd  # noqa: E402
 from matplotlib.patches import Rectangle  # noqa: E402
 
 from del_bench.methods.dynamic_exit import DEFAULT_OMEGA  # noqa: E402
+from del_bench.records import method_label  # noqa: E402
 
 from .collect import aggregate, load_rounds, segment_speeds  # noqa: E402,F401  (load_rounds: re-exported)
-from .tables import TABLE3_TASKS, TASK_LABELS, in_experiment, method_label  # noqa: E402
+from .tables import TABLE3_TASKS, TASK_LABELS, in_experiment  # noqa: E402
 
 ABLATIONS = ["del", "del_e", "del_gamma", "del_e_lim"]
 MAX_ROUNDS_4A = 200  # the paper's Figure 4a: τ over 200 SD rounds

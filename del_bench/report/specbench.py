@@ -1,6 +1,6 @@
 """The Spec-Bench table: per model, methods × Spec-Bench's 6 groups + overall, computed as Spec-Bench computes them.
 
-    specbench_table(df, adhoc)       a Table (tables.py's Row/Cell machinery), or None without Spec-Bench runs
+    specbench_table(df, adhoc)       a Table (render.py's Row/Cell machinery), or None without Spec-Bench runs
     write_specbench(df, out, adhoc)  results/tables/specbench.{md,tex}, only when there are such runs
 
 Runs: task `specbench`, of a `specbench*` experiment (run_key.experiments; runs of no experiment too when adhoc),
@@ -31,7 +31,7 @@ from del_bench.specbench import GROUP_LABELS, GROUPS, in_group
 
 from . import tables
 from .collect import CONFIG_KEYS, read_jsonl
-from .tables import Cell, Row, Table
+from .render import Cell, Row, Table, disambiguate, mark_best, to_latex, to_markdown
 
 TASK = "specbench"
 COLUMN_GROUPS = [*GROUPS, "overall"]
@@ -110,7 +110,7 @@ def specbench_table(df: pd.DataFrame, adhoc: bool = True) -> Table | None:
     columns.append(("overall:tokens_per_s", "Overall tok/s"))
     out = Table("specbench", "Spec-Bench: speedup, pooled speedup and mean accepted tokens (MAT) per category group",
                 columns, unranked={"overall:tokens_per_s"})
-    # prompt sets of one model/machine/decoding/length are numbered, the largest first (tables._with_variant)
+    # prompt sets of one model/machine/decoding/length are numbered, the largest first (tables.with_variant)
     block_keys = ["model", "machine", "decoding", "max_new_tokens"]
     sets = metrics.groupby(block_keys + ["prompts"], sort=False)["n"].max().reset_index()
     sets = sets.sort_values(["n", "prompts"], ascending=[False, True], kind="stable")
@@ -118,7 +118,7 @@ def specbench_table(df: pd.DataFrame, adhoc: bool = True) -> Table | None:
     metrics = metrics.merge(sets[block_keys + ["prompts", "variant"]], on=block_keys + ["prompts"])
     keys = CONFIG_KEYS + ["variant"]
     groups = metrics.groupby(keys, sort=False, dropna=False)
-    for _, group in sorted(groups, key=lambda kv: tables._sort_key(dict(zip(keys, kv[0])))):
+    for _, group in sorted(groups, key=lambda kv: tables.row_order(dict(zip(keys, kv[0])))):
         key = dict(zip(keys, group.iloc[0][keys]))
         has_vanilla = bool(group["has_vanilla"].all())
         cells = {}
@@ -129,11 +129,11 @@ def specbench_table(df: pd.DataFrame, adhoc: bool = True) -> Table | None:
         cells["overall:tokens_per_s"] = _cell(list(group["tokens_per_s"]), "tokens_per_s", True, 1)
         label = key["label"] + tables.lossless_note([r for _, r in group.iterrows()])
         block = tuple(key[k] for k in block_keys + ["variant"])
-        source = tables._ours(key["machine"], key["variant"], key["decoding"], key["max_new_tokens"])
+        source = tables.our_source(key["machine"], key["variant"], key["decoding"], key["max_new_tokens"])
         out.rows.append(Row(block, key["model"], label, source, cells, ranked=key["method"] != "vanilla",
                             tag=key["method_tag"], family=key["family"], note=key["note"]))
     out.notes += _notes(runs, metrics)
-    return tables.mark_best(tables.disambiguate(out))
+    return mark_best(disambiguate(out))
 
 
 def _notes(runs: pd.DataFrame, metrics: pd.DataFrame) -> list[str]:
@@ -166,7 +166,7 @@ def write_specbench(df: pd.DataFrame, out_dir: str | Path = "results/tables", ad
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
-    for suffix, render in ((".md", tables.to_markdown), (".tex", tables.to_latex)):
+    for suffix, render in ((".md", to_markdown), (".tex", to_latex)):
         path = out_dir / f"specbench{suffix}"
         path.write_text(render(table))
         written.append(path)

@@ -1,8 +1,9 @@
 """Tables 1–6 of the paper, regenerated from run records, with the paper's numbers beside ours.
 
 Every table is built as a `Table` (rows of `Cell`s) and rendered to Markdown and LaTeX from that one
-structure, so both outputs always agree. Best/second-best marks are computed from our numbers (per model
-block and column, Vanilla excluded, on the values as displayed); paper rows are printed as in the paper.
+structure (del_bench/report/render.py), so both outputs always agree. Best/second-best marks are computed from our
+numbers (per model block and column, Vanilla excluded, on the values as displayed); paper rows are printed as in the
+paper.
 
     Table 1  eTPL + speedup on AQuA, CNN/DM-LM, CNN/DM-Sum, XSUM; overall speed and speedup
     Table 2  HumanEval pass@1 (greedy) eTPL + speedup, pass@10 (sampled) eTPL + speedup + ROUGE-2
@@ -22,25 +23,30 @@ Deterministic: no timestamps, no absolute paths, stable row order — reruns on 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
 import pandas as pd
 
 from del_bench.methods.base import LAYER_SKIPPING
-from del_bench.records import (
-    DRIFT_LIMIT,
-    PEER_MARK,
-    PEER_NOTE,
-    STEADY_SLOWDOWN,
-    batch_label,
-    method_entry,
-    method_label,
-    vanilla_partners,
-)
+from del_bench.records import batch_label, method_entry, method_label, vanilla_partners
 
 from .collect import aggregate
+from .render import (
+    BUSY_MARK,
+    DRIFT_MARK,
+    LOSSLESS,
+    LOSSLESS_COLUMN,
+    UNSTEADY_MARK,
+    Cell,
+    Row,
+    Table,
+    disambiguate,
+    mark_best,
+    to_latex,
+    to_markdown,
+)
 
 PAPER_CSV = Path(__file__).with_name("paper_values.csv")
 
@@ -62,60 +68,6 @@ PAPER_METRIC = {"q_rouge2": "rouge2", "peak_memory_gib": "memory_gb"}  # ours �
 PAPER_HARDWARE = {"llama3.2-1b": "1× A100-40GB", "llama2-7b": "1× A100-40GB", "llama2-13b": "1× A100-40GB",
                   "codellama-7b": "1× A100-40GB", "codellama-34b": "2× A100-40GB",
                   "llama2-70b": "2× H100-80GB", "llama3-8b": "GPU not stated"}
-
-
-@dataclass
-class Cell:
-    mean: float = math.nan
-    std: float = math.nan
-    runs: int = 0
-    digits: int = 2
-    text: str = ""  # overrides the number: paper strings as printed, "no vanilla", "incomplete"
-    mark: str = ""  # "best" | "second", set by mark_best()
-
-    def number(self) -> float | None:
-        """The value as displayed (rounded), for ranking; None when the cell holds no number of ours."""
-        if self.text or math.isnan(self.mean):
-            return None
-        return round(self.mean, self.digits)
-
-    def render(self) -> str:
-        if self.text:
-            return self.text
-        if math.isnan(self.mean):
-            return "–"
-        out = f"{self.mean:.{self.digits}f}"
-        if self.runs > 1 and not math.isnan(self.std):
-            out += f" ± {self.std:.{self.digits}f}"
-        return out
-
-
-@dataclass
-class Row:
-    block: tuple  # rows of one block are ranked together (one model on one machine)
-    model: str
-    label: str
-    source: str  # "ours: <machine>" or "paper: <hardware>"
-    cells: dict[str, Cell]
-    ranked: bool = False  # takes part in best/second marking
-    tag: str = ""  # the run's method_tag, shown when two rows would otherwise look the same
-    family: str = ""  # the method's family (methods.base.FAMILIES); "" on paper rows
-    note: str = ""  # what the method says under a table with this row (Method.table_note)
-
-    def cell(self, key: str) -> Cell:
-        """The row's cell of column `key`; '–' where the row has none (a paper row in the = Vanilla column)."""
-        return self.cells.get(key) or Cell(text="–")
-
-
-@dataclass
-class Table:
-    name: str
-    title: str
-    columns: list[tuple[str, str]]  # (key, header)
-    rows: list[Row] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-    unranked: set[str] = field(default_factory=set)  # columns left out of best/second marking
-    marked: bool = True  # False: a table without best/second marks (Tables 4 and 5, as in the paper)
 
 
 @dataclass(frozen=True)
@@ -180,14 +132,14 @@ ROW_KEYS = ["model", "machine", "decoding", "max_new_tokens", "method", "method_
 PAPER_MAX_NEW_TOKENS = "512"
 
 
-def _sort_key(key: dict):
+def row_order(key: dict):
     """Rows of a block in the methods' declared order (Method.table_order), then by E, γ, ω and tag."""
     nums = [(_num(key[k]) if _num(key[k]) is not None else -1) for k in ("exit_layer", "gamma", "omega")]
     return (key["model"], key["machine"], key.get("decoding", ""), _num(key.get("max_new_tokens")) or 0,
             key.get("variant", 0), key["order"], *nums, int(key.get("batch_size", 1)), key["method_tag"])
 
 
-def _ours(machine: str, variant: int = 0, decoding: str = "greedy", max_new_tokens: str = "") -> str:
+def our_source(machine: str, variant: int = 0, decoding: str = "greedy", max_new_tokens: str = "") -> str:
     """'ours: <device>/<cpu>' + the decoding when not greedy + max_new_tokens when not the paper's 512."""
     out = f"ours: {machine}"
     if decoding and decoding != "greedy":
@@ -197,7 +149,7 @@ def _ours(machine: str, variant: int = 0, decoding: str = "greedy", max_new_toke
     return out + (f" (other prompt set #{variant})" if variant else "")
 
 
-def _with_variant(agg: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
+def with_variant(agg: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
     """Runs of one config and task on different prompt sets are different experiments: number them
     (0 = the largest prompt set) so they land on separate rows instead of overwriting each other."""
     agg = agg.sort_values(["n", "prompts"], ascending=[False, True], kind="stable")
@@ -224,14 +176,6 @@ def _cell(rec: pd.Series | None, metric: str) -> Cell:
     if f"{metric}_mean" not in rec:
         return Cell(digits=digits)
     return Cell(mean=rec[f"{metric}_mean"], std=rec[f"{metric}_std"], runs=int(rec["runs"]), digits=digits)
-
-
-LOSSLESS = "lossless"
-LOSSLESS_COLUMN = (LOSSLESS, "= Vanilla")
-LOSSLESS_NOTE = ("= Vanilla: of the greedy outputs a row shares with its Vanilla partners (all its tasks), how many "
-                 "are token-identical to the partner's, from the records (RunKey pairing; Spec-Bench's check); '–' = "
-                 "none to compare (Vanilla itself, sampling, no partner). In half precision an output may first depart "
-                 "at a near-tie of the partner's logits (docs/design.md §2.8): the row's label then says where.")
 
 
 def lossless_cell(recs) -> Cell:
@@ -266,24 +210,6 @@ def lossless_note(recs, reference: str = "Vanilla") -> str:
     return f" ({'; '.join(parts)})"
 
 
-BUSY_MARK = " ‡"
-BUSY_NOTE = ("‡ = timed on a busy machine: other processes kept more CPUs busy than torch's threads left free around "
-             "some of the run's samples, or its Vanilla partner's (records.overloaded); its speed or speedup is not to "
-             "be trusted. `report --exclude-busy` leaves such runs out.")
-
-
-UNSTEADY_MARK = " ¶"
-UNSTEADY_NOTE = ("¶ = not timed at steady state: a warm-up that did not converge, or a first timed sample slower than "
-                 f"{STEADY_SLOWDOWN:g}× the others' median per loaded layer, in the run or its Vanilla partner "
-                 "(records.steady_state); its speed or speedup is not to be trusted. `report --exclude-unsteady` "
-                 "leaves such runs out.")
-
-
-DRIFT_MARK = " §"
-DRIFT_NOTE = (f"§ = paired across machine states: the matrix products of one token, timed as each run set up "
-              f"(records.machine_probe), took more than {DRIFT_LIMIT:g}× as long in the run as in its Vanilla partner "
-              "or the other way round (a VM's host slows or speeds up between days); its speedup compares the "
-              "machine's states, not only the methods. Re-measure the row and its Vanilla together.")
 
 
 def busy_mark(recs) -> str:
@@ -328,8 +254,8 @@ def wide_table(df: pd.DataFrame, table: int, cols: list[Col], title: str, overal
         out.notes.append("No runs of these tasks were found.")
         return out
     keys = row_keys + ["variant"]
-    agg = _with_variant(agg, row_keys + ["task"])
-    for _, group in sorted(agg.groupby(keys, sort=False), key=lambda kv: _sort_key(dict(zip(keys, kv[0])))):
+    agg = with_variant(agg, row_keys + ["task"])
+    for _, group in sorted(agg.groupby(keys, sort=False), key=lambda kv: row_order(dict(zip(keys, kv[0])))):
         key = dict(zip(keys, group.iloc[0][keys]))
         by_task = {rec["task"]: rec for _, rec in group.iterrows()}
         cells = {c.key: _cell(by_task.get(c.task), c.metric) for c in cols if c.task != "overall"}
@@ -338,7 +264,7 @@ def wide_table(df: pd.DataFrame, table: int, cols: list[Col], title: str, overal
         cells[LOSSLESS] = lossless_cell(by_task.values())
         label = key["label"] + batch_label(key.get("batch_size", 1)) + lossless_note(by_task.values())
         block = tuple(key[k] for k in ("model", "machine", "decoding", "max_new_tokens", "variant") if k in key)
-        source = _ours(key["machine"], key["variant"], key.get("decoding", ""), key["max_new_tokens"])
+        source = our_source(key["machine"], key["variant"], key.get("decoding", ""), key["max_new_tokens"])
         out.rows.append(Row(block, key["model"], label + busy_mark(by_task.values()), source, cells,
                             ranked=key["method"] != "vanilla", tag=key["method_tag"], family=key["family"],
                             note=key["note"]))
@@ -553,7 +479,7 @@ def table6(df: pd.DataFrame) -> Table:
     bkeys = ["model", "task", "machine", "decoding", "max_new_tokens", "prompts"]
     dels = agg[agg["method"] == "del"]
     sweeps = dels.groupby(bkeys)["omega"].transform(lambda w: len({_num(x) for x in w})) >= 2
-    blocks = _with_variant(dels[sweeps].drop_duplicates(bkeys), bkeys[:-1])
+    blocks = with_variant(dels[sweeps].drop_duplicates(bkeys), bkeys[:-1])
     for _, b in blocks.sort_values(bkeys[:-1] + ["variant"]).iterrows():
         sel = agg[(agg.model == b.model) & (agg.task == b.task) & (agg.machine == b.machine)
                   & (agg.decoding == b.decoding) & (agg.max_new_tokens == b.max_new_tokens)
@@ -567,7 +493,7 @@ def table6(df: pd.DataFrame) -> Table:
             label += lossless_note([rec])
             cells = {m: _cell(rec, m) for m, _ in columns} | {LOSSLESS: lossless_cell([rec])}
             out.rows.append(Row(block, b.model, label + busy_mark([rec]),
-                                _ours(b.machine, b.variant, b.decoding, b.max_new_tokens), cells, ranked=is_del,
+                                our_source(b.machine, b.variant, b.decoding, b.max_new_tokens), cells, ranked=is_del,
                                 tag=rec["method_tag"]))
             setting = f"omega={_num(rec.omega):g}" if is_del else ""
             paper = {m: paper_cell(6, b.model, b.task, rec["method"], metric=m, setting=setting) for m, _ in columns}
@@ -578,97 +504,6 @@ def table6(df: pd.DataFrame) -> Table:
         out.notes.append("No DEL runs at two or more ω were found.")
     return out
 
-
-# ---------------------------------------------------------------- marking and rendering
-
-def disambiguate(table: Table) -> Table:
-    """Our rows of one block with the same label (e.g. a custom tag=) get their method_tag appended."""
-    seen: dict[tuple, int] = {}
-    for r in table.rows:
-        if r.tag:
-            seen[(r.block, r.label, r.source)] = seen.get((r.block, r.label, r.source), 0) + 1
-    for r in table.rows:
-        if r.tag and seen[(r.block, r.label, r.source)] > 1:
-            r.label = f"{r.label} [{r.tag}]"
-    return table
-
-
-def mark_best(table: Table) -> Table:
-    """Bold = best, underline = second best: per block and column, over ranked rows, on displayed values."""
-    if not table.marked:
-        return table
-    blocks = {r.block for r in table.rows}
-    for block in blocks:
-        rows = [r for r in table.rows if r.block == block and r.ranked]
-        if len(rows) < 2:
-            continue
-        for key, _ in table.columns:
-            if key in table.unranked:
-                continue
-            values = sorted({v for r in rows if (v := r.cells[key].number()) is not None}, reverse=True)
-            for r in rows:
-                v = r.cells[key].number()
-                if v is not None and v == values[0]:
-                    r.cells[key].mark = "best"
-                elif v is not None and len(values) > 1 and v == values[1]:
-                    r.cells[key].mark = "second"
-    return table
-
-
-def _notes(table: Table) -> list[str]:
-    marks = ["Bold = best, underline = second best among our runs of the same model and machine "
-             "(Vanilla excluded), computed from the numbers; paper rows are printed as in the paper."]
-    busy = [BUSY_NOTE] if any(BUSY_MARK in r.label for r in table.rows) else []
-    busy += [UNSTEADY_NOTE] if any(UNSTEADY_MARK in r.label for r in table.rows) else []
-    busy += [DRIFT_NOTE] if any(DRIFT_MARK in r.label for r in table.rows) else []
-    busy += [PEER_NOTE] if any(PEER_MARK in r.label for r in table.rows) else []
-    busy += list(dict.fromkeys(r.note for r in table.rows if r.note))  # what the methods say of their rows
-    busy += [LOSSLESS_NOTE] if any(k == LOSSLESS for k, _ in table.columns) else []
-    return table.notes + busy + (marks if table.marked else []) + [
-        "Mean ± std over repeats where a configuration was run more than once (other seeds or repeated runs "
-        "on the same prompts). Speedup is paired with the Vanilla run of the same model, task, prompts, "
-        "decoding, max_new_tokens and machine; 'no vanilla' = no such run. '–' = no run (ours) or no such "
-        "cell (paper). Ours: the machine's device/CPU (and torch threads); paper: its GPUs (paper §B.2). "
-        "Calibration grid runs (`calibrate`) are not in the tables. Rows: this table's experiment runs and their "
-        "Vanilla partners; '(outputs = Vanilla k/n)' = only k of n greedy outputs equal the partner's.",
-    ]
-
-
-def to_markdown(table: Table) -> str:
-    mark = {"best": "**{}**", "second": "<u>{}</u>", "": "{}"}
-    head = ["Model", "Method", "Source"] + [h for _, h in table.columns]
-    lines = [f"## {table.title}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in table.rows:
-        cells = [mark[r.cell(k).mark].format(r.cell(k).render()) for k, _ in table.columns]
-        lines.append("| " + " | ".join([r.model, r.label, r.source] + cells) + " |")
-    lines.append("")
-    lines += [f"- {n}" for n in _notes(table)]
-    return "\n".join(lines) + "\n"
-
-
-_TEX = {"\\": r"\textbackslash{}", "_": r"\_", "%": r"\%", "&": r"\&", "#": r"\#", "±": r"$\pm$",
-        "γ": r"$\gamma$", "ω": r"$\omega$", "×": r"$\times$", "–": "--", "α": r"$\alpha$",
-        "τ": r"$\tau$", "÷": r"$\div$", "−": "-", "≥": r"$\geq$", "^": r"\^{}", "$": r"\$",
-        "{": r"\{", "}": r"\}", "~": r"\textasciitilde{}", "§": r"\S{}", "‡": r"$\ddagger$", "¶": r"\P{}"}
-
-
-def tex_escape(text: str) -> str:
-    return "".join(_TEX.get(ch, ch) for ch in text)
-
-
-def to_latex(table: Table) -> str:
-    mark = {"best": r"\textbf{%s}", "second": r"\underline{%s}", "": "%s"}
-    head = ["Model", "Method", "Source"] + [h for _, h in table.columns]
-    lines = [r"\begin{table}[t]", r"\centering", r"\small",
-             r"\begin{tabular}{lll" + "r" * len(table.columns) + "}", r"\toprule",
-             " & ".join(tex_escape(h) for h in head) + r" \\", r"\midrule"]
-    for r in table.rows:
-        cells = [mark[r.cell(k).mark] % tex_escape(r.cell(k).render()) for k, _ in table.columns]
-        lines.append(" & ".join([tex_escape(r.model), tex_escape(r.label), tex_escape(r.source)] + cells) + r" \\")
-    lines += [r"\bottomrule", r"\end{tabular}",
-              r"\caption{" + tex_escape(table.title + ". " + " ".join(_notes(table))) + "}",
-              r"\end{table}"]
-    return "\n".join(lines) + "\n"
 
 
 def in_experiment(experiments, table: str) -> bool:
