@@ -439,7 +439,8 @@ class MethodEntry:
 def method_entry(method: str, hyperparameters: dict | None = None) -> MethodEntry:
     """What the class of `method` (a config name, RunKey.method) says of a run of it with these hyperparameters (its
     describe(), as records keep it; e.g. {"exit_layer": 24, "gamma": 4}). A name no class declares (a method whose
-    module this process cannot import) keeps its name, after every declared method."""
+    module this process cannot import, or has not: a peer's, whose readers import the bench's peers) keeps its name,
+    after every declared method."""
     from del_bench.methods import method_class
     from del_bench.methods.base import OTHER, PEER, Method
 

@@ -14,10 +14,13 @@ resolved to the del_bench modules it executes:
     the importer's own ancestors: those have already run before the importer's first line, so a submodule
     importing a sibling through its package (a package that re-exports its submodules) is not a cycle.
 
-Imports of other packages are ignored, and so are dynamic imports (Hydra `_target_` strings, importlib): they
-name leaf classes (tasks, methods, jobs.SweepReport) that are loaded by the top of the graph. Function-level
-imports are allowed (heavy optional dependencies: matplotlib, wandb, hydra in the CLI), but they count for the
-layers as any other import does.
+Imports by name count as well, since an import by name is how an up-link hides from the statements: every string in
+the code that is a del_bench dotted name (`importlib.import_module("del_bench.x")`, a tuple of modules to import
+later, a Hydra `_target_` written in code), and every f-string that starts with one (`f"del_bench.x.{name}"`),
+is an import of the deepest module it names. Strings in the configs' YAML are not code: they name leaf classes
+(tasks, methods, jobs.SweepReport) that the top of the graph loads. Imports of other packages are ignored.
+Function-level imports are allowed (heavy optional dependencies: matplotlib, wandb, hydra in the CLI), but they count
+for the layers as any other import does.
 
 The layers (LAYERS, lowest first): data flows config → engine → records → report, and the imports run the other
 way, each module importing only its own layer and those below it: the foundations; models and methods (the model as
@@ -30,10 +33,13 @@ the runs (runner, jobs, calibration, train); and on top the benches, the report 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 PACKAGE = "del_bench"
 ROOT = Path(__file__).resolve().parent.parent / PACKAGE
+# a module named by a string: `del_bench` and dotted parts after it, all of the string (not prose that mentions one)
+BY_NAME = re.compile(rf"{PACKAGE}(\.[A-Za-z_][A-Za-z0-9_]*)+")
 
 
 def _modules() -> dict[str, Path]:
@@ -76,7 +82,7 @@ def _imported(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
                 origin = node.module or ""
             targets = [origin] + [f"{origin}.{alias.name}" for alias in node.names if alias.name != "*"]
         else:
-            continue
+            targets = _named(node)
         for target in targets:
             if target != PACKAGE and not target.startswith(PACKAGE + "."):
                 continue
@@ -86,6 +92,18 @@ def _imported(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
                 found.update(_ancestors(module))
     own = set(_ancestors(name)) | {name}
     return found - own
+
+
+def _named(node: ast.AST) -> list[str]:
+    """The del_bench module a string names, as an import by name would take it: a string that is a dotted name, or
+    an f-string's leading constant up to its last whole part (`f"del_bench.bench.{x}"` → del_bench.bench)."""
+    if isinstance(node, ast.JoinedStr) and node.values and isinstance(node.values[0], ast.Constant):
+        head = str(node.values[0].value)
+        whole = head if len(node.values) == 1 else head.rpartition(".")[0]
+        return [whole] if BY_NAME.fullmatch(whole) else []
+    if isinstance(node, ast.Constant) and isinstance(node.value, str) and BY_NAME.fullmatch(node.value):
+        return [node.value]
+    return []
 
 
 def import_graph() -> dict[str, set[str]]:
@@ -116,6 +134,18 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
                 colour[node] = BLACK
                 stack.pop()
     return None
+
+
+def test_the_import_graph_sees_imports_by_name(tmp_path):
+    assert "del_bench.train.trainer" in import_graph()["del_bench.__main__"]  # a module named for import_module
+    module = tmp_path / "x.py"
+    module.write_text('import importlib\nLATER = ("del_bench.bench.peers",)\n'
+                      'def load(n):\n    """Loads del_bench.report, as a docstring may say."""\n'
+                      '    importlib.import_module("del_bench.runner")\n'
+                      '    return importlib.import_module(f"del_bench.engine.{n}")\n')
+    found = _imported("del_bench.methods.x", module, _modules())
+    assert {"del_bench.bench.peers", "del_bench.runner", "del_bench.engine"} <= found
+    assert "del_bench.report" not in found  # prose in a docstring is not a name
 
 
 def test_the_import_graph_sees_function_level_and_relative_imports():

@@ -3,12 +3,14 @@
 import pytest
 from hydra.utils import get_class, instantiate
 
+import del_bench.bench.peers  # noqa: F401 -- the peers register when imported, as the readers of their records do
 from del_bench.config import CONFIG_DIR
 from del_bench.methods import method_class
 from del_bench.methods.base import LAYER_SKIPPING, PEER, UNBOUNDED, RoundEvidence, StaticShape
 from del_bench.methods.dv import DraftVerify
 from del_bench.methods.fs import FiniteState
 from del_bench.records import method_entry
+from tests.test_imports import import_graph
 
 
 def rounds(method, outcomes):
@@ -114,6 +116,14 @@ LABELS = [  # (config name, hyperparameters as records keep them, label): the ta
     ("hf_assistant_early_exit", {"exit_layer": 8, "gamma": 6}, "HF assistant_early_exit(E8-γ6)†"),
     ("no_such_method", {"exit_layer": 3}, "no_such_method"),
 ]
+
+
+def test_the_readers_of_peer_records_import_the_peers():
+    # methods name nothing of the bench (tests/test_imports.py): the report and `show`, which meet the peers' records,
+    # import the bench's peers themselves, so their rows are labelled as the peers' classes say
+    graph = import_graph()
+    assert "del_bench.bench.peers" in graph["del_bench.report.collect"]
+    assert "del_bench.bench.peers" in graph["del_bench.__main__"]
 
 
 def test_each_method_labels_its_runs_and_says_where_its_rows_go():

@@ -4,8 +4,8 @@
 `name:`), so readers of records — `show`, the report, the benches — take a method's label, family and order from the
 method itself (Method.table_label, …) without an instance or a model. Classes register under their names when they
 are defined (Method.__init_subclass__); a name not registered yet is looked for by importing every module of this
-package and the peers' (del_bench/bench/peers.py: transformers' own decoding as rows, method classes too), by name
-as Hydra imports a config's `_target_`.
+package. Method classes defined above this layer register the same way, when their module is imported: the bench's
+peers (transformers' own decoding as rows) are imported by the readers that meet their records, never named here.
 """
 
 from __future__ import annotations
@@ -13,9 +13,6 @@ from __future__ import annotations
 import functools
 import importlib
 import pkgutil
-
-# method classes outside this package, imported by name when a records reader asks for a name not yet registered
-ELSEWHERE = ("del_bench.bench.peers",)
 
 
 def method_class(name: str) -> type | None:
@@ -32,5 +29,3 @@ def method_class(name: str) -> type | None:
 def _import_all() -> None:
     for module in pkgutil.iter_modules(__path__):
         importlib.import_module(f"{__name__}.{module.name}")
-    for module in ELSEWHERE:
-        importlib.import_module(module)

@@ -25,6 +25,9 @@ from typing import Iterable
 
 import pandas as pd
 
+# the peers' method classes (transformers' own decoding, the benches' rows) register as they are imported: their
+# records, among the reference records, are then labelled as their classes say (records.method_entry)
+import del_bench.bench.peers  # noqa: F401
 from del_bench.numerics import compare
 from del_bench.records import (
     RunKey,
