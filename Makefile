@@ -151,4 +151,4 @@ testbed: setup ## train the 16-layer LayerSkip testbed on the stdlib, two stages
 	$(PY) -m del_bench train-layerskip preset=testbed_stage2
 
 clean: ## remove the venv and run outputs (not the model cache in ~/.cache/del_bench)
-	rm -rf $(VENV) results/demo results/runs outputs multirun  # never results/reference
+	rm -rf $(VENV) results/runs outputs multirun  # never results/reference

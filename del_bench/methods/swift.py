@@ -89,15 +89,6 @@ def set_of_slots(slots, num_layers: int) -> SkipSet:
     return SkipSet(attn=[j + 1 for j in slots if j < half], mlp=[j - half + 1 for j in slots if j >= half])
 
 
-def point_of(skip: SkipSet, num_layers: int) -> np.ndarray:
-    """The 0/1 point of a set (1 = skipped), attention slots first."""
-    half = num_layers - 2
-    point = np.zeros(slot_count(num_layers))
-    point[[i - 1 for i in skip.attn]] = 1.0
-    point[[half + i - 1 for i in skip.mlp]] = 1.0
-    return point
-
-
 def odd_layers(num_layers: int) -> SkipSet:
     """The start set: both sublayers of layers 1, 3, … ≤ L−2 (the authors' uniform initialisation)."""
     layers = range(1, num_layers - 1, 2)
