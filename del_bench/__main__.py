@@ -54,6 +54,8 @@ def _hydra_command(argv: list[str], config_name: str, body) -> int:
 
     from del_bench import jobs
 
+    # configs/hydra/launcher/joblib.yaml replaces the plugin's config of that name on purpose (n_jobs=1)
+    warnings.filterwarnings("ignore", message=r"\s*'hydra/launcher/joblib' is validated against ConfigStore schema")
     argv = resolve_aliases(argv)  # task=cnndm → task=cnndm_sum: Hydra, the records and out_dir see the canonical name
     overrides = [a for a in argv if not a.startswith("-")]
     if overrides == argv:  # one run: every key checked before Hydra starts it (a sweep's jobs: each as it starts)
@@ -72,8 +74,6 @@ def _hydra_command(argv: list[str], config_name: str, body) -> int:
             logging.getLogger("del_bench").error("%s", err)
             raise SystemExit(1) from None
 
-    # configs/hydra/launcher/joblib.yaml replaces the plugin's config of that name on purpose (n_jobs=1)
-    warnings.filterwarnings("ignore", message=r"\s*'hydra/launcher/joblib' is validated against ConfigStore schema")
     jobs.FAILED.clear()
     sys.argv = [sys.argv[0], *argv]
     _main()
