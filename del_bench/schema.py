@@ -2,7 +2,7 @@
 structured configs, checked our way) — its type (a Literal for a choice), its default, what it means and its range,
 beside it — and `check`, which holds a composed config against them before any weights load.
 
-    @dataclass
+    @dataclass(kw_only=True)  # kw_only: a subclass's required keys may follow its base's defaulted ones
     class LSConfig(MethodConfig):
         exit_layer: int = key(MISSING, "E: the draft runs layers 1..E", ge=1, lt=LAYERS)
 
@@ -198,10 +198,11 @@ def resolver_error(err: BaseException) -> str:
     return re.sub(r"^\w+ raised while resolving interpolation: ", "", text)
 
 
-def _read(node, name: str):
-    """node[name], resolved; a list or mapping leaf as plain Python (a nested schema's node stays a node)."""
+def _read(node, name: str, nested: bool):
+    """node[name], resolved; a list or mapping as plain Python, but a nested schema's mapping stays a node (its keys
+    are read one by one)."""
     value = node[name]
-    if isinstance(value, ListConfig):
+    if isinstance(value, ListConfig) or (isinstance(value, DictConfig) and not nested):
         return OmegaConf.to_container(value, resolve=True)
     return value
 
@@ -209,8 +210,6 @@ def _read(node, name: str):
 def _problem(value, field: dataclasses.Field, tp, facts: dict) -> str | None:
     """Why a resolved value is not allowed for `field`, or None."""
     bounds, pattern = field.metadata.get("range", {}), field.metadata.get("pattern")
-    if isinstance(value, DictConfig):
-        value = OmegaConf.to_container(value, resolve=True)
     fits = _conforms(value, tp) and not _out_of_range(value, bounds, facts)
     if fits and not (pattern and isinstance(value, str) and not re.fullmatch(pattern[0], value)):
         return None
@@ -240,8 +239,9 @@ def check(schema: type, node, where: str = "", facts: dict | None = None) -> lis
         path = prefix + name
         meaning = field.metadata.get("help") or allowed_text(hints[name], {})
         required = field.default is MISSING and field.default_factory is MISSING
-        try:
-            value = _read(node, name) if name in node or required else MISSING  # `in` is false for ??? too
+        tp, inner = hints[name], _schema_of(hints[name])
+        try:  # `in` is false for ??? too
+            value = _read(node, name, inner is not None) if name in node or required else MISSING
         except MissingMandatoryValue:
             value = MISSING
         except Exception as err:  # noqa: BLE001 — a resolver's error (a missing file, a bad calibration): say which key
@@ -250,9 +250,8 @@ def check(schema: type, node, where: str = "", facts: dict | None = None) -> lis
         if value is MISSING:
             problems.extend([f"{path}: missing — give {path}=…: {meaning}"] * required)
             continue
-        tp, read = hints[name], field.metadata.get("read")
+        read = field.metadata.get("read")
         value = read(value) if read else value
-        inner = _schema_of(tp)
         if inner is not None and isinstance(value, (DictConfig, dict)):
             problems.extend(check(inner, value, path, facts))
             continue
