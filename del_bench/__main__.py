@@ -3,7 +3,8 @@
   run  [-m] model=M task=T method=X [key=value …]   decode and write records (Hydra; -m sweeps)
   calibrate [-m] model=M task=T [grid.exit_layers=[…] grid.gammas=[…]]
                                                     LS (E, γ) grid search → results/calibration/<model>.yaml
-  ls                                                models, tasks, methods, experiments, loggers
+  ls [GROUP | GROUP=NAME]                           models, tasks, methods, experiments, loggers and the run's
+                                                    keys; a group's choices with each key's type, default, range
   show DIR [DIR …]                                  a table of runs' summary.json (speedup vs vanilla)
   report [--tables-only|--figures-only] [--exclude-busy] [--exclude-unsteady] [DIRS …]
                                                     paper tables and figures from run records (offline)
@@ -26,7 +27,20 @@ import sys
 import warnings
 from pathlib import Path
 
-from del_bench.config import ALIASES, CONFIG_DIR, GROUPS, check_overrides, choices, describe, resolve_aliases
+from del_bench.config import (
+    ALIASES,
+    CONFIG_DIR,
+    GROUPS,
+    KEY_GROUPS,
+    check_choice,
+    check_overrides,
+    choices,
+    compose_checked,
+    describe,
+    described_keys,
+    did_you_mean,
+    resolve_aliases,
+)
 from del_bench.errors import CalibrationError, ConfigError, RunConflict, TaskError
 
 USER_ERRORS = (ConfigError, RunConflict, TaskError)  # reported in one line, exit code 2
@@ -40,8 +54,14 @@ def _hydra_command(argv: list[str], config_name: str, body) -> int:
 
     from del_bench import jobs
 
+    # configs/hydra/launcher/joblib.yaml replaces the plugin's config of that name on purpose (n_jobs=1)
+    warnings.filterwarnings("ignore", message=r"\s*'hydra/launcher/joblib' is validated against ConfigStore schema")
     argv = resolve_aliases(argv)  # task=cnndm → task=cnndm_sum: Hydra, the records and out_dir see the canonical name
-    check_overrides([a for a in argv if not a.startswith("-")])
+    overrides = [a for a in argv if not a.startswith("-")]
+    if overrides == argv:  # one run: every key checked before Hydra starts it (a sweep's jobs: each as it starts)
+        compose_checked(config_name, argv)
+    else:
+        check_overrides(overrides)
 
     @hydra.main(config_path=str(CONFIG_DIR), config_name=config_name, version_base="1.3")
     def _main(cfg: DictConfig) -> None:
@@ -54,8 +74,6 @@ def _hydra_command(argv: list[str], config_name: str, body) -> int:
             logging.getLogger("del_bench").error("%s", err)
             raise SystemExit(1) from None
 
-    # configs/hydra/launcher/joblib.yaml replaces the plugin's config of that name on purpose (n_jobs=1)
-    warnings.filterwarnings("ignore", message=r"\s*'hydra/launcher/joblib' is validated against ConfigStore schema")
     jobs.FAILED.clear()
     sys.argv = [sys.argv[0], *argv]
     _main()
@@ -94,14 +112,48 @@ def cmd_calibrate(argv: list[str]) -> int:
     return _hydra_command(argv, "calibrate", body)
 
 
-def cmd_ls(_: list[str]) -> int:
-    for group in GROUPS:
-        print(f"{group}:")
-        for name in choices(group):
-            print(f"  {name:<22} {describe(group, name)}")
-        for alias, name in ALIASES.get(group, {}).items():
-            print(f"  {alias:<22} = {name} (an alias: recorded as {name})")
+def cmd_ls(argv: list[str]) -> int:
+    """`ls`: every group's choices, then the run's own keys; `ls GROUP`: its choices, each with its keys (model, task,
+    method, logger); `ls GROUP=NAME`: one choice's keys. A key: what it accepts, its default, what it means."""
+    if not argv:
+        for group in GROUPS:
+            _list_choices(group)
+        print("run keys (key=value on the command line; `ls GROUP` or `ls GROUP=NAME`: a group's keys):")
+        print("\n".join(_key_lines(described_keys())))
+        return 0
+    group, _, name = argv[0].partition("=")
+    if group not in GROUPS:
+        raise ConfigError(f"ls: {group!r} is not a config group.{did_you_mean(group, GROUPS)} Groups: "
+                          f"{', '.join(GROUPS)}")
+    if name:
+        check_choice(group, name)
+    names = [name] if name else choices(group)
+    if group not in KEY_GROUPS:  # experiments, scales, data, rows set run keys: their files say which
+        _list_choices(group, names)
+        return 0
+    for choice in names:
+        print(f"{group} {choice}: {describe(group, choice)}")
+        print("\n".join(_key_lines(described_keys(group, choice))))
     return 0
+
+
+def _list_choices(group: str, names: list[str] | None = None) -> None:
+    print(f"{group}:")
+    for name in names or choices(group):
+        print(f"  {name:<22} {describe(group, name)}")
+    for alias, name in ALIASES.get(group, {}).items() if names is None else ():
+        print(f"  {alias:<22} = {name} (an alias: recorded as {name})")
+
+
+def _key_lines(rows: list[tuple[str, str, str, str]]) -> list[str]:
+    """Two lines a key: its name, what it accepts and its default; then what it means."""
+    width = max(len(k) for k, *_ in rows)
+    lines = []
+    for name, accepts, default, meaning in rows:
+        lines.append(f"  {name:<{width}}  {accepts}; default {default}")
+        if meaning:
+            lines.append(f"  {'':<{width}}    {meaning}")
+    return lines
 
 
 def format_table(summaries: list[dict], keys: list | None = None) -> str:

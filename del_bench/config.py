@@ -3,21 +3,28 @@ a registry ("did you mean" for unknown names), and validation that runs before a
 
 from __future__ import annotations
 
-import difflib
+import dataclasses
+import typing
+from dataclasses import MISSING, dataclass
 from pathlib import Path
+from typing import Literal
 
 from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 
 from del_bench import calibration_store
-from del_bench.engine.compiled import COMPILE_CHOICES, compile_setting
+from del_bench.engine import compiled
+from del_bench.engine.compiled import compile_setting
 from del_bench.engine.sampling import Sampling
 from del_bench.errors import ConfigError
+from del_bench.methods.base import MethodConfig
 from del_bench.models import exit_adapters
 from del_bench.models.fused import LAYER_PATHS
-from del_bench.models.loading import local_layers, local_name, weights_digest
+from del_bench.models.loading import ModelConfig, local_layers, local_name, weights_digest
 from del_bench.models.products import SETTINGS as PRODUCT_SETTINGS
 from del_bench.records import decoding_tag
+from del_bench.schema import LAYERS, check, did_you_mean, key, rows
+from del_bench.tasks.base import TaskConfig
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 GROUPS = ("model", "task", "method", "logger", "experiment", "scale", "data", "row")
@@ -101,11 +108,6 @@ def canonical(group: str, name: str) -> str:
     return ALIASES.get(group, {}).get(name, name)
 
 
-def did_you_mean(name: str, options) -> str:
-    close = difflib.get_close_matches(name, list(options), n=3, cutoff=0.5)
-    return f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
-
-
 def load_choice(group: str, name: str) -> DictConfig:
     """One config file of a group by name (unknown names: ConfigError with suggestions), outside Hydra's compose."""
     check_choice(group, name)
@@ -155,78 +157,223 @@ def resolve_aliases(overrides: list[str]) -> list[str]:
 def check_overrides(overrides: list[str]) -> None:
     """Check `group=name` command-line choices before Hydra composes (its own error has no suggestion)."""
     for override in overrides:
-        key, sep, value = override.partition("=")
-        key = _group_of(key)
-        if sep and key in GROUPS:
+        written, sep, value = override.partition("=")
+        group = _group_of(written)
+        if sep and group in GROUPS:
             for name in value.split(","):  # multirun sweeps: method=vanilla,ls
-                check_choice(key, name.strip())
+                check_choice(group, name.strip())
+
+
+def compose_checked(config_name: str, overrides: list[str]) -> DictConfig:
+    """configs/<config_name>.yaml with `overrides` (aliases resolved), composed as Hydra composes a run and validated:
+    a ConfigError naming the bad key, its value and what is allowed — before a Hydra job starts (and makes out_dir)
+    or anything loads."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    overrides = resolve_aliases(overrides)
+    check_overrides(overrides)
+    try:
+        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+            cfg = compose(config_name=config_name, overrides=overrides)
+    except (HydraException, OmegaConfBaseException) as err:
+        raise ConfigError(composition_error(err)) from None
+    validate(cfg)
+    return cfg
+
+
+def _declared(path: str, parent: DictConfig) -> list[str]:
+    """The keys the schema declares where `path` points: the run's own, or a group's by its choice ([]: not known)."""
+    group, dot, rest = path.partition(".")
+    if not dot:
+        return [f.name for f in dataclasses.fields(RunConfig)]
+    if group not in KEY_GROUPS or "." in rest:
+        return []
+    try:
+        schema = typing.get_type_hints(RunConfig)[group].schema_for(parent)
+    except Exception:  # noqa: BLE001 — a _target_ that does not import: the config's own keys will do
+        return []
+    return [f.name for f in dataclasses.fields(schema)]
+
+
+def composition_error(err: Exception) -> str:
+    """Hydra's refusal of a command line in one sentence; a key no config has gets the keys it may have meant."""
+    cause = err.__cause__
+    parent = getattr(cause, "parent_node", None)
+    if isinstance(parent, DictConfig) and getattr(cause, "full_key", None):
+        path, name = cause.full_key, cause.key
+        where = path.rpartition(".")[0] or "the run config"
+        chosen = parent.get("name") if "." in path else None  # a group's choice: "method del_cpu"
+        where += f" {chosen}" if isinstance(chosen, str) else ""
+        keys = _declared(path, parent) or [k for k in parent.keys() if isinstance(k, str) and k != "hydra"]
+        keys = [k for k in keys if not k.startswith("_")]
+        if name in keys:  # a key its schema declares that its config file leaves out: Hydra adds it with +
+            return f"{path}: {where} does not set it; add it with +{path}=…"
+        return f"{path}: not a key of {where}.{did_you_mean(name, keys)} Its keys: {', '.join(keys) or 'none'}"
+    lines = [line.strip() for line in str(err).splitlines() if line.strip() and not line.startswith("See https")]
+    return ": ".join(lines)
 
 
 WARMUP_MODES = ("auto", "quick", "steady", "off")  # the untimed warm-up (runner.warm_up)
+SAMPLE_SETS = ("eval", "calibration")  # which samples a run decodes (del_bench/selection.py)
 
 
-def check_warmup(cfg: DictConfig) -> None:
-    """The warm-up settings (configs/run.yaml, runner.warm_up): a mode, whole tokens and passes, a tolerance."""
-    mode = cfg.get("warmup", "auto")
-    if mode is not False and mode not in WARMUP_MODES:
-        raise ConfigError(f"warmup={mode!r} is not a warm-up.{did_you_mean(str(mode), WARMUP_MODES)} Options: "
-                          f"{', '.join(WARMUP_MODES)}")
-    for key, least in (("warmup_tokens", 0), ("warmup_passes", 2)):
-        value = cfg.get(key, least)
-        if not isinstance(value, int) or isinstance(value, bool) or value < least:
-            raise ConfigError(f"{key}={value!r} must be an integer ≥ {least}")
-    tolerance = cfg.get("warmup_tolerance", 0.1)
-    if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not 0 < tolerance < 1:
-        raise ConfigError(f"warmup_tolerance={tolerance!r} must be a fraction in (0, 1)")
+def _off(value):
+    """YAML reads a bare `off` as false."""
+    return "off" if value is False else value
+
+
+# ---- the run config's schema: every key of configs/run.yaml and of each group (del_bench/schema.py) -------------
+@dataclass(kw_only=True)
+class Calibration:
+    use: bool = key(False, "true: LS, FS, DV and DEL-γ take E (and γ) from `file` instead of the model's defaults")
+    file: str = key("results/calibration/${model.name}.yaml", "the calibration file `calibrate` writes")
+    task: str = key("${task.name}", "whose best (E, γ) to use")
+    samples: int = key(10, "calibrate: samples drawn apart from the evaluation set", ge=1)
+    eval_limit: int | None = key(None, "calibrate: the evaluation selection to stay clear of (null: the task's n)",
+                                 ge=1)
+    dir: str | None = key(None, "calibrate: where its grid's runs go")
+
+
+@dataclass(kw_only=True)
+class Grid:
+    exit_layers: list[int] = key(MISSING, "calibrate: the grid's E; its default is the model's under `grids` in "
+                                          "configs/command/calibrate.yaml", ge=1, lt=LAYERS)
+    gammas: list[int] = key(MISSING, "calibrate: the grid's γ; its default is the model's under `grids` too", ge=1)
+
+
+@dataclass(kw_only=True)
+class Scale:
+    name: Literal["paper", "local"] = key("paper", "an experiment at the paper's size or on this CPU")
+    root: str = key("${records_root}", "where this scale's runs go")
+    suffix: str = key("", "appended to the experiment's name in run_key.experiments")
+
+
+@dataclass(kw_only=True)
+class LoggerConfig:
+    name: Literal[LOGGER_NAMES] = key("none", "none: the records only; wandb: mirrored to Weights & Biases")
+
+    @staticmethod
+    def schema_for(node) -> type:
+        return LOGGERS.get(node.get("name"), LoggerConfig)
+
+
+@dataclass(kw_only=True)
+class WandbLogger(LoggerConfig):
+    mode: Literal["online", "offline", "disabled", "auto"] = key("auto", "auto: online with an API key, else offline")
+    project: str = key("del-bench", "the W&B project")
+    entity: str | None = key(None, "the W&B entity (null: yours)")
+    group: str | None = key(None, "null: the experiment's name")
+    job_type: str | None = key(None, "null: the method tag")
+    tags: list[str] = key([], "added to model, task and method name")
+    dir: str | None = key(None, "null: the run's out_dir")
+    timeout: float = key(60, "seconds the run waits for the whole mirror", gt=0)
+    figures: list[str] = key([], "extra image globs to attach")
+
+
+LOGGERS = {"none": LoggerConfig, "wandb": WandbLogger}
+LOGGER_NAMES = tuple(LOGGERS)
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    """configs/run.yaml: the run's own keys; the groups' keys come from their choices (`python -m del_bench ls`). A
+    default here is run.yaml's (tests hold them equal), for a config composed without it."""
+
+    model: ModelConfig = key(MISSING, "the model (`ls model`: each one's keys)")
+    task: TaskConfig = key(MISSING, "the task (`ls task`)")
+    method: MethodConfig = key(MISSING, "the method (`ls method`)")
+    logger: LoggerConfig = key(MISSING, "the experiment tracker (`ls logger`)")
+    limit: int | None = key(None, "samples to decode, drawn with seed (null: the task's n)", ge=1)
+    max_new_tokens: int = key(512, "tokens generated per output at most", ge=1)
+    seed: int = key(42, "the sample draw's and the sampling RNG's seed", ge=0)
+    batch_size: int = key(1, "prompts decoded together (1: one at a time)", ge=1)
+    threads: int | None = key(2, "torch threads on CPU (null: torch's default)", ge=1)
+    warmup: Literal[WARMUP_MODES] = key("auto", "the untimed warm-up (auto: steady on CUDA, quick elsewhere)",
+                                        read=_off)
+    warmup_tokens: int = key(16, "quick: tokens of its one generation (0: no warm-up)", ge=0)
+    warmup_passes: int = key(5, "steady: the most passes", ge=2)
+    warmup_tolerance: float = key(0.1, "steady: two passes agree within this fraction of ms/token", gt=0, lt=1)
+    layers: Literal[LAYER_PATHS] = key("auto", "the decoder-layer loop (auto: fused where it matches eager here)")
+    products: Literal[PRODUCT_SETTINGS] = key("auto", "the matrix products' layout (auto: the fastest timed at load)")
+    # read from engine/compiled.py as the check runs: a choice added there is a choice here
+    compile: Literal[compiled.COMPILE_CHOICES] = key("auto", "graph-captured decode steps (auto: CUDA graphs on CUDA)",
+                                                     read=compile_setting)
+    generation: Sampling | None = key(None)
+    data_dir: str = key(MISSING, "offline task data (data=local); DEL_BENCH_DATA sets it")
+    calibration: Calibration | None = key(None)
+    decoding: str = key(MISSING, "greedy or sample-t…-p…, from the generation keys (and the task's own)")
+    records_root: str = key("results/runs", "where runs are written")
+    experiment_name: str | None = key(None, "the sweep that asked for the run (set by each experiment)")
+    out_dir: str = key(MISSING, "the run's directory (default: named from everything that matters)")
+    scale: Scale | None = key(None)
+    sample_set: Literal[SAMPLE_SETS] = key("eval", "calibration: calibrate's samples, apart from the evaluation set")
+    grid: Grid | None = key(None)
+    grids: dict | None = key(None, "calibrate: each model's default grid")
+    rows: dict | None = key(None, "an experiment's (E, γ) rows per model (configs/row)")
+
+
+KEY_GROUPS = ("model", "task", "method", "logger")  # groups whose keys depend on the choice (RunConfig's first fields)
+
+
+def described_keys(group: str | None = None, name: str | None = None) -> list[tuple[str, str, str, str]]:
+    """(key, accepts, default, meaning) of the run's own keys, or of choice `name` of a group in KEY_GROUPS: its schema
+    (by its source or class) with the defaults its config composes to, interpolations as written."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        cfg = compose(config_name="run", overrides=[f"{group}={name}"] if group else [])
+    if group is None:
+        written = OmegaConf.to_container(cfg, resolve=False)
+        return [row for row in rows(RunConfig, written) if row[0] not in KEY_GROUPS]
+    written = OmegaConf.to_container(cfg[group], resolve=False)
+    base = typing.get_type_hints(RunConfig)[group]
+    return rows(base.schema_for(written), written)
+
+
+def keys_table() -> str:
+    """The run's keys as README's table: what each accepts, its default and what it means."""
+    lines = ["| key | accepts | default | meaning |", "|---|---|---|---|"]
+    lines += [f"| `{k}` | {accepts} | `{default}` | {meaning.replace('|', '/')} |"
+              for k, accepts, default, meaning in described_keys()]
+    return "\n".join(lines)
+
+
+def facts(cfg: DictConfig) -> dict:
+    """What ranges may be bounded by: the chosen model's layer count L, where it is a positive integer."""
+    try:
+        layers = cfg.model.num_layers
+    except Exception:  # noqa: BLE001 — unresolvable: the model's own check says so
+        return {}
+    return {"num_layers": layers} if isinstance(layers, int) and not isinstance(layers, bool) and layers >= 1 else {}
 
 
 def validate(cfg: DictConfig) -> None:
-    """Everything checkable without weights: method hyperparameters against the model's depth,
-    generation settings, limits. Raises ConfigError with the offending key."""
-    for key in ("model", "task", "method"):
-        if key not in cfg:
-            raise ConfigError(f"no {key} chosen; add {key}=NAME (options: {', '.join(choices(key))})")
-    try:
-        num_layers = int(cfg.model.num_layers)
-        method_cls = get_class(cfg.method._target_)
-        params = {k: v for k, v in OmegaConf.to_container(cfg.method, resolve=True).items() if not k.startswith("_")}
-        method_cls(**params).validate(num_layers)
-        Sampling(**OmegaConf.to_container(cfg.generation, resolve=True))
-    except (ValueError, TypeError) as err:
-        raise ConfigError(f"invalid config for method={cfg.method.name} model={cfg.model.name}: {err}") from err
-    layers = cfg.get("layers", "auto")
-    if layers not in LAYER_PATHS:
-        raise ConfigError(f"layers={layers!r} is not a decoder-layer loop.{did_you_mean(str(layers), LAYER_PATHS)} "
-                          f"Options: {', '.join(LAYER_PATHS)}")
-    products = cfg.get("products", "auto")
-    if products not in PRODUCT_SETTINGS:
-        raise ConfigError(f"products={products!r} is not a product layout."
-                          f"{did_you_mean(str(products), PRODUCT_SETTINGS)} Options: {', '.join(PRODUCT_SETTINGS)}")
-    setting = compile_setting(cfg.get("compile", "auto"))
-    if setting not in COMPILE_CHOICES:
-        raise ConfigError(f"compile={setting!r} is not a choice.{did_you_mean(str(setting), COMPILE_CHOICES)} Options: "
-                          f"{', '.join(COMPILE_CHOICES)}")
-    check_warmup(cfg)
-    validate_batch(cfg, method_cls, setting)
-    if cfg.limit is not None and (not isinstance(cfg.limit, int) or cfg.limit < 1):
-        raise ConfigError(f"limit={cfg.limit!r} must be a positive integer or null (all samples)")
-    if not isinstance(cfg.max_new_tokens, int) or cfg.max_new_tokens < 1:
-        raise ConfigError(f"max_new_tokens={cfg.max_new_tokens!r} must be a positive integer")
-    n = cfg.task.get("samples_per_prompt", 1)
-    if not isinstance(n, int) or n < 1:
-        raise ConfigError(f"task.samples_per_prompt={n!r} must be a positive integer")
+    """Every key of a composed run config against the schemas (the run's, and each group's by its choice: the model's
+    source, the method's and the task's class), then what only the whole config can say. Raises one ConfigError that
+    names every bad key, its value and what is allowed; nothing is loaded."""
+    for group in ("model", "task", "method"):
+        if group not in cfg:
+            raise ConfigError(f"no {group} chosen; add {group}=NAME (options: {', '.join(choices(group))})")
+    problems = check(RunConfig, cfg, "", facts(cfg))
+    if not problems and cfg.task.get("generation"):
+        problems = check(Sampling, cfg.task.generation, "task.generation")
+    if not problems:
+        problems = batch_problems(cfg)
+    if problems:
+        many = f"{len(problems)} problems in the config:\n  " if len(problems) > 1 else ""
+        raise ConfigError(many + "\n  ".join(problems))
 
 
-def validate_batch(cfg: DictConfig, method_cls, compile_choice: str) -> None:
-    """batch_size: a positive integer; above 1 (engine/batch.py) our engine decodes, on the stack's layer loop."""
-    batch = cfg.get("batch_size", 1)
-    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
-        raise ConfigError(f"batch_size={batch!r} must be a positive integer (1 = one prompt at a time)")
-    if batch == 1:
-        return
-    if getattr(method_cls, "decoder", None) is not None:
-        raise ConfigError(f"method={cfg.method.name} is transformers' own decoding (a peer row), which decodes one "
-                          "prompt at a time: use batch_size=1")
-    if compile_choice == "on":
-        raise ConfigError("compile=on: the graph-captured steps serve batch size 1; a batched run decodes on the "
-                          "stack's layer loop (compile=auto or off)")
+def batch_problems(cfg: DictConfig) -> list[str]:
+    """batch_size above 1 (engine/batch.py): our engine decodes, on the stack's layer loop."""
+    if cfg.get("batch_size", 1) == 1:
+        return []
+    if getattr(get_class(cfg.method._target_), "decoder", None) is not None:
+        return [f"method={cfg.method.name} is transformers' own decoding (a peer row), which decodes one prompt at a "
+                "time: use batch_size=1"]
+    if compile_setting(cfg.get("compile", "auto")) == "on":
+        return ["compile=on: the graph-captured steps serve batch size 1; a batched run decodes on the stack's layer "
+                "loop (compile=auto or off)"]
+    return []

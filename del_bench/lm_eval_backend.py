@@ -54,7 +54,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from tqdm import tqdm
 
 from del_bench import jobs, session
-from del_bench.config import CONFIG_DIR, check_overrides, resolve_aliases, validate
+from del_bench.config import compose_checked, validate
 from del_bench.errors import ConfigError, RunConflict
 from del_bench.lm_eval_tasks import TASKS_DIR
 from del_bench.numerics import widened
@@ -78,26 +78,16 @@ DEFAULT_OUTPUT = "results/runs/lm_eval/results"  # `python -m del_bench lm-eval`
 
 def compose(model_args: dict[str, Any]) -> DictConfig:
     """configs/run.yaml with `model_args` as Hydra overrides, checked as `run` checks them (ConfigError)."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
     overrides = []
     for key, value in model_args.items():
         refused = REFUSED.get(key.lstrip("+~").split(".")[0])
         if refused:
             raise ConfigError(f"--model_args {key}=…: {refused}")
         overrides.append(f"{key}={_hydra_value(value)}")
-    overrides = resolve_aliases(overrides)
-    check_overrides(overrides)
     try:
-        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-            cfg = hydra_compose(config_name="run", overrides=overrides)
-    except (HydraException, OmegaConfBaseException) as err:
-        raise ConfigError(f"--model_args {','.join(overrides)}: {err}") from err
-    validate(cfg)
-    return cfg
+        return compose_checked("run", overrides)
+    except ConfigError as err:
+        raise ConfigError(f"--model_args {','.join(overrides)}: {err}") from None
 
 
 def _hydra_value(value: Any) -> str:

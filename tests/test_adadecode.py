@@ -109,8 +109,8 @@ def test_accounting(setup):
 
 
 def test_validation():
-    with pytest.raises(ValueError, match="gamma"):
-        AdaDecode(gamma=1.5).validate(4)
-    with pytest.raises(ValueError, match="head_layers"):
-        AdaDecode(head_layers=[4]).validate(4)
+    assert AdaDecode.problems({}, 4) == [] and AdaDecode.problems({"head_layers": [1, 3]}, 4) == []
+    assert "method.gamma=1.5: must be a number in [0, 1]" in AdaDecode.problems({"gamma": 1.5}, 4)[0]
+    assert "method.head_layers=[4]: must be a list of integers, each in [1, L − 1], here [1, 3]" in \
+        AdaDecode.problems({"head_layers": [4]}, 4)[0]
     assert AdaDecode.default_layers(30) == [8, 15, 22] and AdaDecode.default_layers(32) == [8, 16, 24]

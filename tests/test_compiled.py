@@ -308,7 +308,7 @@ def test_compile_off_auto_off_cuda_and_bad_settings(stack_and_prompt):
 def test_a_run_validates_and_records_its_compile_setting(run_cfg):
     """compile is validated before the model loads (a boolean, as YAML reads a bare off, is off or on), and the run's
     setup line says what was chosen: auto by default, which on a CPU leaves the samples to the stack's loop alone."""
-    with pytest.raises(ConfigError, match="compile='sometimes' is not a choice"):
+    with pytest.raises(ConfigError, match="compile='sometimes': must be one of off, auto, on"):
         validate(run_cfg("method=vanilla", "compile=sometimes"))
     validate(run_cfg("method=vanilla", "compile=false"))  # a boolean: off
     summary = runner.run(run_cfg("method=vanilla", "limit=1", "max_new_tokens=4", "layers=eager"))

@@ -75,8 +75,9 @@ def test_ablations_budget_and_restrictions():
     lim.start(4)
     lim.observe_prefill(agree)
     assert lim.plan().exit_layer == 3  # α = 1 everywhere would pick ℓ = 1 without the restriction
-    with pytest.raises(ValueError, match="min_exit_layer"):
-        DEL(min_exit_layer=4).validate(4)
+    assert DEL.problems({"min_exit_layer": 3}, 4) == []
+    (problem,) = DEL.problems({"min_exit_layer": 4}, 4)
+    assert problem.startswith("method.min_exit_layer=4: must be an integer in [1, L − 1]")
 
 
 def test_statistics_restart_with_every_prompt():
@@ -162,8 +163,7 @@ def test_shadow_every_holds_rounds_back_and_is_validated():
     m.start(4)
     assert m.can_defer([1]) and m.can_defer([1, 2]) and not m.can_defer([1, 2, 1])  # then exact rules: no defer
     for bad in (0, 17, 1.5):
-        with pytest.raises(ValueError, match="shadow_every"):
-            DEL(shadow_every=bad).validate(4)
+        assert DEL.problems({"shadow_every": bad}, 4)[0].startswith(f"method.shadow_every={bad}: must be an integer")
     assert "shadow_every" not in DEL().describe() and DEL(shadow_every=2).describe()["shadow_every"] == 2
 
 

@@ -23,7 +23,8 @@ Function-level imports are allowed (heavy optional dependencies: matplotlib, wan
 for the layers as any other import does.
 
 The layers (LAYERS, lowest first): data flows config → engine → records → report, and the imports run the other
-way, each module importing only its own layer and those below it: the foundations; models and methods (the model as
+way, each module importing only its own layer and those below it: the foundations (with the schema machinery each
+layer declares its config keys with); models and methods (the model as
 the engine runs it; policies); records (the record contract, which names methods as they name themselves) and tasks;
 the engine (the decode loop over a model and a method); config (validation, which builds a Sampling and checks the
 compiled steps' setting) and tracking; session (model + task + method + sampling ready to decode, from a config);
@@ -193,7 +194,7 @@ def test_errors_is_the_bottom_and_main_the_top():
 LAYERS = [
     ("foundations", ["del_bench", "del_bench.errors", "del_bench.numerics", "del_bench.transfer", "del_bench.memory",
                      "del_bench.machine_load", "del_bench.sandbox", "del_bench.selection",
-                     "del_bench.calibration_store", "del_bench.metrics"]),
+                     "del_bench.calibration_store", "del_bench.metrics", "del_bench.schema"]),
     ("models and methods", ["del_bench.models", "del_bench.methods"]),
     ("records and tasks", ["del_bench.records", "del_bench.specbench", "del_bench.tasks"]),
     ("engine", ["del_bench.engine"]),

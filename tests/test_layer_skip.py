@@ -196,11 +196,11 @@ def test_knapspec_selects_after_its_warmup_and_counts_it(stack_and_ref):  # noqa
 
 # ---- configuration ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("override, message", [
-    ("method=clasp method.skip_layers=4", "skip_layers=4 must be an integer in [1, 3]"),
-    ("method=clasp method.skip_layers=2 method.gamma=0", "gamma=0 must be ≥ 1"),
+    ("method=clasp method.skip_layers=4", "skip_layers=4: must be an integer in [1, L − 1], here [1, 3]"),
+    ("method=clasp method.skip_layers=2 method.gamma=0", "gamma=0: must be an integer ≥ 1"),
     ("method=knapspec method.warmup_rounds=3", "warmup_rounds=3 must be an integer ≥ window_rounds + 1 (6)"),
     ("method=knapspec method.latency_contexts=[64]", "needs ≥ 2 distinct positive context lengths"),
-    ("method=del_knapspec method.min_draft=2", "min_draft=2 must be 0"),
+    ("method=del_knapspec method.min_draft=2", "min_draft=2: must be one of 0, 1"),
 ])
 def test_invalid_hyperparameters_fail_before_the_model_loads(run_cfg, monkeypatch, override, message):
     def no_loading(*_, **__):

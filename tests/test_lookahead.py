@@ -58,6 +58,6 @@ def test_the_same_decisions_in_fewer_reads_with_the_waste_counted(stack_and_prom
 
 
 def test_lookahead_is_validated():
-    with pytest.raises(ValueError, match="method.lookahead=0"):
-        DEL(lookahead=0).validate(4)
+    assert DEL.problems({"lookahead": 2}, 4) == []
+    assert DEL.problems({"lookahead": 0}, 4)[0].startswith("method.lookahead=0: must be an integer ≥ 1")
     assert DEL().describe().get("lookahead") is None and DEL(lookahead=4).describe()["lookahead"] == 4

@@ -8,6 +8,8 @@ records.py, report/tables.py or engine/compiled.py."""
 from __future__ import annotations
 
 import json
+import re
+from dataclasses import MISSING, dataclass
 from pathlib import Path
 
 import pytest
@@ -16,14 +18,24 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 from del_bench import runner
 from del_bench.__main__ import cmd_show
-from del_bench.config import CONFIG_DIR
+from del_bench.config import CONFIG_DIR, validate
 from del_bench.engine import compiled
-from del_bench.methods.base import EARLY_EXIT, Method, Plan, StaticShape, check_exit_layer
+from del_bench.errors import ConfigError
+from del_bench.methods.base import EARLY_EXIT, Method, MethodConfig, Plan, StaticShape
 from del_bench.models.layer_stack import LayerStack
 from del_bench.report import tables
 from del_bench.report.collect import load_runs
+from del_bench.schema import LAYERS, key
 from del_bench.tasks.base import Sample, Task
 from tests.conftest import tiny_model
+
+
+@dataclass(kw_only=True)
+class AlternatingConfig(MethodConfig):
+    """The toy method's keys, typed and ranged: its config is checked against them before any weights load."""
+
+    exit_layer: int = key(MISSING, "E: the draft runs layers 1..E", ge=1, lt=LAYERS)
+    drafts: int = key(MISSING, "draft tokens every other round", ge=1)
 
 
 class Alternating(Method):
@@ -32,12 +44,10 @@ class Alternating(Method):
     name = "alternating"
     label, family, order = "Alternating", EARLY_EXIT, 5  # between Vanilla (0) and LS (10)
     label_hyperparameters = (("exit_layer", "E"), ("drafts", "γ"))
+    config = AlternatingConfig
 
     def __init__(self, exit_layer: int, drafts: int, **_):
         self.exit_layer, self.gamma = exit_layer, drafts
-
-    def validate(self, num_layers: int) -> None:
-        check_exit_layer(self.exit_layer, num_layers)
 
     def start(self, num_layers: int) -> None:
         super().start(num_layers)
@@ -121,6 +131,12 @@ def test_add_a_method_and_a_task_through_the_public_seams(recipe_runs):
     assert first == [2, None]  # the policy's plan reached the engine: drafting every other round
     df = load_runs([runs]).set_index("method")
     assert df.loc["alternating", "has_vanilla"] and df.loc["alternating", "outputs_equal"] == 3
+    configs = runs.parent / "my_configs"  # its keys are checked as declared beside them, on the model's depth
+    for bad, message in (("method.drafts=0", "method.drafts=0: must be an integer ≥ 1"),
+                         ("method.exit_layer=4", r"method.exit_layer=4: must be an integer in [1, L − 1], here [1, 3]"),
+                         ("+method.draft=2", "method.draft: not a key of method alternating. Did you mean 'drafts'")):
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            validate(_compose(configs, "task=counting", "method=alternating", bad))
 
 
 def test_a_new_method_names_itself_in_show_and_the_report_and_shapes_its_compiled_graphs(recipe_runs, capsys):

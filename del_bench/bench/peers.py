@@ -31,7 +31,8 @@ from dataclasses import dataclass, field
 import torch
 
 from del_bench.errors import ConfigError
-from del_bench.methods.base import PEER, Method, check_exit_layer, check_gamma
+from del_bench.methods.base import PEER, Method
+from del_bench.methods.ls import LSConfig
 from del_bench.numerics import gap_ulps, is_half
 
 
@@ -151,13 +152,10 @@ class HFAssistantEarlyExit(Peer):
     name = "hf_assistant_early_exit"
     label, order = "HF assistant_early_exit", 102
     label_hyperparameters = (("exit_layer", "E"), ("gamma", "γ"))
+    config = LSConfig  # LS's E and γ, as transformers takes them
 
     def __init__(self, exit_layer: int, gamma: int, **_):
         self.exit_layer, self.gamma = exit_layer, gamma
-
-    def validate(self, num_layers: int) -> None:
-        check_exit_layer(self.exit_layer, num_layers)
-        check_gamma(self.gamma)
 
     def generate_kwargs(self) -> dict:
         return {"assistant_early_exit": self.exit_layer, "num_assistant_tokens": self.gamma,

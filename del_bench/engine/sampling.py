@@ -5,25 +5,27 @@ TemperatureLogitsWarper + TopPLogitsWarper), which is what makes speculative sam
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 
 from del_bench.numerics import widened
+from del_bench.schema import check, key
 from del_bench.transfer import to_list
 
 
 @dataclass(frozen=True)
 class Sampling:
-    do_sample: bool = False
-    temperature: float = 1.0
-    top_p: float = 1.0
+    """How tokens are chosen: the run's `generation` keys (and a task's own, over them), each typed and ranged here."""
+
+    do_sample: bool = key(False, "false: greedy; true: speculative sampling with the warping below")
+    temperature: float = key(1.0, "the logits' divisor when sampling (greedy: do_sample=false)", gt=0)
+    top_p: float = key(1.0, "nucleus: the smallest set of tokens whose probability reaches it", gt=0, le=1)
 
     def __post_init__(self):
-        if self.do_sample and not self.temperature > 0:
-            raise ValueError(f"generation.temperature must be > 0 when sampling, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"generation.top_p must be in (0, 1], got {self.top_p}")
+        problems = check(Sampling, asdict(self), "generation")
+        if problems:
+            raise ValueError("; ".join(problems))
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """logits: [..., V] → warped probabilities [..., V] (float32 or wider)."""

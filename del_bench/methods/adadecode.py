@@ -11,12 +11,23 @@ heads are the model's exit heads (`LayerStack.exit_logits`): its exit adapters w
 
 from __future__ import annotations
 
-from del_bench.methods.base import EARLY_EXIT, Method, Plan, check_exit_layer
+from dataclasses import dataclass
+
+from del_bench.methods.base import EARLY_EXIT, Method, MethodConfig, Plan
+from del_bench.schema import LAYERS, key
+
+
+@dataclass(kw_only=True)
+class AdaDecodeConfig(MethodConfig):
+    gamma: float = key(0.75, "emit at the first head whose top probability exceeds this", ge=0, le=1)
+    head_layers: list[int] | None = key(None, "1-based layers with an exit head (null: ¼, ½, ¾ depth)", ge=1, lt=LAYERS)
+    max_outstanding: int = key(5, "early predictions unverified at a time, at most", ge=0)
 
 
 class AdaDecode(Method):
     name = "adadecode"
     label, family, order = "AdaDecode", EARLY_EXIT, 80
+    config = AdaDecodeConfig
     schedule = "layer_parallel"
 
     def __init__(self, gamma: float = 0.75, head_layers: list[int] | None = None, max_outstanding: int = 5, **_):
@@ -28,14 +39,6 @@ class AdaDecode(Method):
     @staticmethod
     def default_layers(num_layers: int) -> list[int]:
         return sorted({min(max(round(num_layers * k / 4), 1), num_layers - 1) for k in (1, 2, 3)})
-
-    def validate(self, num_layers: int) -> None:
-        if not 0 <= self.gamma <= 1:
-            raise ValueError(f"method.gamma={self.gamma!r} must be in [0, 1] (a probability threshold)")
-        for layer in self.configured_layers or []:
-            check_exit_layer(layer, num_layers, "method.head_layers")
-        if self.max_outstanding < 0:
-            raise ValueError(f"method.max_outstanding={self.max_outstanding!r} must be ≥ 0")
 
     def start(self, num_layers: int) -> None:
         super().start(num_layers)

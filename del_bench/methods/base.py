@@ -12,11 +12,14 @@ classmethods; each class registers under its config name (`name`, and `aliases`)
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field
 
 import numpy as np
 import torch
+from hydra.utils import get_class
 
+from del_bench import schema
+from del_bench.schema import LAYERS, key
 from del_bench.transfer import to_numpy
 
 # rounds whose shadow scoring a method may defer (Method.can_defer) before the engine scores them anyway
@@ -130,8 +133,37 @@ def _number(value) -> float | None:
         return None
 
 
+@dataclass(kw_only=True)
+class MethodConfig:
+    """The keys of every method config (configs/method/*.yaml). A method's class declares its hyperparameters as a
+    subclass of this, its `config`: each key's type, default (the constructor's) and range, checked before any weights
+    load (del_bench/schema.py); `validate` then checks them against each other."""
+
+    _target_: str = key(MISSING, "the method's class")
+    name: str = key(MISSING, "its name in records (the class's `name`)")
+    tag: str = key(MISSING, "names the method and its hyperparameters in out_dir")
+
+    @staticmethod
+    def schema_for(node) -> type:
+        """The schema of the method class `_target_` names."""
+        return get_class(node["_target_"]).config
+
+    @staticmethod
+    def relations(values: dict, facts: dict) -> list[str]:
+        """The class's own check of its hyperparameters together, on the chosen model (Method.validate)."""
+        if facts.get("num_layers") is None:
+            return []
+        params = {k: v for k, v in values.items() if not k.startswith("_")}
+        try:
+            get_class(values["_target_"])(**params).validate(facts["num_layers"])
+        except ValueError as err:
+            return [str(err)]
+        return []
+
+
 class Method:
     name = "method"  # the config's `name:`, which records keep (RunKey.method)
+    config = MethodConfig  # its keys (a MethodConfig subclass): what a config of it may say, typed and ranged
     # ---- what the method is in tables and `show`, from its name and hyperparameters alone (classmethods below) ----
     aliases: tuple[str, ...] = ()  # other config names this class runs under (DEL's ablations: del_e, …)
     label = ""  # its name in tables ("LS"); "" = its config name
@@ -171,8 +203,8 @@ class Method:
     def labelled(cls, base: str, hyperparameters: dict) -> str:
         """`base` followed by the values of `label_hyperparameters` that are set (and not left out): LS(E4-γ4)."""
         parts = []
-        for key, prefix, *left_out in cls.label_hyperparameters:
-            value = _number(hyperparameters.get(key))
+        for name, prefix, *left_out in cls.label_hyperparameters:
+            value = _number(hyperparameters.get(name))
             if value is not None and (not left_out or value != left_out[0]):
                 parts.append(f"{prefix}{value:g}")
         return f"{base}({'-'.join(parts)})" if parts else base
@@ -192,8 +224,16 @@ class Method:
         makes (engine/compiled.py). Plain decoding: no drafts."""
         return StaticShape(None, 0)
 
+    @classmethod
+    def problems(cls, params: dict, num_layers: int) -> list[str]:
+        """Every problem of these hyperparameters on a `num_layers`-layer model, as a run's config check finds them:
+        each key against the class's `config`, then `validate`."""
+        node = {"_target_": f"{cls.__module__}.{cls.__qualname__}", "name": cls.name, "tag": cls.name, **params}
+        return schema.check(cls.config, node, "method", {"num_layers": num_layers})
+
     def validate(self, num_layers: int) -> None:
-        """Raise ValueError for hyperparameters impossible on a model with `num_layers` layers."""
+        """Raise ValueError for hyperparameters impossible together on a model with `num_layers` layers (each key's
+        own type and range are the class's `config`, checked before it is built)."""
 
     def start(self, num_layers: int) -> None:
         """Called at the start of every prompt."""
@@ -269,12 +309,6 @@ class Method:
         """Take back a `state()` (before `start`)."""
 
 
-def check_exit_layer(exit_layer: int, num_layers: int, what: str = "method.exit_layer") -> None:
-    if not isinstance(exit_layer, int) or not 1 <= exit_layer <= num_layers - 1:
-        raise ValueError(f"{what}={exit_layer!r} is out of range: the draft uses layers 1..E of this "
-                         f"{num_layers}-layer model, so E must be an integer in [1, {num_layers - 1}]")
-
-
-def check_gamma(gamma: int, what: str = "method.gamma") -> None:
-    if not isinstance(gamma, int) or gamma < 0:
-        raise ValueError(f"{what}={gamma!r} must be an integer ≥ 0 (draft tokens per round)")
+def exit_layer_key(default=MISSING, help: str = "E: the draft runs layers 1..E, then the model's head") -> int:
+    """An exit layer's key (1 ≤ E < L): LS, FS, DV, DEL-γ."""
+    return key(default, help, ge=1, lt=LAYERS)

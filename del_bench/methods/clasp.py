@@ -23,12 +23,15 @@ the engine's sel_loaded_layers, sel_head_calls (0: CLaSp reads no head), sel_s.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
-from del_bench.methods.base import LAYER_SKIPPING, Method, Plan, SkipSet, StaticShape, check_gamma
+from del_bench.methods.base import LAYER_SKIPPING, Method, MethodConfig, Plan, SkipSet, StaticShape
 from del_bench.methods.swift import skipping_plan
 from del_bench.numerics import widened
+from del_bench.schema import LAYERS, key
 
 
 def cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -36,26 +39,22 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return F.cosine_similarity(widened(a), widened(b), dim=-1)
 
 
+@dataclass(kw_only=True)
+class CLaSpConfig(MethodConfig):
+    skip_layers: int = key(8, "M: whole layers the draft skips (the authors' script: 8 for 3B-8B)", ge=1, lt=LAYERS)
+    gamma: int = key(4, "drafts per round at most", ge=1)
+    confidence: float = key(0.7, "stop drafting after a draft whose top probability is below this", ge=0, le=1)
+    interval: int = key(64, "rounds between selections", ge=1)
+
+
 class CLaSp(Method):
     name = "clasp"
     label, family, order = "CLaSp", LAYER_SKIPPING, 50
+    config = CLaSpConfig
     wants_confidence = True  # stop after a draft below `confidence` (kept: drop_stopped_draft stays False)
 
     def __init__(self, skip_layers: int = 8, gamma: int = 4, confidence: float = 0.7, interval: int = 64, **_):
         self.skip_layers, self.gamma, self.confidence, self.interval = skip_layers, gamma, confidence, interval
-
-    def validate(self, num_layers: int) -> None:
-        M = self.skip_layers
-        if not isinstance(M, int) or isinstance(M, bool) or not 1 <= M <= num_layers - 1:
-            raise ValueError(f"method.skip_layers={M!r} must be an integer in [1, {num_layers - 1}]: the layers the "
-                             f"draft skips of this {num_layers}-layer model (the authors' script: 8 for 3B-8B models)")
-        check_gamma(self.gamma)
-        if self.gamma < 1:
-            raise ValueError(f"method.gamma={self.gamma!r} must be ≥ 1 (draft tokens per round)")
-        if not 0 <= self.confidence <= 1:
-            raise ValueError(f"method.confidence={self.confidence!r} must be in [0, 1]")
-        if not isinstance(self.interval, int) or isinstance(self.interval, bool) or self.interval < 1:
-            raise ValueError(f"method.interval={self.interval!r} must be an integer ≥ 1 (rounds between selections)")
 
 
     def static_shape(self) -> StaticShape:

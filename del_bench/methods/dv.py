@@ -8,13 +8,32 @@ Choices made explicit (docs/design.md §4.4): `acceptance: round` uses the round
 the paper's DV numbers come from it). The authors' code keeps θ and AR across prompts; we restart them per
 prompt by default (`reset_per_prompt: true`) so results do not depend on prompt order or on resuming."""
 
-from del_bench.methods.base import EARLY_EXIT, Method, Plan, RoundEvidence, StaticShape, check_exit_layer, check_gamma
+from dataclasses import dataclass
+from typing import Literal
+
+from del_bench.methods.base import EARLY_EXIT, Method, MethodConfig, Plan, RoundEvidence, StaticShape, exit_layer_key
+from del_bench.schema import key
+
+
+@dataclass(kw_only=True)
+class DVConfig(MethodConfig):
+    exit_layer: int = exit_layer_key()
+    d_max: int = key(18, "drafts per round at most", ge=1)
+    theta: float = key(0.6, "θ₀: the initial confidence threshold", ge=0, le=1)
+    beta1: float = key(0.5, "β₁: the acceptance rate's decay", ge=0, le=1)
+    beta2: float = key(0.9, "β₂: the threshold's decay", ge=0, le=1)
+    epsilon: float = key(0.01, "ε: the threshold's step", ge=0, le=1)
+    target_acceptance: float = key(0.8, "α_target: the acceptance rate θ steers to", ge=0, le=1)
+    acceptance: Literal["cumulative", "round"] = key(
+        "cumulative", "cumulative: the prompt's acceptance so far (the DEL authors' code); round: the round's (D&V)")
+    reset_per_prompt: bool = key(True, "restart θ and the acceptance rate at every prompt")
 
 
 class DraftVerify(Method):
     name = "dv"
     label, family, order = "DV", EARLY_EXIT, 30
     label_hyperparameters = (("exit_layer", "E"),)
+    config = DVConfig
     wants_confidence = True
 
     def __init__(self, exit_layer: int, d_max: int = 18, theta: float = 0.6, beta1: float = 0.5,
@@ -25,17 +44,6 @@ class DraftVerify(Method):
         self.acceptance, self.reset_per_prompt = acceptance, reset_per_prompt
         self.theta, self.ar = theta, 0.0
         self.drafted_total = self.accepted_total = 0
-
-    def validate(self, num_layers: int) -> None:
-        check_exit_layer(self.exit_layer, num_layers)
-        check_gamma(self.d_max, "method.d_max")
-        for key in ("theta", "beta1", "beta2", "target_acceptance"):
-            value = {"theta": self.theta0, "beta1": self.beta1, "beta2": self.beta2,
-                     "target_acceptance": self.target}[key]
-            if not 0 <= value <= 1:
-                raise ValueError(f"method.{key}={value!r} must be in [0, 1]")
-        if self.acceptance not in ("round", "cumulative"):
-            raise ValueError(f"method.acceptance={self.acceptance!r} must be 'round' or 'cumulative'")
 
     def start(self, num_layers: int) -> None:
         super().start(num_layers)

@@ -53,7 +53,9 @@ first round of a prompt drafts at E = 1, stopping on τ_1 from the prefill stati
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
+from typing import Literal
 
 import numpy as np
 
@@ -61,13 +63,14 @@ from del_bench.methods.base import (
     EARLY_EXIT,
     MAX_DEFERRED,
     Method,
+    MethodConfig,
     Plan,
     RoundEvidence,
     Shadow,
     StaticShape,
-    check_exit_layer,
-    check_gamma,
+    exit_layer_key,
 )
+from del_bench.schema import LAYERS, key
 
 DEFAULT_OMEGA = 0.95  # configs/method/del.yaml's ω: a label names ω only when a run's differs
 # the ablations' config names and labels, in the tables' order (DEL itself last)
@@ -186,12 +189,32 @@ def drafting_alpha(num_layers: int, d_max: int, head_cost: float = 0.0, stop_hea
     return out
 
 
+@dataclass(kw_only=True)
+class DELConfig(MethodConfig):
+    omega: float = key(0.95, "ω: the decay of the per-round statistics", ge=0, le=1)
+    d_max: int = key(18, "the longest draft a round", ge=1)
+    dynamic_draft_exit: bool = key(True, "stop drafting when a candidate's confidence < τ_E")
+    draft_budget: Literal["d_max", "tpl"] = key("d_max", "d_max: Algorithm 1; tpl: drafts capped at TPL's γ")
+    exit_layer: int | None = exit_layer_key(None, "null: E chosen by TPL every round; an integer fixes it (DEL-γ)")
+    min_exit_layer: int = key(1, "the lowest E TPL may choose (4: DEL-E-lim)", ge=1, lt=LAYERS)
+    prefill_window: int = key(32, "prompt positions whose shadow tokens seed α and τ", ge=1)
+    cost_model: Literal["layers", "measured"] = key("layers", "layers: d·ℓ + L (paper); measured: timed costs")
+    shadow_vocab: int | None = key(None, "null: exact shadow tokens; K: scored over the first K token ids", ge=1)
+    defer_shadow: bool = key(False, "batch shadow scoring while TPL provably keeps d = 0")
+    shadow_every: int = key(1, "score shadow tokens every R rounds (1: exact)", ge=1, le=MAX_DEFERRED)
+    min_draft: Literal[0, 1] = key(0, "0: d = 0 decodes plainly (paper); 1: every round drafts (KnapSpec's DEL)")
+    keep_stopped_draft: bool = key(False, "keep the candidate that fell below τ (Algorithm 1 drops it)")
+    first_exit_layer: int | None = exit_layer_key(None, "the first round's E (null: from the prefill statistics)")
+    lookahead: int = key(1, "draft candidates read at once for the τ stop (1: each before the next)", ge=1)
+
+
 class DEL(Method):
     name = "del"
     aliases = ("del_gamma", "del_e", "del_e_lim")  # the ablations: configs/method/del_*.yaml
     label, family, order = "DEL", EARLY_EXIT, 70
     label_hyperparameters = (("exit_layer", "E"), ("omega", "ω", DEFAULT_OMEGA))
     wants_shadow = True
+    config = DELConfig
 
     def __init__(self, omega: float = 0.95, d_max: int = 18, dynamic_draft_exit: bool = True,
                  draft_budget: str = "d_max", exit_layer: int | None = None, min_exit_layer: int = 1,
@@ -215,34 +238,9 @@ class DEL(Method):
         self.lookahead = lookahead  # candidates drafted before one read of their confidences (engine: draft_ahead)
 
     def validate(self, num_layers: int) -> None:
-        if not 0 <= self.omega <= 1:
-            raise ValueError(f"method.omega={self.omega!r} must be in [0, 1]")
-        check_gamma(self.d_max, "method.d_max")
-        if self.draft_budget not in ("d_max", "tpl"):
-            raise ValueError(f"method.draft_budget={self.draft_budget!r} must be 'd_max' or 'tpl'")
-        if self.fixed_exit_layer is not None:
-            check_exit_layer(self.fixed_exit_layer, num_layers)
-        if not 1 <= self.min_exit_layer <= num_layers - 1:
-            raise ValueError(f"method.min_exit_layer={self.min_exit_layer!r} must be in [1, {num_layers - 1}]")
-        if self.shadow_vocab is not None and (not isinstance(self.shadow_vocab, int) or self.shadow_vocab < 1):
-            raise ValueError(f"method.shadow_vocab={self.shadow_vocab!r} must be null (full vocabulary) or ≥ 1")
-        if self.cost_model not in ("layers", "measured"):
-            raise ValueError(f"method.cost_model={self.cost_model!r} must be 'layers' (paper) or 'measured'")
-        if not isinstance(self.shadow_every, int) or not 1 <= self.shadow_every <= MAX_DEFERRED:
-            raise ValueError(f"method.shadow_every={self.shadow_every!r} must be an integer in [1, {MAX_DEFERRED}]")
-        if not isinstance(self.prefill_window, int) or self.prefill_window < 1:
-            raise ValueError(f"method.prefill_window={self.prefill_window!r} must be a positive integer")
-        if self.min_draft not in (0, 1):
-            raise ValueError(f"method.min_draft={self.min_draft!r} must be 0 (the paper: d = 0 decodes plainly) or 1 "
-                             "(the KnapSpec authors' DEL: every round drafts)")
         if self.min_draft and (self.defer_shadow or self.shadow_every != 1):
             raise ValueError("method.min_draft=1 drafts every round, so shadow scoring cannot be deferred: set "
                              "defer_shadow=false and shadow_every=1")
-        if self.first_exit_layer is not None:
-            check_exit_layer(self.first_exit_layer, num_layers, "method.first_exit_layer")
-        if not isinstance(self.lookahead, int) or self.lookahead < 1:
-            raise ValueError(f"method.lookahead={self.lookahead!r} must be a positive integer (1: read each draft "
-                             "candidate's confidence before drafting the next)")
 
     def set_costs(self, layer_s: float, head_s: float, batch_s: list | None = None, **_) -> None:
         """Measured once per model/device at start-up (cost_model=measured). batch_s: [[T, seconds of T

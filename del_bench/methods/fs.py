@@ -5,36 +5,42 @@ Choices made explicit (docs/design.md §4.3): the paper's controller keeps γ �
 code has no floor (`floor: 0`: γ can reach 0, and a round with no drafts then counts as all accepted).
 `reset_per_prompt: true` restarts γ at every prompt, so results do not depend on prompt order."""
 
+from dataclasses import MISSING, dataclass
+from typing import Literal
+
 from del_bench.methods.base import (
     EARLY_EXIT,
     UNBOUNDED,
     Method,
+    MethodConfig,
     Plan,
     RoundEvidence,
     StaticShape,
-    check_exit_layer,
-    check_gamma,
+    exit_layer_key,
 )
+from del_bench.schema import key
+
+
+@dataclass(kw_only=True)
+class FSConfig(MethodConfig):
+    exit_layer: int = exit_layer_key()
+    gamma: int = key(MISSING, "the initial γ (draft tokens per round)", ge=0)
+    floor: Literal[0, 1] = key(1, "γ never falls below it: 1 = the paper, 0 = the DEL authors' code")
+    max_gamma: int | None = key(None, "a cap on γ (null: none)", ge=1)
+    reset_per_prompt: bool = key(True, "restart γ at every prompt (false: carry it across prompts)")
 
 
 class FiniteState(Method):
     name = "fs"
     label, family, order = "FS", EARLY_EXIT, 20
     label_hyperparameters = (("exit_layer", "E"), ("gamma", "γ"))
+    config = FSConfig
 
     def __init__(self, exit_layer: int, gamma: int, floor: int = 1, max_gamma: int | None = None,
                  reset_per_prompt: bool = True, **_):
         self.exit_layer, self.initial_gamma, self.floor = exit_layer, gamma, floor
         self.max_gamma, self.reset_per_prompt = max_gamma, reset_per_prompt
         self.gamma = gamma
-
-    def validate(self, num_layers: int) -> None:
-        check_exit_layer(self.exit_layer, num_layers)
-        check_gamma(self.initial_gamma)
-        if self.floor not in (0, 1):
-            raise ValueError(f"method.floor={self.floor!r} must be 0 (authors' code) or 1 (paper)")
-        if self.max_gamma is not None and self.max_gamma < max(self.floor, 1):
-            raise ValueError(f"method.max_gamma={self.max_gamma!r} must be ≥ 1 or null")
 
     def start(self, num_layers: int) -> None:
         super().start(num_layers)

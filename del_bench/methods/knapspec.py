@@ -33,20 +33,38 @@ and sel_tpt of the kept set, lat_fit [c₁, c₂, c₃] (seconds), plus the engi
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from del_bench.methods.base import LAYER_SKIPPING, Method, Plan, SkipSet, StaticShape, check_gamma
+from del_bench.methods.base import LAYER_SKIPPING, Method, MethodConfig, Plan, SkipSet, StaticShape
 from del_bench.methods.clasp import cosine
 from del_bench.methods.swift import skipping_plan
+from del_bench.schema import key
 
 CONTEXTS = (1024, 2048, 4096, 8192, 16384, 24576)
+
+
+@dataclass(kw_only=True)
+class KnapSpecConfig(MethodConfig):
+    gamma: int = key(4, "drafts per round at most", ge=1)
+    confidence: float = key(0.7, "stop drafting after a draft whose top probability is below this", ge=0, le=1)
+    interval: int = key(64, "rounds between selections", ge=1)
+    warmup_rounds: int = key(6, "rounds drafted with the full model before the first selection (> window_rounds)",
+                             ge=2)
+    window_rounds: int = key(5, "the last rounds whose verification states a selection reads", ge=1)
+    prune: float = key(0.5, "a DP state whose mean cosine to the full model falls below this is dropped", ge=0, le=1)
+    weight_cap: int = key(5, "the dearer sublayer type weighs round(latency ratio), at most this", ge=1)
+    tpt_d_max: int = key(17, "TPT is maximised over d = 0..tpt_d_max", ge=0)
+    latency_contexts: list[int] = key(list(CONTEXTS), "KV lengths layer 0's sublayers are timed at (≥ 2 distinct)",
+                                      ge=1)
 
 
 class KnapSpec(Method):
     name = "knapspec"
     label, family, order = "KnapSpec", LAYER_SKIPPING, 60
+    config = KnapSpecConfig
     wants_confidence = True
     wants_costs = True  # the latency model (set_costs' sublayer_s)
 
@@ -60,21 +78,11 @@ class KnapSpec(Method):
         self.fit: tuple[float, float, float] | None = None  # (c₁, c₂, c₃): t_mlp = c₁, t_attn(n) = c₂·n + c₃
 
     def validate(self, num_layers: int) -> None:
-        check_gamma(self.gamma)
-        if self.gamma < 1:
-            raise ValueError(f"method.gamma={self.gamma!r} must be ≥ 1 (draft tokens per round)")
-        for key in ("confidence", "prune"):
-            if not 0 <= getattr(self, key) <= 1:
-                raise ValueError(f"method.{key}={getattr(self, key)!r} must be in [0, 1]")
-        for key, low in (("interval", 1), ("window_rounds", 1), ("weight_cap", 1), ("tpt_d_max", 0)):
-            value = getattr(self, key)
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ValueError(f"method.{key}={value!r} must be an integer ≥ {low}")
-        if not isinstance(self.warmup_rounds, int) or self.warmup_rounds < self.window_rounds + 1:
+        if self.warmup_rounds < self.window_rounds + 1:
             raise ValueError(f"method.warmup_rounds={self.warmup_rounds!r} must be an integer ≥ window_rounds + 1 "
                              f"({self.window_rounds + 1}): the first selection reads the window's rounds after round 1")
         contexts = self.latency_contexts
-        if len(set(contexts)) < 2 or not all(isinstance(n, int) and n >= 1 for n in contexts):
+        if len(set(contexts)) < 2:
             raise ValueError(f"method.latency_contexts={list(contexts)!r} needs ≥ 2 distinct positive context lengths "
                              "(the attention latency is fitted as a line)")
         if num_layers < 3:

@@ -61,11 +61,14 @@ import contextlib
 import io
 import json
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 
-from del_bench.methods.base import LAYER_SKIPPING, Method, Plan, Probe, SkipSet, StaticShape, check_gamma
+from del_bench.methods.base import LAYER_SKIPPING, Method, MethodConfig, Plan, Probe, SkipSet, StaticShape
+from del_bench.schema import key
 
 ENCODINGS = ("topk", "threshold")
 OPT_WINDOWS = ("first", "last")
@@ -146,11 +149,11 @@ def skip_set_of(run_dir: str | Path) -> SkipSet:
         if not line.strip():
             continue
         r = json.loads(line)
-        key = (r["sample_id"], r.get("repeat", 0))
-        best, skip = final.get(key, (-1.0, None))
+        output = (r["sample_id"], r.get("repeat", 0))
+        best, skip = final.get(output, (-1.0, None))
         if r.get("opt_best") is not None:
             best = r["opt_best"]
-        final[key] = (best, r.get("skip_set") or skip)
+        final[output] = (best, r.get("skip_set") or skip)
     found = [(best, skip) for best, skip in final.values() if skip]
     if not found:
         raise ValueError(f"{run_dir}: no round records a skip_set (not a SWIFT run?)")
@@ -158,9 +161,36 @@ def skip_set_of(run_dir: str | Path) -> SkipSet:
 
 
 # ---- the method --------------------------------------------------------------------------------------------------
+@dataclass(kw_only=True)
+class SwiftConfig(MethodConfig):
+    skip_ratio: float = key(0.45, "N = int(2·(L−2)·r) sublayers skipped", gt=0, lt=1)
+    skip_set: str | dict | None = key(None, "a fixed set ({attn: [...], mlp: [...]}, a JSON file or a SWIFT run dir): "
+                                            "no search")
+    optimise: bool = key(True, "search the set on the fly (ignored with skip_set)")
+    context_window: int = key(32, "generated tokens per teacher-forced matchness pass", ge=1)
+    bayes_interval: int = key(25, "every N-th search step a Bayesian-optimisation suggestion (0: random only)", ge=0)
+    max_steps: int = key(1000, "search steps at most", ge=0)
+    patience: int = key(300, "steps without improvement before the search stops", ge=1)
+    stop_matchness: float = key(0.95, "stop once a set's matchness exceeds this", ge=0, le=1)
+    kappa: float = key(2.5, "κ of the UCB acquisition", ge=0)
+    gp_alpha: float = key(0.01, "the Gaussian process's noise", gt=0)
+    bo_polish: bool = key(True, "the package's L-BFGS-polished suggestion (false: UCB over random points)")
+    encoding: Literal[ENCODINGS] = key("topk", "topk: skip a point's N largest coordinates; threshold: those > 0.5")
+    scope: Literal[SCOPES] = key("run", "run: the search persists across prompts (authors' code); prompt: restarts")
+    opt_window: Literal[OPT_WINDOWS] = key("first", "first: the prompt's first generated tokens; last: the latest")
+    confidence: float = key(0.8, "stop drafting after a draft whose top probability is below this", ge=0, le=1)
+    d_max: int = key(25, "drafts per round at most", ge=1)
+    tree: bool = key(False, "the dynamic token tree: siblings beside each draft, verified in one pass")
+    tree_widths: list[int] = key([1, 3, 5, 10], "candidates at a depth, chain token included", ge=1)
+    tree_confidences: list[float] = key([0.95, 0.8, 0.5], "chain confidences that choose the width, decreasing",
+                                        ge=0, le=1)
+    seed: int = key(0, "the search's random draws")
+
+
 class Swift(Method):
     name = "swift"
     label, family, order = "SWIFT", LAYER_SKIPPING, 40
+    config = SwiftConfig
     wants_confidence = True  # stop after a draft below `confidence` (kept: drop_stopped_draft stays False)
 
     def __init__(self, skip_ratio: float = 0.45, skip_set=None, optimise: bool = True, context_window: int = 32,
@@ -181,23 +211,7 @@ class Swift(Method):
 
     # ---- configuration ----
     def validate(self, num_layers: int) -> None:
-        if not isinstance(self.skip_ratio, (int, float)) or not 0 < self.skip_ratio < 1:
-            raise ValueError(f"method.skip_ratio={self.skip_ratio!r} must be in (0, 1) (paper: 0.45 for 13B)")
-        if self.encoding not in ENCODINGS:
-            raise ValueError(f"method.encoding={self.encoding!r} is unknown: use one of {', '.join(ENCODINGS)}")
-        if self.scope not in SCOPES:
-            raise ValueError(f"method.scope={self.scope!r} must be one of {', '.join(SCOPES)}")
-        if self.opt_window not in OPT_WINDOWS:
-            raise ValueError(f"method.opt_window={self.opt_window!r} must be one of {', '.join(OPT_WINDOWS)}")
-        for key, value, low in (("context_window", self.context_window, 1), ("bayes_interval", self.bayes_interval, 0),
-                                ("max_steps", self.max_steps, 0), ("patience", self.patience, 1)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ValueError(f"method.{key}={value!r} must be an integer ≥ {low}")
-        check_gamma(self.d_max, "method.d_max")
         self._validate_tree()
-        for key, value in (("confidence", self.confidence), ("stop_matchness", self.stop_matchness)):
-            if not 0 <= value <= 1:
-                raise ValueError(f"method.{key}={value!r} must be in [0, 1]")
         if num_layers < 3:
             raise ValueError(f"SWIFT needs ≥ 3 layers (the first and last are never skipped), not {num_layers}")
         fixed = parse_skip_set(self.skip_set_arg)
@@ -218,14 +232,11 @@ class Swift(Method):
 
     def _validate_tree(self) -> None:
         widths, confidences = self.tree_widths, self.tree_confidences
-        if not all(isinstance(w, int) and not isinstance(w, bool) and w >= 1 for w in widths):
-            raise ValueError(f"method.tree_widths={widths!r} must be integers ≥ 1 (candidates per depth, chain "
-                             "token included)")
         if len(widths) != len(confidences) + 1:
             raise ValueError(f"method.tree_widths has {len(widths)} entries: it needs one more than "
                              f"method.tree_confidences ({len(confidences)}), the last for confidences below them all")
-        if any(not 0 <= c <= 1 for c in confidences) or list(confidences) != sorted(confidences, reverse=True):
-            raise ValueError(f"method.tree_confidences={confidences!r} must be in [0, 1], decreasing")
+        if list(confidences) != sorted(confidences, reverse=True):
+            raise ValueError(f"method.tree_confidences={confidences!r} must be decreasing")
 
 
     def static_shape(self) -> StaticShape:

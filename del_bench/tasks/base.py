@@ -12,10 +12,34 @@ from __future__ import annotations
 
 import random
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field
 from typing import Any
 
+from hydra.utils import get_class
+
 from del_bench.errors import TaskError  # noqa: F401  (re-exported: tasks and tests import it from here)
+from del_bench.schema import key
+
+
+@dataclass(kw_only=True)
+class TaskConfig:
+    """The keys of every task config (configs/task/*.yaml); a task's class declares its own as a subclass of this, its
+    `config`: each key's type, default and range, checked before any weights load (del_bench/schema.py)."""
+
+    _target_: str | None = key(None, "the task's class (null: a task its caller builds, as lm-eval's requests)")
+    name: str = key(MISSING, "its name in records and out_dir")
+    data_files: str | list[str] | None = key(None, "local data (JSONL) instead of the hub's or the package's")
+    n: int | None = key(None, "samples drawn when the run gives no limit (null: all)", ge=1)
+    stop_strings: list[str] = key([], "an output ends at any of these (besides EOS and max_new_tokens)")
+    samples_per_prompt: int = key(1, "outputs per prompt (pass@k)", ge=1)
+    generation: dict | None = key(None, "generation keys this task fixes, over the run's (the same keys and ranges)")
+    lm_eval: dict | None = key(None, "lm-eval's version and gen_kwargs, where lm-eval asked for the run")
+
+    @staticmethod
+    def schema_for(node) -> type:
+        """The schema of the task class `_target_` names."""
+        target = node.get("_target_")
+        return get_class(target).config if target else TaskConfig
 
 
 @dataclass
@@ -30,6 +54,7 @@ class Sample:
 
 class Task(ABC):
     name: str = "task"
+    config = TaskConfig  # its keys (a TaskConfig subclass): what a config of it may say, typed and ranged
     version: str = "0"  # bump when prompts, selection or scoring change; stored in every record
 
     def __init__(self, data_files: str | None = None, stop_strings: list[str] | None = None,

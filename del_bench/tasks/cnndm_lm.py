@@ -6,14 +6,22 @@ output against " ".join(article.split()[100:]).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from del_bench.metrics.rouge import rouge2
+from del_bench.schema import key
 from del_bench.tasks.base import Sample
-from del_bench.tasks.hub import HubTask
+from del_bench.tasks.hub import HubTask, HubTaskConfig
+
+
+@dataclass(kw_only=True)
+class CnnDmLMConfig(HubTaskConfig):
+    prefix_words: int = key(100, "the article's first words: the prompt", ge=1)
 
 
 class CnnDmLM(HubTask):
+    config = CnnDmLMConfig
     name = "cnndm_lm"
     version = "1"
     hub_id = "abisee/cnn_dailymail"

@@ -9,9 +9,16 @@ left out of the samples. ROUGE-2 against the highlights.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from del_bench.metrics.rouge import rouge2
 from del_bench.tasks.base import Sample
-from del_bench.tasks.hub import FewShotTask
+from del_bench.tasks.hub import FewShotConfig, FewShotTask, n_shot_key
+
+
+@dataclass(kw_only=True)
+class CnnDmSumConfig(FewShotConfig):
+    n_shot: int = n_shot_key(1)
 
 
 def summary_shot(article: str, summary: str) -> str:
@@ -20,6 +27,7 @@ def summary_shot(article: str, summary: str) -> str:
 
 
 class CnnDmSum(FewShotTask):
+    config = CnnDmSumConfig
     name = "cnndm_sum"
     version = "1"
     hub_id = "abisee/cnn_dailymail"

@@ -10,16 +10,23 @@ number (lm-eval's strict match, compared as numbers); `correct_flexible` = the o
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from del_bench.errors import TaskError
 from del_bench.metrics.accuracy import gsm8k_flexible, gsm8k_reference, gsm8k_strict
 from del_bench.metrics.rouge import rouge2
 from del_bench.tasks.base import Sample
-from del_bench.tasks.hub import FewShotTask
+from del_bench.tasks.hub import FewShotConfig, FewShotTask, n_shot_key
+
+
+@dataclass(kw_only=True)
+class GSM8KConfig(FewShotConfig):
+    n_shot: int = n_shot_key(5)
 
 
 class GSM8K(FewShotTask):
+    config = GSM8KConfig
     name = "gsm8k"
     version = "1"
     hub_id = "openai/gsm8k"

@@ -5,11 +5,13 @@ TaskError naming the task, the source and the override that fixes it.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from del_bench.errors import TaskError
-from del_bench.tasks.base import Sample, Task
+from del_bench.schema import key
+from del_bench.tasks.base import Sample, Task, TaskConfig
 
 
 def _files(files: Any) -> str | list[str] | None:
@@ -64,8 +66,30 @@ def check_records(task: str, records: list[dict], fields: tuple[str, ...], sourc
                             "at another")
 
 
+@dataclass(kw_only=True)
+class HubTaskConfig(TaskConfig):
+    hub_id: str | None = key(None, "the HF dataset (null: the task's own)")
+    hub_config: str | None = key(None, "its configuration")
+    split: str | None = key(None, "the split evaluated (null: the task's own, test)")
+
+
+def n_shot_key(default: int) -> int:
+    """`n_shot`, whose default is each task's own (GSM8K: 5, CNN/DM: 1)."""
+    return key(default, "exemplars before each question", ge=0)
+
+
+@dataclass(kw_only=True)
+class FewShotConfig(HubTaskConfig):
+    n_shot: int = n_shot_key(0)
+    shot_seed: int = key(42, "the exemplars' own draw")
+    shots_split: str = key("train", "the hub split the exemplars come from")
+    shots_files: str | list[str] | None = key(None, "local exemplars (JSONL) instead of the hub's")
+
+
 class HubTask(Task):
     """Loads `split` of `hub_id`/`hub_config`, or `data_files`; subclasses turn one record into a Sample."""
+
+    config = HubTaskConfig
 
     hub_id: str = ""
     hub_config: str | None = None
@@ -111,6 +135,7 @@ class FewShotTask(HubTask):
     `.shuffle(seed=42).select(range(n_shot))`, so hub runs get the authors' exemplars. The shot RNG is its own:
     the run's sample-selection seed does not move the shots."""
 
+    config = FewShotConfig
     shot_fields: tuple[str, ...] = ()
     shot_key: str = ""  # the field that identifies a record: a sample identical to a shot is dropped
 

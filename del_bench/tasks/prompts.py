@@ -3,14 +3,22 @@
 from __future__ import annotations
 
 import json
+from dataclasses import MISSING, dataclass
 from pathlib import Path
 
 from del_bench.errors import TaskError
-from del_bench.tasks.base import Sample, Task
+from del_bench.schema import key
+from del_bench.tasks.base import Sample, Task, TaskConfig
+
+
+@dataclass(kw_only=True)
+class PromptsConfig(TaskConfig):
+    data_files: str = key(MISSING, 'a JSONL file, one {"id": …, "prompt": …} per line')
 
 
 class Prompts(Task):
     name = "prompts"
+    config = PromptsConfig
     version = "1"
 
     def load(self) -> list[Sample]:

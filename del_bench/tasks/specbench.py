@@ -24,11 +24,14 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from del_bench.errors import TaskError
+from del_bench.schema import key
 from del_bench.specbench import CATEGORIES, MT_BENCH
-from del_bench.tasks.base import Sample, Task
+from del_bench.tasks.base import Sample, Task, TaskConfig
 
 CHAT_MODES = ("auto", "template", "plain")
 
@@ -41,8 +44,17 @@ def plain_prompt(history: list[tuple[str, str]], user: str, system: str | None =
     return text + f"User: {user}\nAssistant:"
 
 
+@dataclass(kw_only=True)
+class SpecBenchConfig(TaskConfig):
+    categories: list[str] | None = key(None, f"null: all; some of {', '.join(CATEGORIES)} (mt_bench: its 8)")
+    per_category: int | None = key(None, "questions per category (null: all)", ge=1)
+    chat: Literal[CHAT_MODES] = key("auto", "auto: the chat template if the tokenizer has one; template | plain")
+    system_prompt: str | None = key(None, "a system message (null: the template's default)")
+
+
 class SpecBench(Task):
     name = "specbench"
+    config = SpecBenchConfig
     version = "1"
 
     def __init__(self, categories=None, per_category: int | None = None, chat: str = "auto",
