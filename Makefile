@@ -76,7 +76,8 @@ bench-peer: setup ## our Vanilla/LS vs HF generate and assistant_early_exit (pee
 
 # bench-gpu runs in your CUDA environment's python (README "GPU": del-bench installed there, its torch kept), not in
 # .venv's CPU stack: GPU_PYTHON=/path/to/python to choose it, BENCH_GPU_ARGS="--layers 4 …" for other shapes.
-GPU_PYTHON ?= python3
+# a dry run (DRY=1: on this machine, tiny) runs in the project's own .venv
+GPU_PYTHON ?= $(if $(DRY),$(PY),python3)
 bench-gpu: ## on a GPU, a Llama-2-7B-shaped random bf16 model (BENCH_GPU_ARGS="--shape llama3-8b" or "--model testbed"): our Vanilla/LS/DEL eager and graph-captured vs HF generate and assistant_early_exit, tok/s, per-prompt speed, HBM roofline, = generate by the near-tie rule → $(RECORDS)/bench/gpu.json
 	$(GPU_PYTHON) -m del_bench bench gpu $(BENCH_GPU_ARGS) --root $(RECORDS)/bench/gpu_runs --out $(RECORDS)/bench/gpu.json
 
@@ -87,7 +88,7 @@ GPU_WHEELS_PYTHON ?= 3.12
 gpu-wheels: ## on a networked machine: the wheels a CUDA image lacks (constraints.txt's versions, for Python $(GPU_WHEELS_PYTHON)) → .gpu-whl
 	$(PYTHON) scripts/gpu_node.py wheels --dest .gpu-whl --python-version $(GPU_WHEELS_PYTHON)
 
-gpu-check: ## on a GPU node: .gpu-whl installed, then CUDA tests, half-lossless, per-prompt timing, bench gpu eager vs captured (≤ 8 min; DRY=1: tiny on CPU)
+gpu-check: $(if $(DRY),setup) ## on a GPU node: .gpu-whl installed, then CUDA tests, bench gpu on synthetic-llama2-7b (eager / graphs / fused graphs), a cold prompt profiled, half-lossless (≤ 8 min; DRY=1: tiny, on this CPU, in .venv)
 	$(GPU_PYTHON) scripts/gpu_node.py check $(GPU_CHECK_OUT) $(if $(DRY),--dry-run)
 
 bench-profile: setup ## what a cold prompt pays: a run's prompts one by one under torch.profiler, the first against the last (SET="model=testbed model.device=cuda …") → $(RECORDS)/bench/profile.json

@@ -234,9 +234,10 @@ def _why_unsteady(state: dict) -> str:
     why = []
     if state["warmups_unconverged"]:
         why.append(f"the warm-up of {state['warmups_unconverged']} session(s) did not converge")
-    if state["first_slowdown"] is not None and state["first_slowdown"] > STEADY_SLOWDOWN:
-        why.append(f"its first timed sample took {state['first_slowdown']:.1f}× the median decode time per loaded "
-                   f"layer of the others (more than {STEADY_SLOWDOWN:g}×)")
+    lead = state.get("lead_slowdown", state["first_slowdown"])  # records from before lead_slowdown: the first's
+    if lead is not None and lead > STEADY_SLOWDOWN:
+        why.append(f"one of its first two timed samples took {lead:.1f}× the median decode time per loaded layer of "
+                   f"the samples after it (more than {STEADY_SLOWDOWN:g}×)")
     return " and ".join(why)
 
 

@@ -233,23 +233,27 @@ def steady_state(samples: list[dict], rounds: list[dict], setup: list[dict] = ()
     state when
     - a session's warm-up did not converge (its setup line's warmup.converged is false: `warmup: steady` decoded its
       cap of passes without two in a row agreeing on their per-token time), or
-    - its first timed sample took more than STEADY_SLOWDOWN times the median decode seconds per loaded layer of the
-      other samples (decode_seconds_per_layer): a cold start that the warm-up did not absorb. Only slower counts (a
-      faster first sample is no warm-up's failure), and the median keeps half of the others slow from hiding it.
-    Returns {"first_slowdown": that ratio (None with fewer than two timed samples), "warmups_unconverged": sessions,
-    "steady": bool}, or None when there is nothing to judge (one sample and no warm-up recorded)."""
+    - one of its first two timed samples took more than STEADY_SLOWDOWN times the median decode seconds per loaded
+      layer of the samples after it (decode_seconds_per_layer): a cold start that the warm-up did not absorb. Only
+      slower counts (a faster first sample is no warm-up's failure); the median keeps half of the later samples slow
+      from hiding it, and the second sample's own check keeps two slow samples of three from hiding each other.
+    Returns {"first_slowdown": the first sample's ratio, "lead_slowdown": the larger of the first two samples'
+    (None with fewer than two timed samples), "warmups_unconverged": sessions, "steady": bool}, or None when there
+    is nothing to judge (one sample and no warm-up recorded)."""
     by_sample: dict[Key, list[dict]] = {}
     for r in rounds:
         by_sample.setdefault(key_of(r), []).append(r)
     per_layer = [decode_seconds_per_layer(s, by_sample.get(key_of(s), [])) for s in samples]
     per_layer = [v for v in per_layer if v]
-    slowdown = per_layer[0] / median(per_layer[1:]) if len(per_layer) > 1 else None
+    leading = [per_layer[i] / median(per_layer[i + 1 :]) for i in range(min(2, len(per_layer) - 1))]
+    slowdown = leading[0] if leading else None
+    lead = max(leading) if leading else None
     warmups = [line["warmup"] for line in setup if isinstance(line.get("warmup"), dict)]
     unconverged = sum(w.get("converged") is False for w in warmups)
     if slowdown is None and not warmups:
         return None
-    return {"first_slowdown": slowdown, "warmups_unconverged": unconverged,
-            "steady": not unconverged and (slowdown is None or slowdown <= STEADY_SLOWDOWN)}
+    return {"first_slowdown": slowdown, "lead_slowdown": lead, "warmups_unconverged": unconverged,
+            "steady": not unconverged and (lead is None or lead <= STEADY_SLOWDOWN)}
 
 
 def unsteady(state: dict | None) -> bool:
@@ -263,15 +267,16 @@ def unsteady(state: dict | None) -> bool:
 # A speedup whose run and partner differ by more than this factor in machine_probe is marked (the report's §).
 DRIFT_LIMIT = 1.5
 # Below this a probe is call overhead and timer noise, not the machine: the testbed's (11.5M parameters, ~1 ms) ranged
-# 0.3–1.5 ms between runs minutes apart; SmolLM2's is ~18 ms.
-MIN_PROBE_S = 5e-3
+# 0.3–1.5 ms between runs minutes apart; SmolLM2's is ~18 ms, a 7B model's in bf16 on one H100/H200 ~3–4 ms.
+MIN_PROBE_S = 2e-3
 
 
 def machine_probe(setup: list[dict]) -> float | None:
     """Seconds the model's matrix products took for one token when the run set up — a probe of the machine's state
     taken on every run: the sum over shape classes of the one-row time of HF's layout (x_wt) that `products: auto`
     measured on the model's own matrices (the seconds under a setup.jsonl line's products), the median over the run's
-    sessions. None where nothing was timed (a forced layout, half precision, records from before)."""
+    sessions. None where nothing was timed (a forced layout, records from before; half precision before its one-row
+    times were taken)."""
     probes = []
     for line in setup:
         seconds = (line.get("products") or {}).get("seconds") or {}

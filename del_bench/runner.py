@@ -24,6 +24,7 @@ from tqdm import tqdm
 from del_bench import memory, session, tracking
 from del_bench.config import validate
 from del_bench.engine.batch import Batch
+from del_bench.engine.compiled import GRAPH_KINDS
 from del_bench.machine_load import LoadProbe
 from del_bench.models import exit_adapters
 from del_bench.records import (
@@ -137,9 +138,11 @@ def decode_all(cfg, todo, task, method, run_dir: RunDir, load=None) -> None:
         decode = decode_one if sample.turns is None else decode_turns
         record, rounds = decode(cfg, engine, ready.tokenizer, task, method, sample, repeat, loaded)
         record.model_bytes, record.kv_cache_bytes = weights, memory.cache_bytes(engine.cache)
-        # the compiled steps round otherwise than either loop (tokens equal where checked): kept apart like them; a
-        # peer never runs them (an earlier row's may still be installed on a shared stack)
-        record.layer_path = stack.layer_path + ("+compiled" if not is_peer and stack.compiled is not None else "")
+        # the compiled steps round otherwise than either loop (tokens equal where checked), and each kind of graph runs
+        # at its own speed: kept apart like the loops (+compiled, +graphs, +fused_graphs); a peer never runs them (an
+        # earlier row's may still be installed on a shared stack)
+        record.layer_path = stack.layer_path + (f"+{GRAPH_KINDS[stack.compiled.kind]}"
+                                                if not is_peer and stack.compiled is not None else "")
         finished += 1
         run_dir.write_method_state(method.state(), finished)  # first: the sample line commits it (RunDir)
         run_dir.append(record.as_dict(), rounds)
@@ -204,10 +207,20 @@ def restore_slot_states(methods: list, run_dir: RunDir) -> int:
 
 # ---------------------------------------------------------------- the untimed warm-up
 
-# steady warm-ups that converged in this process: model → {method tag: [(shortest prompt, cache length), …]}. A
+# steady warm-ups that converged in this process: model → {kernels_key: [(shortest prompt, cache length), …]}. A
 # later session of the same run on the same loaded model (a bench grows its runs a prompt at a time) whose shapes
-# lie within one is at steady state already
+# lie within one is at steady state already — never one that runs other kernels (kernels_key)
 _STEADY = weakref.WeakKeyDictionary()
+
+
+def kernels_key(cfg, engine, model) -> tuple:
+    """Everything that changes the kernels a session's decode runs on one loaded model: the device and dtype it is
+    on, the method (its tag), the layer loop and the graphs installed — each Graphs object its own captures, so a
+    captured row never counts as warmed by an eager row's warm-up, nor the fused graphs by the unfused ones."""
+    stack = getattr(engine, "stack", None)  # a peer decodes with transformers: no stack
+    graphs = getattr(stack, "compiled", None)
+    return (str(getattr(model, "device", "?")), str(getattr(model, "dtype", "?")), cfg.method.tag,
+            getattr(stack, "layer_path", "peer"), None if graphs is None else (graphs.kind, id(graphs)))
 
 
 def warmup_mode(cfg, device: str) -> str:
@@ -262,7 +275,7 @@ def steady_warm_up(cfg, engine, method, prompts: tuple[list[int], list[int], int
     reach = min(reach, limit) if limit else reach
     record = {"mode": "steady", "prompt_tokens": [len(shortest), len(longest)], "cache_length": reach,
               "tolerance": cfg.warmup_tolerance}
-    done = _STEADY.setdefault(model, {}).setdefault(cfg.method.tag, [])
+    done = _STEADY.setdefault(model, {}).setdefault(kernels_key(cfg, engine, model), [])
     if any(low <= len(shortest) and reach <= high for low, high in done):
         return {**record, "ms_per_token": [], "converged": True, "covered": "by an earlier session of this process"}
     passes: list[float] = []

@@ -141,6 +141,8 @@ def build(cfg: DictConfig, load: Load | None = None, *, task=None, method=None, 
     setup = {"layer_path": stack.layer_path, "load_s": time.perf_counter() - t0, "layer_setup_s": stack.layer_setup_s,
              # the layouts chosen, and under auto the timings behind them (or an earlier session's, reused)
              "products": stack.products.as_dict(), "products_reused": earlier is not None}
+    if getattr(loaded.model, "synthetic", None):  # a synthetic model's calibration: the agreement it reached by layer
+        setup["synthetic"] = loaded.model.synthetic
     log.info("decoder layers: %s (built and checked in %.1f s)", stack.layer_path, stack.layer_setup_s)
     log.info("matrix products: %s (products=%s, timed in %.1f s)", stack.products.summary(), stack.products.setting,
              stack.products.setup_s)

@@ -119,7 +119,6 @@ print(f"cuda {torch.version.cuda}: {torch.cuda.get_device_name(0)} ({torch.cuda.
       else "no CUDA device")
 sys.exit(1 if missing or (device == "cuda" and not cuda) else 0)
 """
-FUSED_BUILD = "from del_bench.models.fused import extension; extension(); print('fused layer loop built')"
 
 
 @dataclass
@@ -132,64 +131,49 @@ class Step:
     results: list[str] = field(default_factory=list)  # its result files under OUT_DIR, read for the summary
 
 
-def steps(out: Path, python: str, dry: bool) -> list[Step]:
-    """The checks, in order. Real: the sizes an H100 runs in the budget; dry: tiny, on the CPU, eager loop."""
+def steps(out: Path, python: str, dry: bool, runs: Path) -> list[Step]:
+    """The checks, in the order of what their figures are worth (a budget spent early leaves the best measured).
+    Real: the sizes one H100 runs in the budget; dry: tiny, on the CPU, eager loop. Each step writes its result file
+    as it goes (bench gpu after every prompt's rows); run records go under `runs`, apart from OUT_DIR (a lent
+    device returns a few files of it)."""
     py = [python]
     bench = [*py, "-m", "del_bench", "bench"]
     device = ["--device", "cpu" if dry else "cuda"]
     tiny_cpu = ["--loop", "eager", "--threads", "1", "--probe-mb", "8", "--set", "warmup_tokens=2"]
     small = (lambda real, tiny: tiny if dry else real)  # noqa: E731
-    run = [*py, "-m", "del_bench", "run"]
-    # HumanEval (run's default task), as issue 36's per-prompt figures were taken; a root shell without bubblewrap
-    # (a container) scores its programs as a private uid instead of refusing (the sandbox keys are not the run's)
-    run_model = small(["model=testbed", "model.device=cuda", "model.dtype=bfloat16", "limit=4", "max_new_tokens=96"],
-                      ["model=tiny-random", "model.dtype=bfloat16", "limit=2", "max_new_tokens=4", "layers=eager",
-                       "threads=1", "warmup_tokens=2"]) + ["task.sandbox.allow_root_fallback=true"]
-    timing = out / "timing"
+    synthetic_7b = small(["--model", "synthetic-llama2-7b", "--dtype", "bfloat16"],
+                         ["--model", "synthetic-testbed", "--dtype", "float32"])
     return [
         Step("env", 60, [[*py, "-c", ENV_CHECK, "cpu" if dry else "cuda", *WHEELS.values(), *IMAGE_MODULES,
                           "del_bench"]], "versions, the device, every module importable"),
-        Step("fused", 150, [[*py, "-c", FUSED_BUILD]], "build the fused layer loop once (later steps load it)",
-             cuda_only=True),
-        Step("pytest_cuda", 150, [[*py, "-m", "pytest", "-q", "-m", "not slow", "-k", "cuda", "-p", "no:cacheprovider",
+        # the headline: a Llama-2-7B-shaped synthetic model (agreement 0.8 at E = 8) — Vanilla eager vs captured
+        # (unfused graphs) vs fused graphs against the HBM roofline, LS and DEL on the fused graphs measured against
+        # the memory-bound prediction, per-prompt speeds, host reads a round, kernel launches a layer, = generate
+        Step("bench_gpu_7b", 250, [[*bench, "gpu", *synthetic_7b, *device, "--root", str(runs / "bench_gpu_7b"),
+                                    "--out", str(out / "bench_gpu_7b.json"), "--loop", "eager",
+                                    "--captured", small("graphs,on", "on"), "--vanilla-only", "graphs", "--no-peers",
+                                    *small(["--prompts", "3", "--max-new-tokens", "64", "--configs", "8:4",
+                                            "--del-lookahead", "4"],
+                                           ["--prompts", "2", "--prompt-len", "6", "--max-new-tokens", "4",
+                                            "--configs", "4:2", *tiny_cpu])]],
+             "bench gpu on synthetic-llama2-7b: Vanilla eager / graphs / fused graphs, LS and DEL eager and fused",
+             results=["bench_gpu_7b.json"]),
+        Step("pytest_cuda", 90, [[*py, "-m", "pytest", "-q", "-m", "not slow", "-k", "cuda", "-p", "no:cacheprovider",
                                    f"--junitxml={out / 'pytest_cuda.xml'}"]], "the CUDA tests (pytest -k cuda)",
              cuda_only=True, results=["pytest_cuda.xml"]),
-        Step("timing", 90, [[*run, *run_model, "method=vanilla", f"out_dir={timing / 'vanilla'}"],
-                            [*run, *run_model, "method=ls", f"out_dir={timing / 'ls'}"],
-                            [*py, str(REPO / "scripts" / "per_prompt.py"), str(timing / "vanilla"),
-                             str(timing / "ls"), "--out", str(out / "per_prompt.json")]],
-             "per-prompt tok/s of `run` Vanilla and LS on the testbed, bf16", results=["per_prompt.json"]),
-        Step("profile", 60, [[*py, "-m", "del_bench", "bench", "profile", "--out", str(out / "profile.json"),
-                              *small(["--limit", "3", "--max-new-tokens", "48", "--set", "model=testbed",
-                                      "model.device=cuda", "model.dtype=bfloat16", "warmup=quick"],
+        Step("profile", 45, [[*py, "-m", "del_bench", "bench", "profile", "--out", str(out / "profile.json"),
+                              *small(["--limit", "3", "--max-new-tokens", "32", "--set", "model=synthetic-llama2-7b",
+                                      "model.device=cuda", "model.dtype=bfloat16", "method=vanilla", "compile=off",
+                                      "layers=eager", "warmup=steady", "task.sandbox.allow_root_fallback=true"],
                                      ["--limit", "2", "--max-new-tokens", "4", "--set", "model=tiny-random",
                                       "layers=eager", "threads=1", "warmup_tokens=2"])]],
-             "what a cold prompt pays: the first timed prompts profiled after the old 16-token warm-up",
+             "what a cold prompt pays: eager Vanilla's first timed prompts profiled against its last",
              results=["profile.json"]),
-        Step("half_lossless_testbed", 90, [[*bench, "half-lossless", "--model", "testbed", *device, "--dtype",
+        Step("half_lossless_testbed", 45, [[*bench, "half-lossless", "--model", "testbed", *device, "--dtype",
                                             "bfloat16", *small([], ["--prompts", "1", "--max-new-tokens", "4",
                                                                     "--layers", "eager"]),
                                             "--out", str(out / "half_lossless_testbed.json")]],
              "every method vs generate in bf16 on the testbed", results=["half_lossless_testbed.json"]),
-        Step("bench_gpu_testbed", 90, [[*bench, "gpu", "--model", "testbed", *device,
-                                        "--root", str(out / "bench_gpu_testbed_runs"),
-                                        "--out", str(out / "bench_gpu_testbed.json"), "--del-lookahead", "4",
-                                        *small(["--prompts", "4", "--max-new-tokens", "96"],
-                                               ["--prompts", "1", "--max-new-tokens", "4", *tiny_cpu])]],
-             "bench gpu eager vs captured, the testbed (DEL also with look-ahead 4)",
-             results=["bench_gpu_testbed.json"]),
-        Step("half_lossless_7b", 120, [[*bench, "half-lossless", "--model", "random", *device, "--dtype", "bfloat16",
-                                        *small(["--shape", "llama2-7b", "--prompts", "2", "--max-new-tokens", "32"],
-                                               ["--shape", "tiny", "--prompts", "1", "--max-new-tokens", "4",
-                                                "--layers", "eager"]),
-                                        "--out", str(out / "half_lossless_7b.json")]],
-             "every method vs generate in bf16 on a Llama-2-7B-shaped random model", results=["half_lossless_7b.json"]),
-        Step("bench_gpu_7b", 180, [[*bench, "gpu", *device, "--root", str(out / "bench_gpu_7b_runs"),
-                                    "--out", str(out / "bench_gpu_7b.json"),
-                                    *small(["--shape", "llama2-7b", "--prompts", "3", "--max-new-tokens", "64"],
-                                           ["--shape", "tiny", "--prompts", "2", "--prompt-len", "6",
-                                            "--max-new-tokens", "4", *tiny_cpu])]],
-             "bench gpu eager vs captured, Llama-2-7B shape", results=["bench_gpu_7b.json"]),
     ]
 
 
@@ -253,10 +237,12 @@ def install_wheels(wheels: Path, site: Path | None, python: str, out: Path, dry:
     if dry:
         return {"status": "skipped", "why": f"dry run: {len(found)} wheels for the node's Python not installed here"}
     site = site or Path(tempfile.mkdtemp(prefix="del-bench-site-"))
+    site.mkdir(parents=True, exist_ok=True)
     step = Step("wheels", 120, [[python, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
                                  "--no-cache-dir", "--upgrade", "--target", str(site), *map(str, found)]],
                 "install the carried wheels")
-    return {**run_step(step, out, {**os.environ, **OFFLINE}, time.monotonic() + step.timeout_s), "site": str(site)}
+    # its log beside the installed packages, not in OUT_DIR (a lent device returns at most 8 files of it)
+    return {**run_step(step, site, {**os.environ, **OFFLINE}, time.monotonic() + step.timeout_s), "site": str(site)}
 
 
 # ---- the summary: what each step's results say --------------------------------------------------------------
@@ -278,16 +264,31 @@ def digest(out: Path, name: str) -> list[str]:
         return [f"{s['outputs']} outputs: = generate {s['equal_generate']}, = Vanilla {s['equal_vanilla']}, "
                 f"near-ties {s['near_ties']}, real departures {s['real_departures']} ({data.get('layer_path')})"]
     if data.get("bench") == "gpu":
+        synthetic = data.get("synthetic") or {}
         lines = [f"bandwidth {data['bandwidth_gbps']:.3g} GB/s ({data['bandwidth_source']}), model made in "
-                 f"{data.get('build_s', 0):.1f} s, loop {data['layer_path']}"]
+                 f"{data.get('build_s', 0):.1f} s, loop {data['layer_path']}, kernel launches a layer "
+                 f"{data.get('launches_per_layer')}"]
+        if synthetic:
+            lines.append(f"synthetic: agreement at layer {synthetic['exit_layer']} {synthetic['agreement']} "
+                         f"(asked {synthetic['target_agreement']}), r = {synthetic['ratio']:.4f}")
         for r in data["rows"]:
             if "failure" in r:
                 lines.append(f"{r['row']}: not run — {r['failure'][:160]}")
                 continue
-            graphs = f", graphs {'yes' if r.get('graphs') else 'no'}" if r.get("path") == "captured" else ""
+            graphs = f", graphs {'yes' if r.get('graphs') else 'no'}" if r.get("path") != "eager" else ""
             lines.append(f"{r['row']}: {r['tokens_per_s']:.1f} tok/s, 1st/rest {fmt(r.get('first_over_rest'))}, "
-                         f"roofline {fmt(r.get('roofline_x'))}, = generate {r.get('equal_generate', '-')}{graphs}")
+                         f"roofline {fmt(r.get('roofline_x'))}, speedup {fmt(r.get('speedup'))} (pred. "
+                         f"{fmt(r.get('bytes_predicted_speedup'))}, meas/pred "
+                         f"{fmt(r.get('measured_over_bytes_predicted'))}), acc/token {fmt(r.get('token_acceptance'))}"
+                         f", reads/round {fmt(r.get('host_reads_per_round'))}, = generate "
+                         f"{r.get('equal_generate', '-')}{graphs}")
         return lines
+    if data.get("bench") == "profile":
+        ms = " ".join(f"{p['ms_per_token']:.2f}" for p in data["prompts"])
+        top = data["first_extra"][0] if data.get("first_extra") else None
+        extra = f"; the first prompt's most beyond the last: {top['op']} {top['first_ms']} vs {top['last_ms']} ms" \
+            if top else ""
+        return [f"warm-up {(data.get('warmup') or {}).get('mode')}; ms/token by prompt {ms}{extra}"]
     if "runs" in data:  # per_prompt.json
         return [f"{Path(d).name}: " + " ".join(f"{v:.1f}" for v in r["per_prompt"]) +
                 f" tok/s; 1st/rest {fmt(r['first_over_rest'])}" for d, r in data["runs"].items()]
@@ -308,9 +309,13 @@ def cmd_check(argv: list[str]) -> int:
     ap.add_argument("--wheels", default=str(REPO / ".gpu-whl"), help="the wheels to install (make gpu-wheels)")
     ap.add_argument("--site", default=None, help="where to install them (default: a temporary folder)")
     ap.add_argument("--python", default=sys.executable, help="the interpreter every step runs")
+    ap.add_argument("--runs", default=None, help="where the steps' run records go (default OUT_DIR/runs; with $OUT "
+                    "set — a lent device, which returns a few files of it — a temporary folder)")
     args = ap.parse_args(argv)
     out = Path(args.out).resolve()
-    plan = steps(out, args.python, args.dry_run)
+    lent = os.environ.get("OUT")  # a lent device's output folder: no room for run records
+    runs = Path(args.runs or (tempfile.mkdtemp(prefix="del-bench-gpu-runs-") if lent else out / "runs"))
+    plan = steps(out, args.python, args.dry_run, runs)
     if args.steps:
         wanted = args.steps.split(",")
         unknown = sorted(set(wanted) - {s.name for s in plan} - {"wheels"})

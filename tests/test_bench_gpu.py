@@ -61,10 +61,11 @@ def test_bench_gpu_runs_every_row_at_a_tiny_shape(tmp_path, capsys):
 @pytest.mark.parametrize("device", DEVICES)
 def test_bench_gpu_half_precision_eager_and_captured_rows(device, tmp_path, capsys):
     """bf16, as a GPU runs it: generate's records carry its top-2 gaps, so every output of ours is equal to it or
-    departs at a near-tie, never for real. The captured rows: on CUDA they must run the graphs (compile=on: CUDA
-    graphs, held to the near-tie rule); on the CPU they would compile with inductor for a minute — what they do there is
-    tests/test_compiled.py's, so the CPU run has the eager rows only."""
-    captured = "on" if device == "cuda" else "off"
+    departs at a near-tie, never for real. The captured rows: on CUDA they must run the graphs (graphs: the eager
+    kernels captured; on: inductor's fused kernels captured — each held to the near-tie rule); on the CPU they would
+    compile with inductor for a minute — what they do there is tests/test_compiled.py's, so the CPU run has the eager
+    rows only."""
+    captured = "graphs,on" if device == "cuda" else "off"
     _, rows = run_bench(tmp_path, "--device", device, "--dtype", "bfloat16", "--captured", captured, "--no-del")
     generate = read_jsonl(tmp_path / "runs" / rows["HF generate †"]["method_tag"] / "samples.jsonl")
     assert all(len(s["top2_gap_ulps"]) == s["generated_tokens"] for s in generate)
@@ -74,9 +75,11 @@ def test_bench_gpu_half_precision_eager_and_captured_rows(device, tmp_path, caps
         vs = r["vs_generate"]
         assert vs["departs_at"] == [] and vs["outputs_compared"] == 2, r["row"]
         assert vs["outputs_equal"] + len(vs["near_tie_at"]) == 2, r["row"]
-    captured = [r for name, r in rows.items() if name.endswith("(captured)")]
+    captured = [r for name, r in rows.items() if name.endswith("graphs)")]
     if device == "cuda":
-        assert [r["row"] for r in captured] == ["Vanilla (captured)", "LS(E1-γ2) (captured)"]
+        assert [r["row"] for r in captured] == ["Vanilla (graphs)", "LS(E1-γ2) (graphs)", "Vanilla (fused graphs)",
+                                                "LS(E1-γ2) (fused graphs)"]
+        assert [r["graph_kind"] for r in captured] == ["cuda_graphs"] * 2 + ["fused_cuda_graphs"] * 2
         assert all("failure" not in r and r["graphs"] for r in captured), [r.get("failure") for r in captured]
     else:
         assert captured == []

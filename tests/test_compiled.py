@@ -63,6 +63,8 @@ class Replayed(_CudaGraphs):
     """The CUDA-graph runner with each capture replaced by a recording: the step's body, run again on every replay
     (as a CUDA graph replays its kernels on the same buffers), under a host-read counter that must stay at zero."""
 
+    replays = 0  # graphs replayed, all instances together
+
     def _capture(self, body, width):
         body()  # capture's warm-up writes, as on CUDA
 
@@ -70,6 +72,7 @@ class Replayed(_CudaGraphs):
             with count_syncs() as reads:
                 body()
             assert reads.total == 0, f"a step read from the device: {reads.sites}"
+            Replayed.replays += 1
 
         return type("Recorded", (), {"replay": staticmethod(replay)})()
 
@@ -112,15 +115,18 @@ def test_every_method_on_the_graphs_gives_eager_tokens(stack_and_prompt, name):
 
 
 def test_one_graph_serves_every_layer_and_position(stack_and_prompt):
-    """The layer's tensors are arguments: DEL's layer-by-layer steps compile once per width, not once per layer or
-    per position (dynamo guards on shapes, not on which layer's tensors)."""
+    """The layer's tensors are arguments: a chain is its one layer function called layer by layer, compiled once per
+    width, not once per layer, chain or position (dynamo guards on shapes, not on which layer's tensors) — DEL's
+    chains for every exit layer it may choose (drafts 1..E at width 1, verifications E+1..L at each width, each
+    keeping its states) and Vanilla's."""
     stack, prompt = stack_and_prompt
+    L = stack.num_layers
     counter = CompileCounterWithBackend(BACKEND)
     graphs = Graphs(stack, backend=counter)
     graphs.prepare(StepShapes(None, 3, collects=True), 64)
     widths = [b for b in compiled.BUCKETS if b <= 4]
-    assert counter.frame_count == 1 + len(widths)  # Vanilla's chain, then one single-layer graph per width
-    assert graphs.graphs == 1 + stack.num_layers * len(widths)
+    assert counter.frame_count == len(widths)
+    assert graphs.graphs == 2 + (L - 1) + (L - 1) * len(widths)  # [0, L) bare and keeping; [0, E); [E, L) a width
 
 
 @torch.inference_mode()
@@ -205,22 +211,34 @@ def decode_eager(stack, prompt, method) -> list[int]:
         stack.compiled = graphs
 
 
+@pytest.mark.parametrize("setting,kind", [("on", "fused_cuda_graphs"), ("graphs", "cuda_graphs")])
 @pytest.mark.parametrize("name", ["vanilla", "ls", "del", "swift"])
-def test_the_cuda_graph_runner_replays_the_engines_steps(stack_and_prompt, name, caplog):
-    """The CUDA path's bookkeeping, replayed on the CPU: every step reads and writes its width's static buffers, so
-    chains, layer-by-layer and sublayer steps compose; the engine decodes in the cache the graphs were captured on;
-    no step reads from the device; the tokens are the eager engine's. A prompt longer than that cache decodes on the
-    stack's loop, with a warning, the same tokens."""
+def test_the_cuda_graph_runner_replays_the_engines_steps(stack_and_prompt, name, setting, kind, caplog):
+    """The CUDA path's bookkeeping, replayed on the CPU, with the steps' kernels fused (compiled: on) or not (graphs):
+    every step reads and writes its width's static buffers, so chains, layer-by-layer and sublayer steps compose; the
+    engine decodes in the cache the graphs were captured on; no step reads from the device; the tokens are the eager
+    engine's; a chain is one replay — DEL's too, its layers' states kept inside it: a round replays d + 1 draft
+    passes and one verification. A prompt longer than that cache decodes on the stack's loop, with a warning, the
+    same tokens."""
     stack, prompt = stack_and_prompt
     method = METHODS[name]
     reference = decode(stack, prompt, method)
     try:
-        info = compiled.choose(stack, "on", method, TOKENS, cache_len=len(prompt) + TOKENS + 1, capture=True,
-                               runner=Replayed)
+        info = compiled.choose(stack, setting, method, TOKENS, cache_len=len(prompt) + TOKENS + 1, capture=True,
+                               runner=Replayed, backend=CompileCounterWithBackend(BACKEND))
         graphs = stack.compiled
-        assert info["graph_kind"] == "cuda_graphs" and graphs.cache.max_len == compiled.CACHE_QUANTUM
+        assert info["graph_kind"] == kind and graphs.cache.max_len == compiled.CACHE_QUANTUM
         engine = Engine(stack, Sampling(), set())
-        assert engine.generate(prompt, copy.deepcopy(method), TOKENS, seed=0).output_ids == reference
+        chains, forward_layers = [], graphs.forward_layers
+        graphs.forward_layers = lambda *a, **k: chains.append(forward_layers(*a, **k)) or chains[-1]
+        before = Replayed.replays
+        gen = engine.generate(prompt, copy.deepcopy(method), TOKENS, seed=0)
+        del graphs.forward_layers
+        assert gen.output_ids == reference
+        if name in ("vanilla", "ls", "del"):  # early exit: each chain one replay, ≤ d + 2 a round
+            replays = Replayed.replays - before
+            assert replays == sum(out is not None for out in chains)
+            assert replays <= sum(r.drafted + 2 for r in gen.rounds if r.round > 0)
         assert engine.cache is graphs.cache
         long_prompt = prompt * (compiled.CACHE_QUANTUM // len(prompt) + 1)
         with caplog.at_level(logging.WARNING):

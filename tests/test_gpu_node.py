@@ -31,8 +31,7 @@ if [ -n "$STUB_FAIL" ] && [[ "$*" == *"$STUB_FAIL"* ]]; then exit 3; fi
 if [ -n "$STUB_SLEEP" ] && [[ "$*" == *"$STUB_SLEEP"* ]]; then sleep 60 & echo $! > "$STUB_PID"; wait; fi
 exit 0
 """
-NON_CUDA = ["env", "timing", "profile", "half_lossless_testbed", "bench_gpu_testbed", "half_lossless_7b",
-            "bench_gpu_7b"]
+NON_CUDA = ["env", "bench_gpu_7b", "profile", "half_lossless_testbed"]
 
 
 def gpu_node():
@@ -72,40 +71,40 @@ def test_the_carried_wheels_are_installed_offline_and_put_first_on_the_path(tmp_
 
 
 def test_a_failing_step_is_reported_and_the_others_still_run(tmp_path):
-    rc, stdout, calls = check(tmp_path, STUB_FAIL="half-lossless")
+    rc, stdout, calls = check(tmp_path, STUB_FAIL="bench profile")
     assert rc == 1
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     status = {name: r["status"] for name, r in summary["steps"].items()}
-    assert status == {"wheels": "skipped", "env": "passed", "fused": "skipped", "pytest_cuda": "skipped",
-                      "timing": "passed", "profile": "passed", "half_lossless_testbed": "failed",
-                      "bench_gpu_testbed": "passed", "half_lossless_7b": "failed", "bench_gpu_7b": "passed"}
-    assert summary["not_passed"] == ["half_lossless_testbed", "half_lossless_7b"]
-    assert stdout.rstrip().endswith("==== not passed: half_lossless_testbed, half_lossless_7b")
+    assert status == {"wheels": "skipped", "env": "passed", "bench_gpu_7b": "passed", "pytest_cuda": "skipped",
+                      "profile": "failed", "half_lossless_testbed": "passed"}
+    assert summary["not_passed"] == ["profile"]
+    assert stdout.rstrip().endswith("==== not passed: profile")
     assert all((tmp_path / "out" / f"{name}.log").is_file() for name in NON_CUDA)
     # in order, every command of every step but the CUDA-only ones (a dry run), those after the failure too
-    order = [calls.index(marker) for marker in ("missing", "method=vanilla", "method=ls", "per_prompt.py",
-                                                "--model testbed --device cpu --dtype bfloat16",
-                                                "bench gpu --model testbed", "--model random", "bench gpu --device")]
-    assert order == sorted(order) and "-m pytest" not in calls and "extension()" not in calls
+    order = [calls.index(marker) for marker in ("missing", "bench gpu --model synthetic", "bench profile",
+                                                "half-lossless --model testbed")]
+    assert order == sorted(order) and "-m pytest" not in calls
+    assert f"--root {tmp_path / 'out' / 'runs'}" in calls  # run records apart from the result files
 
 
 def test_a_step_stops_at_its_first_failing_command(tmp_path):
-    rc, _, calls = check(tmp_path, "--steps", "timing", STUB_FAIL="method=vanilla")
-    assert rc == 1 and "method=vanilla" in calls and "method=ls" not in calls and "per_prompt.py" not in calls
-    assert json.loads((tmp_path / "out" / "summary.json").read_text())["steps"]["timing"]["exit"] == 3
+    node = gpu_node()
+    step = node.Step("two", 30, [["sh", "-c", "exit 3"], ["sh", "-c", f"touch {tmp_path / 'ran'}"]], "two commands")
+    result = node.run_step(step, tmp_path, dict(os.environ), time.monotonic() + 30)
+    assert result["status"] == "failed" and result["exit"] == 3 and not (tmp_path / "ran").exists()
 
 
 def test_a_step_past_its_time_is_killed_with_its_children_and_the_budget_holds(tmp_path):
     t0 = time.monotonic()
-    rc, stdout, _ = check(tmp_path, "--budget", "7", STUB_SLEEP="bench gpu --model testbed")
+    rc, stdout, _ = check(tmp_path, "--budget", "7", STUB_SLEEP="bench gpu --model")
     assert rc == 1 and time.monotonic() - t0 < 30
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     status = {name: r["status"] for name, r in summary["steps"].items()}
-    assert status["half_lossless_testbed"] == "passed" and status["bench_gpu_testbed"] == "timeout"
-    assert status["half_lossless_7b"] == status["bench_gpu_7b"] == "skipped"  # the budget was spent
+    assert status["env"] == "passed" and status["bench_gpu_7b"] == "timeout"
+    assert status["profile"] == status["half_lossless_testbed"] == "skipped"  # the budget was spent
     sleeper = int((tmp_path / "pid").read_text())
     assert gone(sleeper)  # the step's whole process group went, not only its first process
-    assert "[timeout] bench_gpu_testbed" in stdout
+    assert "[timeout] bench_gpu_7b" in stdout
 
 
 def gone(pid: int, wait_s: float = 5.0) -> bool:
@@ -127,8 +126,8 @@ def test_every_steps_command_is_one_its_tool_accepts(tmp_path):
     renamed flag fails here, not on the GPU node."""
     node = gpu_node()
     for dry in (False, True):
-        steps = node.steps(tmp_path, "python3", dry)
-        assert [s.name for s in steps] == ["env", "fused", "pytest_cuda", *NON_CUDA[1:]]
+        steps = node.steps(tmp_path, "python3", dry, tmp_path / "runs")
+        assert [s.name for s in steps] == ["env", "bench_gpu_7b", "pytest_cuda", *NON_CUDA[2:]]
         for command in (c for s in steps for c in s.commands):
             if command[1:4] == ["-m", "del_bench", "bench"]:
                 if command[4] == "profile":  # a run's overrides, composed as `run` composes them
@@ -138,7 +137,9 @@ def test_every_steps_command_is_one_its_tool_accepts(tmp_path):
                     continue
                 parse = {"gpu": bench_gpu.parse_args, "half-lossless": half_lossless.parse_args}[command[4]]
                 args = parse(command[5:])
-                assert args.device == ("cpu" if dry else "cuda") and args.dtype == "bfloat16"
+                synthetic_on_cpu = dry and command[4] == "gpu"  # a synthetic model in float32 on the CPU
+                assert args.device == ("cpu" if dry else "cuda")
+                assert args.dtype == ("float32" if synthetic_on_cpu else "bfloat16")
             elif command[1:4] == ["-m", "del_bench", "run"]:
                 cfg = compose_run(*command[4:])
                 assert cfg.model.dtype == "bfloat16" and (cfg.model.device == "cuda") != dry
@@ -185,5 +186,5 @@ def test_gpu_check_dry_run_end_to_end(tmp_path):
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["not_passed"] == [] and all(summary["steps"][name]["digest"] for name in NON_CUDA[1:])
     rows = json.loads((tmp_path / "bench_gpu_7b.json").read_text())["rows"]
-    assert [r["row"] for r in rows if r["path"] == "captured"] == ["Vanilla (captured)", "LS(E1-γ6) (captured)",
-                                                                   "DEL (captured)"]
+    assert [r["row"] for r in rows if r["path"] == "fused graphs"] == [
+        "Vanilla (fused graphs)", "LS(E4-γ2) (fused graphs)", "DEL (fused graphs)"]

@@ -5,11 +5,13 @@ mixed choice bit for bit; a run records the choice and the timings behind it."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from del_bench import runner
+from del_bench import records, runner
 from del_bench.engine.decode import Engine
 from del_bench.engine.sampling import Sampling
 from del_bench.errors import ConfigError
@@ -78,8 +80,16 @@ def never_timed(*_):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_is_hfs_product_whatever_the_setting(dtype):
-    for setting in products.SETTINGS:
+    """HF's layout always; under auto its one-row time of each shape class is still taken — the machine's probe
+    (records.machine_probe), so a half-precision run's speedups can be marked § too."""
+    for setting in ("wt_x", "x_wt"):
         assert all(lay == products.HF_LAYOUT for lay in choose(setting, dtype, never_timed).layouts.values())
+    timed = []
+    auto = choose("auto", dtype, lambda shape, layout, rows: timed.append((shape, layout, rows)) or 1e-3)
+    assert all(lay == products.HF_LAYOUT for lay in auto.layouts.values())
+    assert timed == [(shape, X_WT, 1) for shape in products.SHAPES]
+    assert records.machine_probe([{"products": json.loads(json.dumps(auto.as_dict()))}]) == \
+        pytest.approx(1e-3 * len(products.SHAPES))
 
 
 def test_forced_settings_time_nothing():

@@ -476,6 +476,7 @@ def test_a_warm_up_that_runs_out_of_passes_flags_the_run(run_cfg):
     warmup = summary["setup"][0]["warmup"]
     assert len(warmup["ms_per_token"]) == 2 and warmup["converged"] is False
     assert summary["steady_state"] == {"first_slowdown": summary["steady_state"]["first_slowdown"],
+                                       "lead_slowdown": summary["steady_state"]["lead_slowdown"],
                                        "warmups_unconverged": 1, "steady": False}
 
 

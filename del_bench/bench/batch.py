@@ -27,7 +27,7 @@ import torch
 from del_bench.bench import gpu
 from del_bench.bench import harness as h
 from del_bench.models.layer_stack import LayerStack
-from del_bench.models.loading import Loaded
+from del_bench.models.loading import AnyIdTokenizer, Loaded
 from del_bench.records import run_key_of, vanilla_baseline
 
 TASKS = {"smollm2-135m": "humaneval", "testbed": "code"}
@@ -108,7 +108,7 @@ def random_rows(args) -> list[dict]:
     device = torch.device(shape.device)
     model = gpu.build_model(shape, device)
     stack = LayerStack(model, layers=shape.loop)
-    loaded = (Loaded(model, gpu.AnyIds(), shape.layers, str(device)), stack)
+    loaded = (Loaded(model, AnyIdTokenizer(), shape.layers, str(device)), stack)
     rng = random.Random(shape.seed)
     words = [{"id": f"random-{i}", "prompt": "".join(chr(rng.randrange(33, 127)) for _ in range(shape.prompt_len - 1))}
              for i in range(args.limit)]

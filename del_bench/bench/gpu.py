@@ -1,30 +1,37 @@
-"""Eager vs graph-captured decoding on a GPU: a Llama-2-7B/Llama-3-8B-shaped random model or the testbed, ours vs HF.
+"""Eager vs graph-captured decoding on a GPU: a synthetic early-exit model or a random one at a real model's shape (
+Llama-2-7B, Llama-3-8B, …) or the testbed, ours vs HF.
 
 Rows, every one a run with records, interleaved prompt by prompt after the runner's untimed warm-up, clocks read
-after a device synchronisation:
+after a device synchronisation, by path:
 - eager (`compile=off`: our layer loop, fused where it builds): our Vanilla, LS(E, γ) and DEL, and transformers'
   `generate` and `generate(assistant_early_exit=E, num_assistant_tokens=γ)` († peers, on the same weights:
   LayerStack re-points HF's modules at its own storage, one copy);
-- captured (`--captured on`, the default, or `auto`): the same methods of ours with the graph-captured steps
-  (engine/compiled.py). A compile that is refused (`on`: CompileUnavailable, or any error of such a row) ends that
-  row only: it is listed with the reason, the others go on.
+- each of `--captured` (default `graphs,on`): the same methods of ours on the graph-captured steps
+  (engine/compiled.py) — `graphs`: the eager kernels captured as CUDA graphs; `on` (fused graphs): inductor's fused
+  kernels captured; `auto`: what a run chooses. A compile that is refused (CompileUnavailable, or any error of such
+  a row) ends that row only: it is listed with the reason, the others go on.
 
 The model: `--model random` (default) a Llama of `--shape` (llama2-7b, llama2-13b, llama3-8b; the matrix sizes,
 any of them overridden by --layers --hidden …) with random weights made on the device in the dtype (no host copy;
 the same seed on the same device type gives the same weights), prompts of random bytes, no EOS (every row runs to
-the end); its records name it model=tiny-random at that shape. Or a model config (`--model testbed`: the
-LayerSkip-trained testbed, its held-out code prompts; `--task` another task).
+the end); its records name it model=tiny-random at that shape. A synthetic model (`--model synthetic-llama2-7b`,
+models/synthetic.py: a real shape whose early exits agree as often as its `model.agreement`, so the methods draft
+as on a trained model) gets the same random prompts. Or a model config (`--model testbed`: the LayerSkip-trained
+testbed, its held-out code prompts; `--task` another task).
 
 Per row, from its records: tok/s (mean over prompts); per-prompt speed (tok/s prompt by prompt in decode order; the
 first timed prompt ÷ the median of the rest: far below 1, the warm-up left decoding short of steady state);
 roofline (tok/s ÷ the memory-bandwidth roofline of one-token decoding: bandwidth ÷ the bytes a token streams — every
 layer's weights, the final norm and LM head, the KV cache at the samples' mean context; a speculative row can exceed
 1); HBM (our rows: the bytes our loop streamed ÷ seconds ÷ bandwidth: loaded layers × a layer's bytes + (rounds +
-drafted) × the head's); eTPL, α, peak memory; "= generate" and "= Vanilla" (the Vanilla of the row's own path,
-eager or captured): outputs equal, first departing at a near-tie of the reference's logits (allowed in half
-precision: del_bench/numerics.py, the reference's recorded top2_gap_ulps) or really departing. Bandwidth: --bandwidth
-GB/s, else the device's data-sheet figure, else a GEMV probe. Random weights rarely agree across depths, so on them
-the rows measure mechanics (a round's cost, the roofline, memory), not a LayerSkip checkpoint's speedups.
+drafted) × the head's); eTPL, α; speedup over its path's Vanilla; pred. (the memory-bound prediction: its tokens
+per streamed byte ÷ its path's Vanilla's) and meas/pred; host reads a round; peak memory; "= generate" and
+"= Vanilla" (the Vanilla of the row's own path): outputs equal, first departing at a near-tie of the reference's
+logits (allowed in half precision: del_bench/numerics.py, the reference's recorded top2_gap_ulps) or really
+departing. Bandwidth: --bandwidth GB/s, else the device's data-sheet figure, else a GEMV probe. And, once, the
+kernel launches of one decoder layer at a decode position, eager and fused (`launches_per_layer`). Random weights
+rarely agree across depths: on them the rows measure mechanics (a round's cost, the roofline, memory); a synthetic
+model's rows measure what each method's drafting pays at a real layer's cost.
 """
 
 from __future__ import annotations
@@ -39,24 +46,22 @@ import torch
 from del_bench.bench import harness as h
 from del_bench.bench.peers import peer_method
 from del_bench.models.layer_stack import LayerStack
-from del_bench.models.loading import DTYPES, ByteTokenizer, Loaded, random_llama
+from del_bench.models.loading import DTYPES, AnyIdTokenizer, Loaded
+from del_bench.models.synthetic import SHAPES, llama_config, random_llama, random_text
 from del_bench.records import is_peer, read_jsonl
 
-SHAPES = {  # the matrix sizes of the checkpoints (their HF configs); "tiny": the suite's CPU smoke shape
-    "llama2-7b": dict(layers=32, hidden=4096, heads=32, kv_heads=32, intermediate=11008, vocab=32000),
-    "llama2-13b": dict(layers=40, hidden=5120, heads=40, kv_heads=40, intermediate=13824, vocab=32000),
-    "llama3-8b": dict(layers=32, hidden=4096, heads=32, kv_heads=8, intermediate=14336, vocab=128256),
-    "tiny": dict(layers=2, hidden=64, heads=4, kv_heads=2, intermediate=128, vocab=128),
-}
 NOMINAL_GBPS = (  # (substring of torch.cuda.get_device_name, GB/s): HBM bandwidth from the vendors' data sheets
     ("H200", 4800.0), ("H100 PCIe", 2000.0), ("H100 NVL", 3900.0), ("H100", 3350.0),  # first match wins
     ("A100-SXM4-80GB", 2039.0), ("A100 80GB PCIe", 1935.0), ("A100", 1555.0),
     ("L40S", 864.0), ("A10G", 600.0), ("A10", 600.0), ("L4", 300.0), ("V100", 900.0),
 )
 COLUMNS = ["row", "tok/s", ("1st/rest", "first_over_rest", ".2f", 8), ("roofline", "roofline_x", ".3g", 8),
-           ("HBM", "hbm_fraction", ".2f", 5), "eTPL", "α", ("peak GiB", "peak_gib", ".2f", 8),
+           ("HBM", "hbm_fraction", ".2f", 5), "eTPL", "α", ("speedup", "speedup", ".2f", 7),
+           ("acc/token", "token_acceptance", ".2f", 9), ("pred.", "bytes_predicted_speedup", ".2f", 5),
+           ("meas/pred", "measured_over_bytes_predicted", ".2f", 9),
+           ("reads/rd", "host_reads_per_round", ".2f", 8), ("peak GiB", "peak_gib", ".2f", 8),
            ("= generate", "equal_generate", "", 10), ("= Vanilla", "equal_vanilla", "", 10)]
-PATH_LABELS = {"off": "eager", "on": "captured", "auto": "compile=auto"}
+PATH_LABELS = {"off": "eager", "graphs": "graphs", "on": "fused graphs", "auto": "compile=auto"}  # compile → path
 
 
 def parse_args(argv=None):
@@ -72,14 +77,18 @@ def parse_args(argv=None):
     ap.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--loop", default="auto", choices=("auto", "fused", "eager"), help="our decoder-layer loop")
-    ap.add_argument("--captured", default="on", choices=("on", "auto", "off"),
-                    help="compile setting of the graph-captured rows (off: eager rows only)")
+    ap.add_argument("--captured", default="graphs,on", type=captured_settings,
+                    help="compile settings of the graph-captured rows, comma-separated: graphs (the eager kernels "
+                    "captured), on (inductor's fused kernels captured; torch.compile off CUDA), auto; off: eager "
+                    "rows only")
     ap.add_argument("--prompts", type=int, default=3)
     ap.add_argument("--prompt-len", type=int, default=128, help="the random model's prompt length (ids)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--configs", default=None, help="comma-separated E:γ for LS and assistant_early_exit (default: "
                     "the random model's L/4:6, a model config's own LS setting)")
     ap.add_argument("--no-del", action="store_true", help="leave out the DEL rows")
+    ap.add_argument("--vanilla-only", default="", type=lambda t: [x for x in t.split(",") if x],
+                    help="compile settings (off, graphs, on, auto) whose path gets the Vanilla row alone")
     ap.add_argument("--del-lookahead", type=int, default=None, metavar="K",
                     help="also DEL reading its stop decisions K candidates at a time (method.lookahead): fewer host "
                     "reads, the candidates drafted past a stop paid for")
@@ -93,15 +102,6 @@ def parse_args(argv=None):
         if args.model == "random" and getattr(args, name) is None:
             setattr(args, name, value)
     return args
-
-
-class AnyIds(ByteTokenizer):
-    """The random model's prompts are bytes; its outputs are any id of its vocabulary, decoded as numbers; no EOS."""
-
-    eos_token_id = None
-
-    def decode(self, ids, skip_special_tokens: bool = True) -> str:
-        return " ".join(map(str, ids))
 
 
 def model_overrides(args) -> list[str]:
@@ -119,15 +119,18 @@ def build_model(args, device: torch.device | str):
 
 
 def random_model(shape: dict, dtype: str, device: torch.device | str, seed: int):
-    """A Llama of `shape` (SHAPES' keys) with transformers' random init, made on the device in the dtype."""
-    from transformers import LlamaConfig
+    """A Llama of `shape` (SHAPES' keys) with transformers' random init, made on the device in the dtype (no EOS: every
+    row runs to the end)."""
+    return random_llama(llama_config(shape), DTYPES[dtype], device, seed)
 
-    config = LlamaConfig(vocab_size=shape["vocab"], hidden_size=shape["hidden"],
-                         intermediate_size=shape["intermediate"], num_hidden_layers=shape["layers"],
-                         num_attention_heads=shape["heads"],
-                         num_key_value_heads=shape["kv_heads"], max_position_embeddings=4096,
-                         bos_token_id=None, eos_token_id=None, pad_token_id=0)  # no EOS: every row runs to the end
-    return random_llama(config, DTYPES[dtype], device, seed)
+
+def captured_settings(text: str) -> list[str]:
+    """--captured's comma-separated compile settings ('off' or nothing: none)."""
+    settings = [t for t in text.split(",") if t and t != "off"]
+    unknown = [t for t in settings if t not in PATH_LABELS or t == "off"]
+    if unknown:
+        raise ValueError(f"--captured: {', '.join(unknown)} not among graphs, on, auto, off")
+    return settings
 
 
 def nominal_gbps(device_name: str) -> float | None:
@@ -166,17 +169,26 @@ def stream_bytes(model) -> dict:
             "num_layers": config.num_hidden_layers}
 
 
+def streamed(sample: dict, sizes: dict) -> float:
+    """The bytes a sample's decoding streamed at least once from memory: its loaded layers' weights, and the head's
+    once per head call (each round's verification, each draft) — the memory-bound cost model's count."""
+    return sample["loaded_layers"] * sizes["layer"] + (sample["rounds"] + sample["drafted"]) * sizes["head"]
+
+
 def with_figures(r: dict, sizes: dict, gbps: float, generate_dir: str | None, vanilla_dir: str | None) -> dict:
-    """The row's per-prompt speed, roofline, HBM fraction, peak memory and its outputs against generate's and its
-    path's Vanilla's (harness.lossless_vs: the near-tie rule), from its records."""
+    """The row's per-prompt speed, roofline, HBM fraction, tokens per streamed byte, host reads a round, peak memory
+    and its outputs against generate's and its path's Vanilla's (harness.lossless_vs: the near-tie rule), from its
+    records."""
     samples = read_jsonl(Path(r["out_dir"]) / "samples.jsonl")
     context = statistics.fmean(len(s["prompt_ids"]) + s["generated_tokens"] / 2 for s in samples)
     token_bytes = sizes["layer"] * sizes["num_layers"] + sizes["head"] + sizes["kv_per_position"] * context
     r["roofline_x"] = r["tokens_per_s"] / (gbps * 1e9 / token_bytes)
     if not is_peer(r["method"]):  # our rows: what our loop streamed
-        r["hbm_fraction"] = statistics.fmean(
-            (s["loaded_layers"] * sizes["layer"] + (s["rounds"] + s["drafted"]) * sizes["head"]) / s["wall_s"]
-            for s in samples) / (gbps * 1e9)
+        r["hbm_fraction"] = statistics.fmean(streamed(s, sizes) / s["wall_s"] for s in samples) / (gbps * 1e9)
+        r["tokens_per_gb"] = statistics.fmean(s["generated_tokens"] / streamed(s, sizes) * 1e9 for s in samples)
+        rounds = [x for x in read_jsonl(Path(r["out_dir"]) / "rounds.jsonl") if x["round"] > 0]
+        r["host_reads_per_round"] = statistics.fmean(x["host_syncs"] for x in rounds) if rounds else None
+        r["token_acceptance"] = token_acceptance(rounds)
     r["peak_gib"] = max(s["peak_memory_bytes"] or 0 for s in samples) / 2**30
     r.update(h.per_prompt_speed(r["out_dir"]))
     for key, reference_dir, name in (("generate", generate_dir, "generate"), ("vanilla", vanilla_dir, "Vanilla")):
@@ -186,11 +198,32 @@ def with_figures(r: dict, sizes: dict, gbps: float, generate_dir: str | None, va
     return r
 
 
+def token_acceptance(rounds: list[dict]) -> float | None:
+    """Accepted ÷ drafts compared: each round's accepted drafts and its first rejected one (the drafts after it are
+    never compared) — the per-token probability a draft is accepted, what a synthetic model's `agreement` sets
+    (α, accepted ÷ drafted, also counts the drafts after a rejection)."""
+    compared = sum(x["accepted"] + (x["accepted"] < x["drafted"]) for x in rounds)
+    return sum(x["accepted"] for x in rounds) / compared if compared else None
+
+
+def with_prediction(rows: list[dict]) -> None:
+    """Each of our rows' memory-bound prediction: its tokens per streamed byte ÷ its path's Vanilla's (what its
+    speedup would be if time were bytes), and its measured speedup ÷ that."""
+    vanilla = {r["path"]: r.get("tokens_per_gb") for r in rows if r.get("method") == "vanilla"}
+    for r in rows:
+        base = vanilla.get(r.get("path"))
+        if r.get("tokens_per_gb") and base:
+            r["bytes_predicted_speedup"] = r["tokens_per_gb"] / base
+            if r.get("speedup") is not None:
+                r["measured_over_bytes_predicted"] = r["speedup"] / r["bytes_predicted_speedup"]
+
+
 def compile_state(summary: dict) -> dict:
     """Whether the row's last decoding session ran the captured steps, and why not (its setup line)."""
-    setup = (summary.get("setup") or [{}])[-1]
-    return {"compile": setup.get("compile"), "graphs": bool(setup.get("compiled")), "compile_s": setup.get("compile_s"),
-            "compile_reason": setup.get("reason")}
+    first, last = (summary.get("setup") or [{}])[0], (summary.get("setup") or [{}])[-1]
+    return {"compile": last.get("compile"), "graphs": bool(last.get("compiled")), "graph_kind": last.get("graph_kind"),
+            "graphs_made": first.get("graphs"), "compile_s": first.get("compile_s"),  # the first session made them
+            "compile_reason": last.get("reason"), "compile_fallbacks": last.get("fallbacks")}
 
 
 def main(argv: list[str]) -> int:
@@ -200,7 +233,7 @@ def main(argv: list[str]) -> int:
 
 def random_prompts(args) -> list[dict]:
     rng = random.Random(args.seed)
-    return [{"id": f"random-{i}", "prompt": "".join(chr(rng.randrange(33, 127)) for _ in range(args.prompt_len - 1))}
+    return [{"id": f"random-{i}", "prompt": random_text(rng, args.prompt_len - 1)}
             for i in range(args.prompts)]  # + <s>: prompt-len ids
 
 
@@ -214,12 +247,14 @@ def setup_model(args, device: torch.device) -> tuple[list[str], object, dict]:
             torch.cuda.synchronize(device)
         built = {"build_s": time.perf_counter() - t0}
         stack = LayerStack(model, layers=args.loop)
-        loaded = (Loaded(model, AnyIds(), args.layers, str(device)), stack)
+        loaded = (Loaded(model, AnyIdTokenizer(), args.layers, str(device)), stack)
         base = [*model_overrides(args), *h.prompts_task(Path(args.root) / "prompts.jsonl", random_prompts(args)),
                 *common, *args.set]
         return base, lambda: loaded, {**built, "model": model, "stack": stack}
-    base = [f"model={args.model}", f"model.device={device}", f"model.dtype={args.dtype}",
-            *h.task_overrides(args.task, args.model, args.root), *common, *args.set]
+    prompts = (h.prompts_task(Path(args.root) / "prompts.jsonl", random_prompts(args))
+               if args.model.startswith("synthetic") else h.task_overrides(args.task, args.model, args.root))
+    base = [f"model={args.model}", f"model.device={device}", f"model.dtype={args.dtype}", *prompts, *common,
+            *args.set]
     load = h.shared_load(h.compose(*base))
     t0 = time.perf_counter()
     loaded, stack = load()
@@ -233,16 +268,17 @@ def make_rows(args, base: list[str], load, grid: list[tuple[int, int]]) -> dict[
                      may_fail=may_fail)
 
     def ours(setting: str) -> list[h.Row]:
-        path, suffix = PATH_LABELS[setting], "" if setting == "off" else f"-compile_{setting}"
+        path, suffix = f"({PATH_LABELS[setting]})", "" if setting == "off" else f"-compile_{setting}"
         options = dict(suffix=suffix, may_fail=setting != "off")
-        rows = [row(f"Vanilla ({path})", "method=vanilla", f"compile={setting}", **options)]
-        rows += [row(f"LS(E{e}-γ{g}) ({path})", *h.ls_args("ls", e, g), f"compile={setting}", **options)
-                 for e, g in grid]
-        if not args.no_del:
-            rows.append(row(f"DEL ({path})", "method=del", f"compile={setting}", **options))
+        rows = [row(f"Vanilla {path}", "method=vanilla", f"compile={setting}", **options)]
+        if setting not in args.vanilla_only:
+            rows += [row(f"LS(E{e}-γ{g}) {path}", *h.ls_args("ls", e, g), f"compile={setting}", **options)
+                     for e, g in grid]
+        if not args.no_del and setting not in args.vanilla_only:
+            rows.append(row(f"DEL {path}", "method=del", f"compile={setting}", **options))
             if args.del_lookahead:
                 k = args.del_lookahead
-                rows.append(row(f"DEL lookahead {k} ({path})", "method=del", f"+method.lookahead={k}",
+                rows.append(row(f"DEL lookahead {k} {path}", "method=del", f"+method.lookahead={k}",
                                 f"method.tag=del-lookahead{k}", f"compile={setting}", **options))
         return rows
 
@@ -250,11 +286,12 @@ def make_rows(args, base: list[str], load, grid: list[tuple[int, int]]) -> dict[
         row("HF generate †", "compile=off", method=peer_method("hf_generate")),
         *(row(f"HF assistant_early_exit(E{e}-γ{g}) †", "compile=off",
               method=peer_method("hf_assistant_early_exit", exit_layer=e, gamma=g)) for e, g in grid)]
-    return {"eager": [*ours("off"), *peers], "captured": [] if args.captured == "off" else ours(args.captured)}
+    return {"eager": [*ours("off"), *peers], **{PATH_LABELS[setting]: ours(setting) for setting in args.captured}}
 
 
 def bench(args) -> dict:
-    """The bench's rows and figures (what it prints and writes)."""
+    """The bench's rows and figures (what it prints and writes; the result file is rewritten after every prompt's
+    rows, so a bench stopped at its time limit leaves what it measured)."""
     device = torch.device(args.device)
     base, load, model_info = setup_model(args, device)
     model, stack = model_info["model"], model_info["stack"]
@@ -267,10 +304,31 @@ def bench(args) -> dict:
     shape = (f"{args.layers} layers × {args.hidden} ({args.heads}/{args.kv_heads} heads, {args.intermediate} MLP, "
              f"{args.vocab} vocab), random" if args.model == "random" else f"{args.model} ({L} layers)")
     print(f"{shape}, {args.dtype} on {device}, made in {model_info['build_s']:.1f} s; our loop: {stack.layer_path}; "
-          f"bandwidth {gbps:.3g} GB/s ({source})")
+          f"bandwidth {gbps:.3g} GB/s ({source})", flush=True)
+    report = {"model": args.model, "layer_path": stack.layer_path, "build_s": model_info["build_s"],
+              "synthetic": getattr(model, "synthetic", None), "bandwidth_gbps": gbps, "bandwidth_source": source,
+              "bytes": sizes, "launches_per_layer": launches(stack, args), "rows": []}
+    print(f"kernel launches a layer (one decode token): {report['launches_per_layer']}", flush=True)
+    h.write_result(args.out, "gpu", vars(args), **report)
     rows = [r for path in by_path.values() for r in path]
-    h.run_rows(rows, args.prompts)
-    ran = h.finished(rows)
+    prompts_done = iter(range(args.prompts + 1))
+
+    def write_so_far():
+        if next(prompts_done):  # before prompt i > 0: the figures of prompts 0 .. i-1
+            report["rows"] = results_of(by_path, sizes, gbps)
+            h.write_result(args.out, "gpu", vars(args), **report)
+
+    h.run_rows(rows, args.prompts, before_prompt=write_so_far)
+    report["rows"] = results_of(by_path, sizes, gbps)
+    h.print_table(report["rows"], COLUMNS)
+    print_notes(report["rows"])
+    h.write_result(args.out, "gpu", vars(args), **report)
+    return report
+
+
+def results_of(by_path: dict[str, list[h.Row]], sizes: dict, gbps: float) -> list[dict]:
+    """Every row's figures from its records so far (a row that failed: its failure)."""
+    ran = h.finished([r for path in by_path.values() for r in path])
     table = dict(zip(map(id, ran), h.table(ran)))
 
     def out_dir_of(path: str, method: str) -> str | None:
@@ -284,15 +342,58 @@ def bench(args) -> dict:
         for r in path_rows:
             if r.failure:
                 results.append({"row": r.label, "path": path, "failure": r.failure, "out_dir": r.cfg.out_dir})
-                continue
-            t = with_figures({**table[id(r)], "path": path}, sizes, gbps, generate_dir, vanilla_dir)
-            results.append(t if is_peer(t["method"]) else {**t, **compile_state(r.summary)})
-    h.print_table(results, COLUMNS)
-    print_notes(results)
-    report = {"model": args.model, "layer_path": stack.layer_path, "build_s": model_info["build_s"],
-              "bandwidth_gbps": gbps, "bandwidth_source": source, "bytes": sizes, "rows": results}
-    h.write_result(args.out, "gpu", vars(args), **report)
-    return report
+            elif id(r) in table:
+                t = with_figures({**table[id(r)], "path": path}, sizes, gbps, generate_dir, vanilla_dir)
+                results.append(t if is_peer(t["method"]) else {**t, **compile_state(r.summary)})
+    with_prediction(results)
+    return results
+
+
+def launches(stack: LayerStack, args) -> dict:
+    """Kernel launches of one decoder layer at one decode position, by path: eager (the static step's own kernels,
+    what `graphs` captures) and fused (inductor's, what `on` captures) — on CUDA the profiler's device kernels and
+    copies, on a CPU the calls inside the compiled graph (its C++ kernels and the library calls beside them) and
+    the eager step's top-level ops. Errors are reported, not raised (a bench row must not end the bench)."""
+    out = {}
+    for path, backend in (("eager", None), ("fused", "inductor")):
+        if path == "fused" and "on" not in args.captured and "auto" not in args.captured:
+            continue
+        try:
+            out[path] = count_launches(stack, backend)
+        except Exception as err:  # noqa: BLE001 — a compile that fails here fails in its rows too, with the reason
+            out[path] = f"{type(err).__name__}: {err}"[:200]
+    return out
+
+
+@torch.inference_mode()
+def count_launches(stack: LayerStack, backend) -> int:
+    """Launches of one layer's static step (compiled with `backend`, or eager) at width 1 (see launches)."""
+    import torch._inductor.config as inductor_config
+    from torch.profiler import ProfilerActivity, profile
+
+    from del_bench.engine.compiled import StaticSteps, StepFunctions, _adopt
+
+    device = stack.layers[0].device
+    cache = stack.new_cache(64)
+    _adopt(cache, static_addresses=True)
+    with inductor_config.patch({"cpp.enable_kernel_profile": True}):  # each C++ kernel a profiler event
+        layer = StepFunctions(StaticSteps(stack), backend).layer
+        h = torch.randn(1, 1, stack.embed_weight.shape[1], dtype=stack.dtype, device=device)
+        positions = torch.tensor([[3]], device=device)
+        call = lambda: layer(stack.layers[0], h, positions, cache.k[0], cache.v[0])  # noqa: E731
+        for _ in range(2):
+            call()
+        stack.synchronize()
+        cuda = device.type == "cuda"
+        with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+            call()
+            stack.synchronize()
+    events = prof.events()
+    if cuda:
+        return sum(e.device_type == torch.autograd.DeviceType.CUDA for e in events)
+    if backend is None:
+        return sum(e.cpu_parent is None and e.name.startswith("aten::") for e in events)
+    return sum(e.cpu_parent is not None and e.cpu_parent.name.startswith("## Call CompiledFxGraph") for e in events)
 
 
 def print_notes(rows: list[dict]) -> None:
@@ -306,7 +407,7 @@ def print_notes(rows: list[dict]) -> None:
         note = (r.get("vs_generate") or {}).get("note")
         if note:
             print(f"{r['row']}: {note}")
-        if r["path"] == "captured" and "failure" not in r and not r.get("graphs"):
+        if r["path"] != "eager" and "failure" not in r and not r.get("graphs"):
             print(f"{r['row']}: decoded without graphs ({r.get('compile_reason') or 'no reason recorded'})")
         if "failure" in r:
             print(f"{r['row']}: not run — {r['failure']}")

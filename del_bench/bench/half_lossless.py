@@ -19,6 +19,8 @@ from omegaconf import OmegaConf
 from del_bench.bench import harness as h
 from del_bench.bench.gpu import SHAPES, random_model
 from del_bench.config import CONFIG_DIR
+from del_bench.engine import compiled
+from del_bench.engine.compiled import COMPILE_CHOICES
 from del_bench.engine.decode import Engine
 from del_bench.engine.sampling import Sampling
 from del_bench.methods.dv import DraftVerify
@@ -95,6 +97,8 @@ def parse_args(argv: list[str]):
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--layers", default="auto", choices=("auto", "fused", "eager"))
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--compile", default="off", choices=COMPILE_CHOICES,
+                    help="each method's graph-captured steps (engine/compiled.py), made and checked before it decodes")
     return ap.parse_args(argv)
 
 
@@ -107,20 +111,25 @@ def main(argv: list[str]) -> int:
     engine = Engine(stack, Sampling(), eos)
     rows = []
     vanilla: list = []
+    graphs = {}
     for method, paper in methods(exit_layer):
+        reach = max(map(len, prompts)) + args.max_new_tokens + 1
+        graphs[method.name] = compiled.choose(stack, args.compile, method, args.max_new_tokens, cache_len=reach)
         for i, (prompt, (ref, ref_gaps)) in enumerate(zip(prompts, refs)):
             gen = engine.generate(prompt, method, args.max_new_tokens, seed=0)
             if method.name == "vanilla":
                 vanilla.append(gen)
             own = vanilla[i]
             rows.append({"method": method.name, "tag": f"{method.name}{method.describe()}", "paper": paper, "prompt": i,
+                         "graph_kind": graphs[method.name].get("graph_kind"),
                          "vs_generate": compare(gen.output_ids, ref, ref_gaps).__dict__,
                          "vs_vanilla": compare(gen.output_ids, own.output_ids, own.top2_gap_ulps).__dict__})
             r = rows[-1]
             print(f"{r['tag'][:60]:60s} prompt {i}: generate {r['vs_generate']}  vanilla {r['vs_vanilla']}")
     summary = summarise(rows)
     print(json.dumps(summary, indent=1))
-    h.write_result(args.out, "half-lossless", vars(args), layer_path=stack.layer_path, summary=summary, rows=rows)
+    h.write_result(args.out, "half-lossless", vars(args), layer_path=stack.layer_path, summary=summary, rows=rows,
+                   graphs=graphs)
     return 0 if summary["real_departures"] == 0 else 1
 
 

@@ -190,6 +190,7 @@ def table(rows: list[Row]) -> list[dict]:
                     "acceptance": s["acceptance_rate"], "controller_share": s["time_split"]["policy"],
                     "busy_samples": (s.get("load") or {}).get("overloaded", 0),
                     "unsteady": unsteady(s.get("steady_state")), "first_slowdown": first_slowdown(s),
+                    "lead_slowdown": (s.get("steady_state") or {}).get("lead_slowdown"),
                     "out_dir": r.cfg.out_dir})
     keys = [run_key_of(r.summary) for r in rows]
     runs = list(zip(keys, out))
@@ -292,9 +293,10 @@ def print_table(rows: list[dict], columns: list, title: str = "") -> None:
         print("* timed on a busy machine: other processes kept more CPUs busy than torch's threads left free around "
               "some of its samples (records.overloaded); its speed and speedups are not to be trusted")
     if any(r.get("unsteady") for r in rows):
-        print("~ not timed at steady state: its warm-up did not converge, or its first timed sample took more than "
-              f"{STEADY_SLOWDOWN:g}× the others' median decode time per loaded layer (records.steady_state; the result "
-              "file's first_slowdown); its speed and speedups are not to be trusted (rerun with --set warmup=steady)")
+        print("~ not timed at steady state: its warm-up did not converge, or one of its first two timed samples took "
+              f"more than {STEADY_SLOWDOWN:g}× the median decode time per loaded layer of the samples after it "
+              "(records.steady_state; the result file's first_slowdown and lead_slowdown); its speed and speedups are "
+              "not to be trusted (rerun with --set warmup=steady)")
 
 
 def _marks(row: dict) -> str:

@@ -54,7 +54,7 @@ from del_bench.numerics import compare, gap_ulps, is_half
 
 log = logging.getLogger(__name__)
 
-COMPILE_CHOICES = ("off", "auto", "on")
+COMPILE_CHOICES = ("off", "auto", "on", "graphs")
 RECOMPILE_LIMIT = 256  # graphs of one step function in a process (a run: a few; the test suite: a few dozen)
 BUCKETS = (1, 2, 4, 8, 16, 32)  # step widths (verification: d + 1 ≤ 32); a wider batch runs on the stack's loop
 CACHE_QUANTUM = 256  # the captured cache's length is the run's longest need rounded up to this
@@ -110,38 +110,108 @@ class StaticSteps:
     def mlp(self, w, h) -> torch.Tensor:
         return self.stack.mlp(w, h)
 
-    def layers(self, ws, h, positions, ks, vs) -> torch.Tensor:
-        """A chain of whole layers (ws, their caches ks, vs), the rotary tables read once."""
+    def layer(self, w, h, positions, k, v) -> torch.Tensor:
+        """One whole layer, its rotary tables read at the positions: the unit a chain repeats (compiled once per
+        width, it serves every layer: the layer's tensors are arguments)."""
         cos, sin = self.stack.rope_at(positions)
+        return self.mlp(w, self.attention(w, h, positions, cos, sin, k, v))
+
+    def layers(self, ws, h, positions, ks, vs) -> torch.Tensor:
+        """A chain of whole layers (ws, their caches ks, vs)."""
         for w, k, v in zip(ws, ks, vs):
-            h = self.mlp(w, self.attention(w, h, positions, cos, sin, k, v))
+            h = self.layer(w, h, positions, k, v)
+        return h
+
+
+class StepFunctions:
+    """What a runner calls for a step: StaticSteps' own functions (`backend` None: the eager kernels, op by op) or
+    the same functions compiled by torch.compile (`backend`: inductor fuses each layer's norms, RoPE, cache writes,
+    mask and residual adds into a few kernels beside the matrix products and the attention). One compiled function
+    per step kind, guarded on shapes only, so a width's graph serves every layer (the layer's tensors are arguments):
+    compile time grows with the widths, not the layers."""
+
+    def __init__(self, steps: StaticSteps, backend=None):
+        self.steps, self.backend = steps, backend
+
+        def made(fn):
+            return fn if backend is None else torch.compile(fn, fullgraph=True, dynamic=False, backend=backend)
+
+        self.layer, self.attention, self.mlp = made(steps.layer), made(steps.attention_at), made(steps.mlp)
+
+    @staticmethod
+    def of(stack: LayerStack, backend=None) -> "StepFunctions":
+        """One set of functions per stack and backend: every Graphs of a stack (one per method a bench runs) shares
+        its compiled functions, so each (function, width) compiles once per stack, not once per method."""
+        made = stack.__dict__.setdefault("_step_functions", {})  # (a cycle through the stack: collected with it)
+        if backend not in made:
+            made[backend] = StepFunctions(StaticSteps(stack), backend)
+        return made[backend]
+
+    @property
+    def fused(self) -> bool:
+        return self.backend is not None
+
+    def chain(self, ws, h, positions, ks, vs, states: list | None = None) -> torch.Tensor:
+        """Whole layers ws (their caches ks, vs) in order, each output appended to `states` when given. Unfused, the
+        rotary tables are read once for the chain; fused, inside each layer's kernels."""
+        if self.fused:
+            def layer(w, x, k, v):
+                return self.layer(w, x, positions, k, v)
+        else:
+            steps = self.steps
+            cos, sin = steps.stack.rope_at(positions)
+
+            def layer(w, x, k, v):
+                return steps.mlp(w, steps.attention(w, x, positions, cos, sin, k, v))
+        for w, k, v in zip(ws, ks, vs):
+            h = layer(w, h, k, v)
+            if states is not None:
+                states.append(h)
         return h
 
 
 # a step: ("layers", start, end) — whole layers [start, end) — or ("attn", i) / ("mlp", i) — one sublayer
 Step = tuple
+GRAPH_KINDS = {"fused_cuda_graphs": "fused_graphs", "cuda_graphs": "graphs", "compiled": "compiled"}  # → layer_path
+
+
+def collects_in_graph(step: Step, collect: list | None) -> bool:
+    """Whether a step keeps its layers' states itself: a chain of several whole layers asked for them (DEL's passes)
+    writes every layer's output into a static buffer inside its one graph. A single layer or sublayer step's output
+    is the state the caller keeps."""
+    return collect is not None and step[0] == "layers" and step[2] - step[1] > 1
 
 
 class Graphs:
-    """The static steps of one LayerStack, run as graphs: captured CUDA graphs (`capture=True`, CUDA only) or
-    torch.compile'd functions (`backend`: inductor, or any torch.compile backend — tests pass dynamo's own).
+    """The static steps of one LayerStack, run as graphs: captured CUDA graphs (`capture=True`, CUDA only) of the
+    steps' kernels — fused by torch.compile with `backend` (inductor: `fuse`, the default) or the eager ones — or,
+    without capture, the steps compiled by torch.compile with `backend` (tests pass dynamo's own).
 
     A graph is made on the first call of a (step, width) before `frozen` (prepare: before any timed decode);
     afterwards a call no graph was made for returns None and the stack runs its own loop. `compile_s` sums the
     seconds spent making graphs, `graphs` counts them."""
 
     def __init__(self, stack: LayerStack, backend="inductor", capture: bool | None = None, buckets=BUCKETS,
-                 runner: type | None = None):
-        """capture: CUDA graphs (default: where the model is on CUDA), else torch.compile with `backend`. runner: the
-        class that captures (tests replay the CUDA-graph runner's bookkeeping on a CPU)."""
+                 runner: type | None = None, fuse: bool = True):
+        """capture: CUDA graphs (default: where the model is on CUDA), else torch.compile with `backend`. fuse: the
+        captured kernels are torch.compile'd ones (without capture the steps are always compiled). runner: the class
+        that captures (tests replay the CUDA-graph runner's bookkeeping on a CPU)."""
         self.stack = stack
         self.steps = StaticSteps(stack)
         self.buckets = tuple(buckets)
         self.capture = stack.head_device.type == "cuda" if capture is None else capture
-        self.runner = (runner or _CudaGraphs)(self) if self.capture else _Compiled(self, backend)
+        self.functions = StepFunctions.of(stack, backend if fuse or not self.capture else None)
+        self.runner = (runner or _CudaGraphs)(self) if self.capture else _Compiled(self)
         self.frozen = False  # True (prepare): no graph is made inside a timed decode
         self.compile_s = 0.0
         self.declined: dict[str, int] = {}  # calls the graphs could not take, by reason (a wider batch, …)
+
+    @property
+    def kind(self) -> str:
+        """fused_cuda_graphs (inductor's kernels, captured), cuda_graphs (the eager kernels, captured) or compiled."""
+        if not self.capture:
+            return "compiled"
+        return "fused_cuda_graphs" if self.functions.fused else "cuda_graphs"
 
     @property
     def graphs(self) -> int:
@@ -171,14 +241,16 @@ class Graphs:
     def forward_layers(self, h: torch.Tensor, start: int, end: int, pos: int, cache: KVCache,
                        collect: list | None = None) -> torch.Tensor | None:
         """LayerStack.forward_layers for a chain of T positions from pos through [start, end) (each layer's output
-        appended to `collect` when given), or None where no graph takes it. Sets the layers' lengths and counts
-        their work as the stack's loop does."""
+        appended to `collect` when given), or None where no graph takes it. A chain prepared whole (with its states
+        kept inside it where `collect` asks for them) is one graph; any other composes single layers. Sets the
+        layers' lengths and counts their work as the stack's loop does."""
         if start >= end:
             return None
-        if collect is None and (("layers", start, end), self._width(h)) in self.runner.made:
-            plan = [("layers", start, end)]  # a prepared chain: one graph
+        chain = ("layers", start, end)
+        if (chain, self._width(h), collects_in_graph(chain, collect)) in self.runner.made:
+            plan = [chain]
         else:
-            plan = [("layers", i, i + 1) for i in range(start, end)]  # composed layer by layer
+            plan = [("layers", i, i + 1) for i in range(start, end)]
         out = self._run(plan, h, pos, cache, collect)
         if out is None:
             return None
@@ -223,14 +295,15 @@ class Graphs:
         for i in _cache_layers(plan):
             if cache.lengths[i] < pos:
                 raise RuntimeError(f"layer {i} holds {cache.lengths[i]} positions; cannot write at {pos}")
-        missing = [s for s in plan if (s, width) not in self.runner.made]
+        missing = [s for s in plan if (s, width, collects_in_graph(s, collect)) not in self.runner.made]
         if missing and self.frozen:
             self._decline("steps of a shape not prepared", expected=True)
             return None
         counter, self.stack.counter = self.stack.counter, None  # no Python-side counting inside a graph
         try:
             t0 = time.perf_counter()
-            out = self.runner.run(plan, h, pos, width, cache, collect)
+            with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+                out = self.runner.run(plan, h, pos, width, cache, collect)
             if missing:
                 self.stack.synchronize()
                 self.compile_s += time.perf_counter() - t0
@@ -246,37 +319,26 @@ class Graphs:
         cache = self.runner.cache_of(cache_len)
         D = self.stack.embed_weight.shape[1]
         device = self.stack.layers[0].device
-        for plan, width in shape.plans(self.stack.num_layers, self.buckets):
+        for plan, width, collects in shape.plans(self.stack.num_layers, self.buckets):
             cache.crop(0)
             h = torch.zeros(1, width, D, dtype=self.stack.dtype, device=device)
-            counter, self.stack.counter = self.stack.counter, None
-            try:
-                t0 = time.perf_counter()
-                self.runner.run(plan, h, 0, width, cache, None)
-                self.stack.synchronize()
-                self.compile_s += time.perf_counter() - t0
-            finally:
-                self.stack.counter = counter
+            self._run(plan, h, 0, cache, [] if collects else None)
         cache.crop(0)
         self.runner.clear(cache)
         self.frozen = True
 
 
 class _Compiled:
-    """Graphs by torch.compile(fullgraph=True): the layer's tensors (a _Layer) and its cache are arguments, so one
-    graph serves every layer of a shape (dynamo guards on shapes, not on which tensors)."""
+    """Graphs by torch.compile(fullgraph=True), run as they are (no capture): the layer's tensors (a _Layer) and its
+    cache are arguments, so one graph serves every layer of a shape (dynamo guards on shapes, not on which
+    tensors)."""
 
-    def __init__(self, graphs: Graphs, backend):
+    def __init__(self, graphs: Graphs):
         self.graphs = graphs
-        self.made: set[tuple] = set()  # (step, width) keys run at least once
+        self.made: set[tuple] = set()  # (step, width, collects) keys run at least once
         self.cache = None
         self._adopted: weakref.WeakSet = weakref.WeakSet()  # caches whose length is marked dynamic
         self._rope = None
-        options = {"fullgraph": True, "dynamic": False, "backend": backend}
-        steps = graphs.steps
-        self._layers = torch.compile(steps.layers, **options)
-        self._attn = torch.compile(steps.attention_at, **options)
-        self._mlp = torch.compile(steps.mlp, **options)
 
     def cache_of(self, cache_len: int) -> KVCache:
         return self.graphs.stack.new_cache(cache_len)
@@ -288,7 +350,7 @@ class _Compiled:
         pass
 
     def run(self, plan, h, pos: int, width: int, cache: KVCache, collect) -> torch.Tensor:
-        stack = self.graphs.stack
+        stack, fns = self.graphs.stack, self.graphs.functions
         if cache not in self._adopted:
             _adopt(cache, static_addresses=False)
             self._adopted.add(cache)
@@ -299,27 +361,29 @@ class _Compiled:
         T = h.shape[1]
         positions = torch.arange(pos, pos + width, device=h.device)[None]  # [1, width]
         x = _padded(h, width)
-        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
-            for step in plan:
-                kind, first = step[0], step[1]
-                if kind == "layers":
-                    layers = range(first, step[2])
-                    x = self._layers([stack.layers[i] for i in layers], x, positions, [cache.k[i] for i in layers],
-                                     [cache.v[i] for i in layers])
-                elif kind == "attn":
-                    x = self._attn(stack.layers[first], x, positions, cache.k[first], cache.v[first])
-                else:
-                    x = self._mlp(stack.layers[first], x)
-                self.made.add((step, width))
+        for step in plan:
+            kind, first = step[0], step[1]
+            if kind == "layers":
+                layers = range(first, step[2])
+                states = [] if collect is not None else None
+                x = fns.chain([stack.layers[i] for i in layers], x, positions, [cache.k[i] for i in layers],
+                              [cache.v[i] for i in layers], states)
+                if states is not None:
+                    collect.extend(state[:, :T] for state in states)
+            else:
+                w = stack.layers[first]
+                x = fns.attention(w, x, positions, cache.k[first], cache.v[first]) if kind == "attn" else fns.mlp(w, x)
                 if collect is not None:
                     collect.append(x[:, :T])
+            self.made.add((step, width, collects_in_graph(step, collect)))
         return x[:, :T]
 
 
 class _CudaGraphs:
-    """Graphs captured with torch.cuda.CUDAGraph from the eager kernels of the static steps. Each graph of a width
-    reads and writes that width's static buffers in place — the rows' states [1, width, D] and positions [1, width]
-    — and one cache, so any sequence of steps replays with one copy in and one copy out."""
+    """Graphs captured with torch.cuda.CUDAGraph from the steps' kernels (inductor's where the functions are compiled,
+    else the eager ones). Each graph of a width reads and writes that width's static buffers in place — the rows'
+    states [1, width, D] and positions [1, width], and for a chain that keeps its states, every layer's output
+    [n, 1, width, D] — and one cache, so any sequence of steps replays with one copy in and one copy out."""
 
     def __init__(self, graphs: Graphs):
         self.graphs = graphs
@@ -327,6 +391,7 @@ class _CudaGraphs:
         self.cache: KVCache | None = None
         self.pool = None
         self.buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.states: dict[int, torch.Tensor] = {}  # width → [L, 1, width, D]: a collecting chain's layers' outputs
 
     def cache_of(self, cache_len: int) -> KVCache:
         """The cache every graph is captured on (its addresses are baked into the graphs): one per stack and length,
@@ -363,30 +428,45 @@ class _CudaGraphs:
                                    torch.zeros(1, width, dtype=torch.long, device=device))
         return self.buffers[width]
 
-    def _graph(self, step: Step, width: int) -> torch.cuda.CUDAGraph:
-        key = (step, width)
+    def _states(self, width: int) -> torch.Tensor:
+        if width not in self.states:
+            state = self._buffers(width)[0]
+            self.states[width] = state.new_zeros(self.graphs.stack.num_layers, *state.shape)
+        return self.states[width]
+
+    def _graph(self, step: Step, width: int, collects: bool) -> torch.cuda.CUDAGraph:
+        key = (step, width, collects)
         if key not in self.made:
-            self.made[key] = self._capture(self._body(step, width), width)
+            self.made[key] = self._capture(self._body(step, width, collects), width)
         return self.made[key]
 
-    def _body(self, step: Step, width: int) -> Callable[[], None]:
-        """The step on this width's buffers, its result written back into the state buffer."""
-        stack, steps, cache = self.graphs.stack, self.graphs.steps, self.cache
+    def _body(self, step: Step, width: int, collects: bool) -> Callable[[], None]:
+        """The step on this width's buffers, its result written back into the state buffer (and a collecting
+        chain's every layer's output into the states buffer: one stack kernel inside the graph)."""
+        stack, fns, cache = self.graphs.stack, self.graphs.functions, self.cache
         h, positions = self._buffers(width)
         kind, first = step[0], step[1]
         if kind == "layers":
             layers = range(first, step[2])
             ws, ks, vs = [stack.layers[i] for i in layers], [cache.k[i] for i in layers], [cache.v[i] for i in layers]
-            return lambda: h.copy_(steps.layers(ws, h, positions, ks, vs))
+            if not collects:
+                return lambda: h.copy_(fns.chain(ws, h, positions, ks, vs))
+            kept = self._states(width)[: len(layers)]
+
+            def chain_keeping_states():
+                states: list[torch.Tensor] = []
+                h.copy_(fns.chain(ws, h, positions, ks, vs, states))
+                torch.stack(states, out=kept)
+            return chain_keeping_states
         w = stack.layers[first]
         if kind == "attn":
             k, v = cache.k[first], cache.v[first]
-            return lambda: h.copy_(steps.attention_at(w, h, positions, k, v))
-        return lambda: h.copy_(steps.mlp(w, h))
+            return lambda: h.copy_(fns.attention(w, h, positions, k, v))
+        return lambda: h.copy_(fns.mlp(w, h))
 
     def _capture(self, body: Callable[[], None], width: int) -> torch.cuda.CUDAGraph:
-        """Warm the body up on a side stream (cuBLAS workspaces, lazily loaded kernels), then capture it into a
-        graph sharing one memory pool with the others (they never run concurrently)."""
+        """Warm the body up on a side stream (cuBLAS workspaces, lazily loaded kernels, a compiled body's first
+        call), then capture it into a graph sharing one memory pool with the others (they never run concurrently)."""
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -406,8 +486,11 @@ class _CudaGraphs:
         state[:, :T].copy_(h)  # rows T.. keep the last step's (finite) states: padding, never read by a real row
         positions.copy_(torch.arange(pos, pos + width, device=positions.device)[None])
         for step in plan:
-            self._graph(step, width).replay()
-            if collect is not None:
+            collects = collects_in_graph(step, collect)
+            self._graph(step, width, collects).replay()
+            if collects:  # one copy of every layer's state (the buffers are the next replay's)
+                collect.extend(self._states(width)[: step[2] - step[1], :, :T].clone().unbind(0))
+            elif collect is not None:
                 collect.append(state[:, :T].clone())  # the buffer is the next step's input
         return state[:, :T].clone()
 
@@ -444,12 +527,14 @@ def _padded(h: torch.Tensor, width: int) -> torch.Tensor:
 
 class StepShapes:
     """Which graphs a method can call, from what it declares (Method.static_shape, Method.family): a fixed exit
-    layer E and budget γ (LS, FS) get their two chains as one graph each; any other early-exit method (DEL picks E
-    each round) composes layer by layer at every width up to its budget + 1; a skipping draft (SWIFT, CLaSp,
-    KnapSpec) composes sublayers at width 1 and verifies all L layers at every width up to its budget + 1."""
+    layer E and budget γ (LS, FS) get their two chains as one graph each; a method that keeps every layer's state
+    (DEL's shadow tokens) gets its two chains for each exit layer it may choose, each keeping its states inside its
+    one graph; any other early-exit method that picks E per round composes layer by layer at every width up to its
+    budget + 1; a skipping draft (SWIFT, CLaSp, KnapSpec) composes sublayers at width 1 and verifies all L layers at
+    every width up to its budget + 1."""
 
     def __init__(self, exit_layer: int | None, budget: int, skips: bool = False, collects: bool = False):
-        """collects: the method reads every layer's states (DEL's shadow tokens), so its chains run layer by layer."""
+        """collects: the method reads every layer's states (DEL's shadow tokens): its chains keep them."""
         self.exit_layer, self.budget, self.skips, self.collects = exit_layer, budget, skips, collects
 
     def key(self) -> tuple:
@@ -461,20 +546,26 @@ class StepShapes:
         budget = min(shape.max_draft, max(max_new_tokens - 1, 0))
         return StepShapes(shape.exit_layer, budget, skips=method.family == LAYER_SKIPPING, collects=method.wants_shadow)
 
-    def plans(self, L: int, buckets) -> list[tuple[list[Step], int]]:
-        """(steps, width) to make: chains where the shape is fixed, single layers / sublayers where it is not."""
+    def plans(self, L: int, buckets) -> list[tuple[list[Step], int, bool]]:
+        """(steps, width, collects) to make: chains where the shape is fixed (or, keeping states, for every exit
+        layer), single layers / sublayers where it is not."""
         widest = bucket_of(self.budget + 1, buckets) or buckets[-1]
         widths = [b for b in buckets if b <= widest]
-        plans = [([("layers", 0, L)], 1)]  # Vanilla's step; any method's round with no budget left
+        plans = [([("layers", 0, L)], 1, False)]  # Vanilla's step; any method's round with no budget left
         E = self.exit_layer
-        if E and not self.collects:
-            plans += [([("layers", 0, E)], 1)] + [([("layers", E, L)], b) for b in widths]
-        elif self.budget and not self.skips:  # E chosen per round, or every layer's state kept: layer by layer
-            plans += [([("layers", i, i + 1) for i in range(L)], b) for b in widths]
+        if self.collects and not self.skips:  # every pass keeps its states: drafts 1..E, verification E+1..L
+            exits = [E] if E else range(1, L)
+            plans += [([("layers", 0, L)], 1, True)] + [([("layers", 0, e)], 1, True) for e in exits]
+            if self.budget:
+                plans += [([("layers", e, L)], b, True) for e in exits for b in widths]
+        elif E:
+            plans += [([("layers", 0, E)], 1, False)] + [([("layers", E, L)], b, False) for b in widths]
+        elif self.budget and not self.skips:  # E chosen per round: layer by layer
+            plans += [([("layers", i, i + 1) for i in range(L)], b, False) for b in widths]
         if self.skips and self.budget:  # drafts: sublayer steps; verification: the chain, or with the states a
             sublayers = [(kind, i) for i in range(L) for kind in ("attn", "mlp")]  # selection keeps (CLaSp: every
-            plans += [(sublayers, 1)]  # layer's, KnapSpec: every sublayer's) step by step
-            plans += [(plan, b) for b in widths
+            plans += [(sublayers, 1, False)]  # layer's, KnapSpec: every sublayer's) step by step
+            plans += [(plan, b, False) for b in widths
                       for plan in ([("layers", 0, L)], [("layers", i, i + 1) for i in range(L)], sublayers)]
         return plans
 
@@ -543,12 +634,17 @@ def choose(stack: LayerStack, setting: str, method, max_new_tokens: int, cache_l
 
 def _choose(stack: LayerStack, setting: str, method, max_new_tokens: int, cache_len: int, backend, capture,
             runner) -> dict:
-    """Install (stack.compiled) the graph-captured steps for `setting` — off; on (CUDA graphs on CUDA, torch.compile
-    elsewhere; an error where they cannot be made or are not lossless); auto, the default (on CUDA: CUDA graphs where
-    they are made and lossless, else the stack's loop with the reason logged; elsewhere the stack's loop: compiled
-    graphs are no faster than the fused C++ loop on a CPU and cost minutes to compile, `make bench-compile`) — and
-    return what the run's setup records: the setting, whether they run, how (cuda_graphs | compiled), compile_s
-    (making the graphs and checking them, apart from any decode), graphs made and the reason when they do not run.
+    """Install (stack.compiled) the graph-captured steps for `setting` and return what the run's setup records: the
+    setting, whether they run, how (`graph_kind`), compile_s (making the graphs and checking them, apart from any
+    decode), the graphs made, and why not where they do not run (`reason`; `fallbacks`: kinds tried first).
+
+    - off: the stack's loop.
+    - on: the fused graphs — on CUDA inductor's kernels captured as CUDA graphs, elsewhere torch.compile'd steps — or
+      an error (CompileUnavailable) where they cannot be made or are not lossless.
+    - graphs: CUDA graphs of the eager kernels (unfused; CUDA only), or an error.
+    - auto, the default: on CUDA the fused graphs where they are made and lossless, else the unfused ones, else the
+      stack's loop, each refusal logged and recorded; elsewhere the stack's loop (compiled steps are no faster than
+      the fused C++ loop on a CPU and cost minutes to compile: `make bench-compile`).
     cache_len: the slots the run's longest prompt needs (prompt + max_new_tokens + 1): CUDA graphs are captured on
     one cache that long."""
     setting = compile_setting(setting)
@@ -556,32 +652,46 @@ def _choose(stack: LayerStack, setting: str, method, max_new_tokens: int, cache_
         raise ValueError(f"compile={setting!r}: choose one of {', '.join(COMPILE_CHOICES)}")
     stack.compiled = None
     info: dict = {"compile": setting, "compiled": False}
+    on_cuda = stack.head_device.type == "cuda" if capture is None else capture
     if setting == "off":
         return info
-    if setting == "auto" and not (stack.head_device.type == "cuda" if capture is None else capture):
+    if setting == "auto" and not on_cuda:
         info["reason"] = "auto makes graphs on CUDA only (compile=on compiles them here)"
         return info
+    if setting == "graphs" and not on_cuda:
+        raise CompileUnavailable("compile=graphs captures CUDA graphs: the model is not on CUDA")
+    tries = {"on": [True], "graphs": [False], "auto": [True, False]}[setting]  # fuse, in order
     t0 = time.perf_counter()
-    try:
-        reason = unsupported(stack)
-        if reason:
-            raise CompileUnavailable(reason)
-        graphs = Graphs(stack, backend=backend, capture=capture, runner=runner)
-        info["graph_kind"] = "cuda_graphs" if graphs.capture else "compiled"
+    for fuse in tries:
         try:
-            graphs.prepare(StepShapes.of(method, max_new_tokens), max(cache_len, 64))
-            departure = check(stack, graphs, method)
-        except Exception as err:  # a graph break (fullgraph), an unsupported op, a capture failure: all mean "off"
-            raise CompileUnavailable(f"making the graphs failed ({type(err).__name__}: {err})") from err
-        if departure:
-            raise CompileUnavailable(departure)
-    except CompileUnavailable as err:
-        info.update(compile_s=time.perf_counter() - t0, reason=str(err))
-        if setting == "on":
-            raise
-        log.warning("compile=auto: decoding without the graph-captured steps (records say so): %s", err)
-        return info
-    graphs.declined.clear()  # from here on: the run's own calls
-    stack.compiled = graphs
-    info.update(compiled=True, compile_s=time.perf_counter() - t0, graphs=graphs.graphs)
+            graphs = _made(stack, method, max_new_tokens, cache_len, backend, capture, runner, fuse)
+        except CompileUnavailable as err:
+            if setting != "auto":
+                raise
+            info.setdefault("fallbacks", []).append(str(err))
+            log.warning("compile=auto: %s graphs not used: %s", "fused" if fuse else "unfused", err)
+            continue
+        graphs.declined.clear()  # from here on: the run's own calls
+        stack.compiled = graphs
+        return {**info, "compiled": True, "graph_kind": graphs.kind, "compile_s": time.perf_counter() - t0,
+                "graphs": graphs.graphs}
+    info.update(compile_s=time.perf_counter() - t0, reason=info["fallbacks"][-1])
+    log.warning("compile=auto: decoding without the graph-captured steps (records say so)")
     return info
+
+
+def _made(stack: LayerStack, method, max_new_tokens: int, cache_len: int, backend, capture, runner,
+          fuse: bool) -> Graphs:
+    """Graphs made for the method's shapes and checked against `generate`, or CompileUnavailable saying why not."""
+    reason = unsupported(stack)
+    if reason:
+        raise CompileUnavailable(reason)
+    graphs = Graphs(stack, backend=backend, capture=capture, runner=runner, fuse=fuse)
+    try:
+        graphs.prepare(StepShapes.of(method, max_new_tokens), max(cache_len, 64))
+        departure = check(stack, graphs, method)
+    except Exception as err:  # a graph break (fullgraph), an unsupported op, a capture failure: all mean "not these"
+        raise CompileUnavailable(f"making the graphs failed ({type(err).__name__}: {err})") from err
+    if departure:
+        raise CompileUnavailable(departure)
+    return graphs

@@ -68,7 +68,7 @@ class Engine:
         if shadow_with_acceptance is None:
             shadow_with_acceptance = stack.head_device.type != "cpu"
         self.shadow_with_acceptance = shadow_with_acceptance
-        self.on_round: Callable[[Round], None] | None = None  # called as each Round is recorded (engine/syncs.py)
+        self.on_round: Callable[[Round], None] | None = None  # called as each Round is recorded (bench/syncs.py)
 
     @property
     def cache(self) -> KVCache | None:

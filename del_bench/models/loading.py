@@ -14,7 +14,9 @@ from typing import Any, Literal
 import torch
 
 from del_bench.errors import ConfigError
+from del_bench.models import synthetic
 from del_bench.models.families import decoder_of, family_of
+from del_bench.models.synthetic import SHAPES, random_llama
 from del_bench.schema import LAYERS, key
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -88,7 +90,23 @@ class TinyRandomModel(ModelConfig):
         return found
 
 
-SOURCES = {"hub": HubModel, "local": LocalModel, "gguf_package": GGUFModel, "tiny_random": TinyRandomModel}
+@dataclass(kw_only=True)
+class SyntheticModel(ModelConfig):
+    shape: Literal[tuple(SHAPES)] = key(MISSING, "the matrix sizes of a real model (models/synthetic.py SHAPES)")
+    tokenizer: str = key("bytes", "bytes (any id out, no EOS), or a model config whose tokenizer is here offline")
+    agreement: float = key(0.8, "the greedy exit's agreement with the last layer at default_exit_layer", gt=0, lt=1)
+    seed: int = key(0, "the weights' seed", ge=0)
+    calibration_prompts: int = key(8, "random-text prompts agreement is calibrated on", ge=1)
+    calibration_tokens: int = key(32, "each continued greedily this many tokens", ge=1)
+    hidden_size: int | None = key(None, "D, overriding the shape's", ge=1)
+    intermediate_size: int | None = key(None, "the MLP's width, overriding the shape's", ge=1)
+    num_heads: int | None = key(None, "attention heads, overriding the shape's", ge=1)
+    num_kv_heads: int | None = key(None, "key/value heads, overriding the shape's", ge=1)
+    vocab_size: int | None = key(None, "the vocabulary, overriding the shape's", ge=1)
+
+
+SOURCES = {"hub": HubModel, "local": LocalModel, "gguf_package": GGUFModel, "tiny_random": TinyRandomModel,
+           "synthetic": SyntheticModel}
 SOURCE_NAMES = tuple(SOURCES)
 
 
@@ -109,6 +127,9 @@ def load(cfg) -> Loaded:
     dtype = DTYPES[cfg.dtype]
     if cfg.source == "tiny_random":
         model, tokenizer = build_tiny_random(cfg, dtype)
+    elif cfg.source == "synthetic":
+        tokenizer = tokenizer_named(cfg.get("tokenizer", "bytes"))
+        model = synthetic.build(cfg, dtype, tokenizer, cache_root())
     elif cfg.source == "gguf_package":
         model, tokenizer = _load_gguf_package(cfg, dtype)
     elif cfg.source == "hub":
@@ -262,17 +283,23 @@ def gguf_path(cfg) -> Path:
     return path
 
 
-def _load_gguf_package(cfg, dtype):
-    """De-quantising the GGUF takes ~20 s; the converted weights are cached as safetensors
-    (keyed by the file's size and mtime), so later loads take well under a second."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+def _gguf_converted(cfg) -> Path:
+    """The directory of a GGUF package's de-quantised weights and tokenizer (converted on first use, ~20 s; cached
+    as safetensors keyed by the file's size and mtime)."""
     path = gguf_path(cfg)
     stat = path.stat()
     key = hashlib.sha1(f"{path.name}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
     cached = cache_root() / "models" / f"{cfg.name}-{key}"
     if not (cached / "model.safetensors").is_file():
         _convert_gguf(path, cached)
+    return cached
+
+
+def _load_gguf_package(cfg, dtype):
+    """De-quantising the GGUF takes ~20 s once (_gguf_converted); later loads take well under a second."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    cached = _gguf_converted(cfg)
     tokenizer = AutoTokenizer.from_pretrained(cached)
     model = AutoModelForCausalLM.from_pretrained(cached, dtype=dtype)
     return model, tokenizer
@@ -297,6 +324,22 @@ def _convert_gguf(path: Path, out: Path) -> None:
     tmp.rename(out)  # atomic: an interrupted conversion never leaves a half-written cache
 
 
+def tokenizer_named(name: str):
+    """A synthetic model's tokenizer: `bytes` (AnyIdTokenizer), or the tokenizer of the model config `name` where it
+    is here without a download (a GGUF package's, a local directory's: smollm2-135m, testbed)."""
+    from omegaconf import OmegaConf
+    from transformers import AutoTokenizer
+
+    if name == "bytes":
+        return AnyIdTokenizer()
+    path = REPO_ROOT / "configs" / "model" / f"{name}.yaml"
+    cfg = OmegaConf.load(path) if path.is_file() else None
+    if cfg is None or cfg.source not in ("gguf_package", "local"):
+        raise ConfigError(f"model.tokenizer={name!r}: choose bytes or a model config whose tokenizer is here "
+                          "offline (source gguf_package or local: smollm2-135m, testbed)")
+    return AutoTokenizer.from_pretrained(_gguf_converted(cfg) if cfg.source == "gguf_package" else local_dir(cfg))
+
+
 class ByteTokenizer:
     """Bytes as tokens (ids 3..258) plus <pad>=0, <s>=1, </s>=2: lets tiny random models run any task."""
 
@@ -312,21 +355,14 @@ class ByteTokenizer:
         return data.decode("utf-8", errors="replace")
 
 
-def random_llama(config, dtype: torch.dtype, device: torch.device | str, seed: int):
-    """A LlamaForCausalLM of `config` with transformers' random initialisation, allocated and initialised on `device`
-    in `dtype` (no copy anywhere else). The weights depend only on the seed, the device type and the transformers
-    version: torch.manual_seed seeds every device's generator and the initialisation draws in module order."""
-    from transformers import LlamaForCausalLM
+class AnyIdTokenizer(ByteTokenizer):
+    """Bytes in, any id of a larger vocabulary out (decoded as numbers), and no EOS: a random or synthetic model at a
+    real model's shape decodes every row to its end."""
 
-    torch.manual_seed(seed)
-    default_dtype = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)  # as from_pretrained(dtype=) builds: every parameter made in the dtype
-    try:
-        with torch.device(device):
-            model = LlamaForCausalLM(config)
-    finally:
-        torch.set_default_dtype(default_dtype)
-    return model.eval()
+    eos_token_id = None
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return " ".join(map(str, ids))
 
 
 def build_tiny_random(cfg, dtype=torch.float64):

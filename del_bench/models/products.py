@@ -105,11 +105,12 @@ def choose(setting: str, dtype: torch.dtype, seconds: Callable[[str, str, int], 
     pass of that product takes (time_products on the model; a test injects its own), called only under auto."""
     if setting not in SETTINGS:
         raise ValueError(f"products={setting!r}: choose one of {', '.join(SETTINGS)}")
-    if dtype in HALF_DTYPES:
-        return Products(setting, dict.fromkeys(SHAPES, HF_LAYOUT))
+    t0 = time.perf_counter()
+    if dtype in HALF_DTYPES:  # HF's layout always; under auto its one-row times are still taken: the machine's state
+        probe = {shape: {1: {X_WT: seconds(shape, X_WT, 1)}} for shape in SHAPES} if setting == "auto" else {}
+        return Products(setting, dict.fromkeys(SHAPES, HF_LAYOUT), probe, time.perf_counter() - t0)  # (machine_probe)
     if setting != "auto":
         return fixed(setting)
-    t0 = time.perf_counter()
     times = {shape: {rows: {layout: seconds(shape, layout, rows) for layout in candidates(shape, rows)}
                      for rows in ONE_ROW + FEW_ROWS} for shape in SHAPES}
     layouts = {shape: Layout(pick(summed(times[shape], ONE_ROW)), pick(summed(times[shape], FEW_ROWS)))

@@ -1,0 +1,103 @@
+"""models/synthetic.py: a random model at a real shape whose early exits agree with its last layer as often as asked —
+calibrated, rising with depth, cached; every method lossless on it (float64 against `generate`), LS's per-token
+acceptance near the agreement it was built for; its configs compose and keep runs of another agreement apart."""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from del_bench.bench.gpu import token_acceptance
+from del_bench.engine.decode import Engine
+from del_bench.engine.sampling import Sampling
+from del_bench.methods.clasp import CLaSp
+from del_bench.methods.dynamic_exit import DEL
+from del_bench.methods.ls import LayerSkip
+from del_bench.methods.swift import Swift
+from del_bench.methods.vanilla import Vanilla
+from del_bench.models import synthetic
+from del_bench.models.layer_stack import LayerStack
+from del_bench.models.loading import AnyIdTokenizer
+from tests.conftest import compose_run
+from tests.test_families import hf_greedy
+
+E, AGREEMENT = 2, 0.8
+SMALL = dict(shape="testbed", num_layers=6, hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=128,
+             vocab_size=512, default_exit_layer=E, agreement=AGREEMENT, seed=0, device="cpu", calibration_prompts=8,
+             calibration_tokens=24)
+
+
+def build(cache, **changes):
+    return synthetic.build(OmegaConf.create({**SMALL, **changes}), torch.float64, AnyIdTokenizer(), cache)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return build(tmp_path_factory.mktemp("cache"))
+
+
+def test_the_agreement_asked_is_reached_and_rises_with_depth(model):
+    """Calibrated at layer E to within the bisection's reach; lower before E, higher after, exactly 1 at the last
+    layer; the matrices are the shape's (a layer streams a real layer's bytes)."""
+    profile = model.synthetic["agreement_by_layer"]
+    assert abs(profile[E - 1] - AGREEMENT) <= 0.05, profile
+    assert profile[0] < profile[E - 1] < profile[-2] <= profile[-1] == 1.0
+    assert model.synthetic["agreement"] == profile[E - 1] and 0 < model.synthetic["ratio"] < 1
+    assert model.model.layers[0].mlp.down_proj.weight.shape == (64, 128) and model.lm_head.weight.shape == (512, 64)
+
+
+def test_the_ratio_is_cached_and_the_weights_follow_the_seed(tmp_path, monkeypatch):
+    """A second build takes r from the cache (no bisection) and gives the same weights; another agreement is
+    calibrated anew."""
+    first = build(tmp_path)
+    cache = json.loads((tmp_path / "synthetic.json").read_text())
+    assert list(cache.values()) == [first.synthetic["ratio"]]
+    monkeypatch.setattr(synthetic, "calibrate", lambda *a: pytest.fail("calibrated again"))
+    again = build(tmp_path)
+    assert again.synthetic == {**first.synthetic, "build_s": again.synthetic["build_s"],
+                               "calibration_s": again.synthetic["calibration_s"]}
+    assert all(torch.equal(a, b) for a, b in zip(first.parameters(), again.parameters()))
+    monkeypatch.undo()
+    other = build(tmp_path, agreement=0.5)
+    assert other.synthetic["ratio"] > first.synthetic["ratio"]  # less agreement: later layers write more
+
+
+def prompts(count: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [AnyIdTokenizer()(synthetic.random_text(rng, 16))["input_ids"] for _ in range(count)]
+
+
+@pytest.mark.parametrize("method", [Vanilla(), LayerSkip(E, 3), DEL(), Swift(context_window=8, seed=0),
+                                    CLaSp(skip_layers=1, interval=4)], ids=lambda m: m.name)
+def test_every_method_is_lossless_on_a_synthetic_model(model, method):
+    """float64: each method's greedy output is generate's, token for token."""
+    stack = LayerStack(model)
+    for prompt in prompts(2, seed=5):
+        ours = Engine(stack, Sampling(), set()).generate(prompt, copy.deepcopy(method), 20, seed=0).output_ids
+        assert ours == hf_greedy(model, prompt, 20)
+
+
+def test_ls_accepts_drafts_about_as_often_as_the_agreement(model):
+    """LS at the calibrated exit layer, on prompts of the calibration's kind (other draws): its per-token acceptance
+    (accepted ÷ drafts compared) is within 0.1 of the agreement the model reached there."""
+    stack = LayerStack(model)
+    rounds = []
+    for prompt in prompts(8, seed=7):
+        gen = Engine(stack, Sampling(), set()).generate(prompt, LayerSkip(E, 3), 24, seed=0)
+        rounds += [{"accepted": r.accepted, "drafted": r.drafted} for r in gen.rounds if r.round > 0]
+    assert abs(token_acceptance(rounds) - model.synthetic["agreement"]) <= 0.1
+
+
+def test_the_configs_compose_and_keep_agreements_apart():
+    """Each synthetic config composes; a run of another agreement, seed or exit layer has other weights in its key
+    (RunKey.weights), so it never pairs with or resumes as this one."""
+    for name in ("synthetic-llama2-7b", "synthetic-llama3-8b", "synthetic-smollm2", "synthetic-testbed"):
+        cfg = compose_run(f"model={name}")
+        assert synthetic.shape_of(cfg.model)["layers"] == cfg.model.num_layers
+    weights = {compose_run("model=synthetic-smollm2", f"model.agreement={a}").model.weights for a in (0.6, 0.9)}
+    assert len(weights) == 2
