@@ -62,7 +62,8 @@ NOT_HERE = {  # benches this file does not run, and why
 SCRIPTS = {"tag_experiments.py": ["smoke", "--records-root", "{tmp}/records"]}
 SCRIPTS_NOT_HERE = {"freeze_constraints.py": "writes constraints.txt from the environment",
                     "gpu_node.py": "tests/test_gpu_node.py (make gpu-check, make gpu-wheels)",
-                    "per_prompt.py": "tests/test_gpu_node.py (gpu-check's timing step)"}
+                    "per_prompt.py": "tests/test_gpu_node.py (finished runs' tok/s prompt by prompt)",
+                    "reference.py": "tests/test_reference.py (make reference: hours of decoding)"}
 
 
 def run_bench(name: str, tmp: Path) -> dict:
