@@ -96,8 +96,9 @@ gpu-check: $(if $(DRY),setup) ## on a GPU node: .gpu-whl installed, then CUDA te
 
 bench-synthetic: setup ## LS on synthetic-smollm2 at agreement 0.6 and 0.9 on this CPU: acceptance vs agreement, speedup vs the memory-bound prediction, = Vanilla (~15 min) → $(RECORDS)/bench/synthetic_a*.json
 	for a in 0.6 0.9; do $(PY) -m del_bench bench gpu --model synthetic-smollm2 --device cpu --dtype float32 \
-	  --captured off --no-del --no-peers --prompts 8 --max-new-tokens 64 --configs 8:4 --set model.agreement=$$a \
-	  --root $(RECORDS)/bench/synthetic_runs --out $(RECORDS)/bench/synthetic_a$$a.json || exit 1; done
+	  --captured off --no-del --no-peers --prompts 8 --max-new-tokens 64 --configs 8:4 \
+	  --set model.agreement=$$a warmup=steady --root $(RECORDS)/bench/synthetic_a$${a}_runs \
+	  --out $(RECORDS)/bench/synthetic_a$${a}.json || exit 1; done
 
 bench-profile: setup ## what a cold prompt pays: a run's prompts one by one under torch.profiler, the first against the last (SET="model=testbed model.device=cuda …") → $(RECORDS)/bench/profile.json
 	$(PY) -m del_bench bench profile --out $(RECORDS)/bench/profile.json $(if $(SET),--set $(SET))

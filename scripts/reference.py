@@ -40,7 +40,7 @@ MODELS = ("smollm2-135m", "testbed")
 # what each experiment's local sweep is (configs/experiment/*.yaml): calibration first (fig1a reads its best points)
 EXPERIMENTS = ("fig1a_calibrate", "table1", "table2", "table3", "table4", "table5", "table6", "fig1a", "fig3", "fig3b",
                "fig4")
-BENCHES = ("bench-del", "bench-testbed", "bench-controller", "bench-peer", "bench-sandbox")
+BENCHES = ("bench-del", "bench-testbed", "bench-controller", "bench-peer", "bench-sandbox", "bench-synthetic")
 
 
 @dataclass
@@ -49,7 +49,7 @@ class Step:
     argv: list[str]
     experiment: str | None = None  # the run_key.experiments tag its runs carry (None: a bench's own tag)
     model: str | None = None
-    bench: str | None = None  # the bench's result file under ROOT/bench
+    benches: tuple[str, ...] = ()  # a bench's result files under ROOT/bench
 
 
 def steps(root: str, python: str = sys.executable) -> list[Step]:
@@ -65,7 +65,8 @@ def steps(root: str, python: str = sys.executable) -> list[Step]:
                                                f"records_root={root}"], "specbench_local", "smollm2-135m"))
     for target in BENCHES:
         name = target.removeprefix("bench-")
-        out.append(Step(target, ["make", target, f"RECORDS={root}"], f"bench-{name}", bench=f"{name}.json"))
+        results = ("synthetic_a0.6.json", "synthetic_a0.9.json") if name == "synthetic" else (f"{name}.json",)
+        out.append(Step(target, ["make", target, f"RECORDS={root}"], f"bench-{name}", benches=results))
     return out
 
 
@@ -88,11 +89,9 @@ def bad_runs(root: Path, step: Step) -> list[str]:
 
 
 def bad_bench_rows(root: Path, step: Step) -> list[str]:
-    """A bench's rows marked busy, unsteady or § in its result file."""
-    path = root / "bench" / step.bench
-    if not path.is_file():
-        return []
-    rows = json.loads(path.read_text()).get("rows") or []
+    """A bench's rows marked busy, unsteady or § in its result files."""
+    rows = [r for name in step.benches if (root / "bench" / name).is_file()
+            for r in json.loads((root / "bench" / name).read_text()).get("rows") or []]
     return [r.get("row", "?") for r in rows if r.get("busy_samples") or r.get("unsteady") or r.get("drifted")]
 
 
@@ -103,10 +102,11 @@ def run_step(step: Step, root: Path, retries: int) -> list[str]:
         done = subprocess.run(step.argv, cwd=REPO)
         if done.returncode != 0:
             return [f"the step exited {done.returncode}"]
-        if step.bench:
+        if step.benches:
             bad = bad_bench_rows(root, step)
             if bad:  # a bench re-measures all its rows together (they are interleaved)
-                shutil.rmtree(root / "bench" / step.bench.replace(".json", "_runs"), ignore_errors=True)
+                for name in step.benches:
+                    shutil.rmtree(root / "bench" / name.replace(".json", "_runs"), ignore_errors=True)
         else:
             bad = bad_runs(root, step)
             for run_dir in bad:

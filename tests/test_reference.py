@@ -25,8 +25,8 @@ def test_the_steps_are_every_experiment_on_both_models_and_the_benches():
             assert (REPO / "configs" / "experiment" / f"{name}.yaml").is_file()
     assert names.index("fig1a_calibrate:testbed") < names.index("fig1a:testbed")  # fig1a reads the calibration
     targets = set(re.findall(r"^([a-z-]+):", (REPO / "Makefile").read_text(), re.M))
-    assert {s.argv[1] for s in plan if s.bench} <= targets
-    assert all("records_root=results/reference" in s.argv for s in plan if not s.bench)
+    assert {s.argv[1] for s in plan if s.benches} <= targets
+    assert all("records_root=results/reference" in s.argv for s in plan if not s.benches)
 
 
 def test_a_dirty_tree_is_refused(monkeypatch, capsys):
