@@ -196,3 +196,20 @@ def test_rounds_of_the_records_sum_to_the_samples_tokens(runs_dir):
     for s in samples:
         assert sum(r["emitted"] for r in rounds if r["sample_id"] == s["sample_id"]) == s["generated_tokens"]
         assert sum(r["loaded_layers"] for r in rounds if r["sample_id"] == s["sample_id"]) == s["loaded_layers"]
+
+
+def test_the_gpu_table_is_the_bench_result_beside_the_papers_table1(tmp_path):
+    """report/gpu.py: each row of `make gpu-check`'s bench result as it recorded it, the paper's Table 1 LLaMA-2-7B
+    overall speed and speedup beside them; no file, no table."""
+    from del_bench.report import gpu
+
+    result = {"model": "synthetic-llama2-7b", "synthetic": {"agreement": 0.79, "exit_layer": 8},
+              "settings": {"prompts": 3, "max_new_tokens": 64}, "provenance": {"device": "NVIDIA H200"},
+              "rows": [{"row": "LS(E8-γ4) (fused graphs)", "tokens_per_s": 256.58, "speedup": 1.54, "etpl": 0.0506},
+                       {"row": "DEL (graphs)", "failure": "CompileUnavailable: …"}]}
+    path = tmp_path / "bench_gpu_7b.json"
+    assert gpu.write_gpu(tmp_path, path) == []
+    path.write_text(json.dumps(result))
+    md = (gpu.write_gpu(tmp_path / "out", path)[0]).read_text()
+    assert "| synthetic-llama2-7b | LS(E8-γ4) (fused graphs) | ours: NVIDIA H200, bf16 | 256.58 | 1.54 | 0.051 |" in md
+    assert "| llama2-7b | DEL | paper: 1× A100-40GB | 90.29 | 2.50 |" in md and "DEL (graphs)" not in md

@@ -85,9 +85,10 @@ BUSY_NOTE = ("‡ = timed on a busy machine: other processes kept more CPUs busy
 
 
 UNSTEADY_MARK = " ¶"
-UNSTEADY_NOTE = ("¶ = not timed at steady state: a warm-up that did not converge, or a first timed sample slower than "
-                 f"{STEADY_SLOWDOWN:g}× the others' median per loaded layer, in the run or its Vanilla partner "
-                 "(records.steady_state); its speed or speedup is not to be trusted. `report --exclude-unsteady` "
+UNSTEADY_NOTE = ("¶ = not timed at steady state: a warm-up that did not converge, or one of the first two timed "
+                 f"samples slower than {STEADY_SLOWDOWN:g}× the later ones' median per loaded layer, in the run or its "
+                 "Vanilla partner (records.steady_state); its speed or speedup is not to be trusted. "
+                 "`report --exclude-unsteady` "
                  "leaves such runs out.")
 
 
