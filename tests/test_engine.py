@@ -220,7 +220,7 @@ def test_under_sampling_a_draft_candidates_confidence_is_read_from_the_warped_di
 
 def test_under_sampling_shadow_tokens_and_their_confidences_come_from_the_raw_logits(stack_and_ref):
     """τ is a mean of shadow confidences; the authors' code scores shadow tokens greedily whatever the sampling
-    (DEL.py:190: decode_next_token(sample=False) → llama_model_utils.py:122-127: argmax and softmax of the raw logits,
+    (DEL.py:190: decode_next_token with sample=False, llama_model_utils.py:122-127: argmax, softmax of the raw logits,
     no temperature, no top-p). So do we: every window DEL observes while decoding with a warped sampler holds each
     layer's raw argmax and its raw softmax probability — recomputed here from the window's states."""
     stack, _, prompts, _ = stack_and_ref
