@@ -18,7 +18,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from del_bench.report import tables
+from del_bench.report import render, tables
 from del_bench.report.collect import aggregate, segment_speeds
 
 GOLDEN = Path(__file__).parent / "data" / "report_golden"
@@ -32,7 +32,7 @@ def built(df) -> dict[str, tables.Table]:
 
 @pytest.mark.parametrize("name", [f"table{i}" for i in range(1, 7)])
 def test_table_matches_golden(built, name):
-    text = tables.to_markdown(built[name])
+    text = render.to_markdown(built[name])
     path = GOLDEN / f"{name}.md"
     if UPDATE:
         path.write_text(text)
@@ -171,7 +171,7 @@ def test_best_and_second_are_marked_per_block(built):
 
 def test_latex_has_the_same_rows(built):
     for table in built.values():
-        tex = tables.to_latex(table)
+        tex = render.to_latex(table)
         assert tex.count(r" \\") == len(table.rows) + 1  # + the header
         assert "_" not in tex.replace(r"\_", "")
 

@@ -34,6 +34,7 @@ def write_report(roots: Iterable[str | Path] = DEFAULT_ROOTS, out_tables: str | 
     files of ours that these records no longer produce are removed from out_figures (see write_figures).
     exclude_busy: runs timed on an overloaded machine are left out (else they are marked ‡: collect, tables);
     exclude_unsteady: runs not timed at steady state (else marked ¶)."""
+    roots = list(roots)
     df = load_runs(roots, exclude_busy=exclude_busy, exclude_unsteady=exclude_unsteady)
     written = []
     if out_tables is not None:
@@ -42,7 +43,7 @@ def write_report(roots: Iterable[str | Path] = DEFAULT_ROOTS, out_tables: str | 
         from .tables import write_tables
         written += write_tables(df, out_tables, adhoc)
         written += write_specbench(df, out_tables, adhoc)  # only where there are Spec-Bench runs
-        if Path(out_tables).resolve() == Path(COMMITTED[0]).resolve():  # the reference's GPU figures (gpu.py)
+        if [str(r) for r in roots] == [str(r) for r in DEFAULT_ROOTS]:  # the reference build: its GPU figures too
             written += write_gpu(out_tables)
     if out_figures is not None:
         from .figures import write_figures  # matplotlib only when figures are wanted

@@ -17,9 +17,10 @@ import json
 from pathlib import Path
 
 from . import tables
-from .render import Cell, Row, Table, to_latex, to_markdown
+from .collect import REFERENCE_ROOT
+from .render import Cell, Row, Table, write_table
 
-RESULT = Path("results/reference/gpu/bench_gpu_7b.json")
+RESULT = Path(REFERENCE_ROOT) / "gpu" / "bench_gpu_7b.json"  # relative to the repository, as make tables runs
 COLUMNS = [("tokens_per_s", "Speed"), ("speedup", "Speedup"), ("etpl", "eTPL"), ("token_acceptance", "acc/token"),
            ("bytes_predicted_speedup", "Predicted"), ("measured_over_bytes_predicted", "Meas/pred"),
            ("host_reads_per_round", "Reads/round")]
@@ -64,12 +65,4 @@ def _paper_rows() -> list[tuple[str, dict[str, Cell]]]:
 def write_gpu(out_dir: str | Path = "results/tables", path: Path = RESULT) -> list[Path]:
     """gpu.md and gpu.tex where the GPU result file is; nothing otherwise."""
     table = gpu_table(path)
-    if table is None:
-        return []
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    written = []
-    for suffix, render in ((".md", to_markdown), (".tex", to_latex)):
-        written.append(out_dir / f"gpu{suffix}")
-        written[-1].write_text(render(table))
-    return written
+    return [] if table is None else write_table(table, out_dir)

@@ -188,3 +188,16 @@ def to_latex(table: Table) -> str:
               r"\caption{" + tex_escape(table.title + ". " + " ".join(notes(table))) + "}",
               r"\end{table}"]
     return "\n".join(lines) + "\n"
+
+
+def write_table(table: Table, out_dir) -> list:
+    """table.name + .md and .tex under out_dir (made if missing): the files written."""
+    from pathlib import Path
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for suffix, render in ((".md", to_markdown), (".tex", to_latex)):
+        written.append(out_dir / f"{table.name}{suffix}")
+        written[-1].write_text(render(table))
+    return written
