@@ -171,7 +171,7 @@ def _rotated_logits(original):
 
 @pytest.mark.parametrize("leak", ["positions", "cache", "logits"])
 def test_a_row_leaking_into_its_neighbour_fails_the_equality(setup, leak, monkeypatch):
-    from del_bench.models.layer_stack import KVCache
+    from del_bench.models.kv_cache import KVCache
 
     cls, name, factory = {"positions": (LayerStack, "attention_rows", _swap_first_two_positions),
                           "cache": (KVCache, "row", _one_cache_for_all),

@@ -18,7 +18,8 @@ from del_bench.engine import decode
 from del_bench.engine.decode import Engine
 from del_bench.engine.rounds import Generation
 from del_bench.engine.sampling import Sampling
-from del_bench.models.layer_stack import LayerStack, WorkCounter
+from del_bench.models.kv_cache import WorkCounter
+from del_bench.models.layer_stack import LayerStack
 from tests.conftest import compose_run, tiny_model
 from tests.test_engine import PROMPTS
 from tests.test_exit_adapters import random_adapters

@@ -22,7 +22,8 @@ from del_bench.methods.adadecode import AdaDecode
 from del_bench.methods.swift import Swift
 from del_bench.models import layer_stack
 from del_bench.models.exit_adapters import ExitAdapters
-from del_bench.models.layer_stack import LayerStack, cat_on
+from del_bench.models.layer_math import cat_on
+from del_bench.models.layer_stack import LayerStack
 from del_bench.models.loading import check_resident
 from tests.conftest import tiny_model
 from tests.test_engine import METHODS, PROMPTS

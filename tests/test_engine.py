@@ -286,7 +286,7 @@ def test_fused_rms_norm_gives_hf_bits(dtype):
     """layer_stack.rms_norm calls torch's fused F.rms_norm on CPU: it must equal LlamaRMSNorm's ops bit for bit."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    from del_bench.models.layer_stack import rms_norm
+    from del_bench.models.layer_math import rms_norm
 
     torch.manual_seed(0)
     for D in (64, 576, 2048):

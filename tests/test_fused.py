@@ -20,7 +20,8 @@ from del_bench.methods.dynamic_exit import DEL
 from del_bench.methods.ls import LayerSkip
 from del_bench.methods.swift import Swift
 from del_bench.models import fused
-from del_bench.models.layer_stack import LayerStack, TreeMask
+from del_bench.models.kv_cache import TreeMask
+from del_bench.models.layer_stack import LayerStack
 from del_bench.records import RunDir, run_key_of
 from tests.conftest import tiny_model
 from tests.test_engine import METHODS, PRODUCTS, PROMPTS, hf_greedy

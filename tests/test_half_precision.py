@@ -21,7 +21,8 @@ from del_bench.methods.ls import LayerSkip
 from del_bench.methods.swift import Swift
 from del_bench.methods.vanilla import Vanilla
 from del_bench.models import loading
-from del_bench.models.layer_stack import LayerStack, TreeMask
+from del_bench.models.kv_cache import TreeMask
+from del_bench.models.layer_stack import LayerStack
 from del_bench.numerics import NEAR_TIE_ULPS, Departure, compare, first_difference, gap_ulps, ulp
 from tests.conftest import tiny_model
 from tests.test_engine import METHODS, PROMPTS

@@ -30,7 +30,7 @@ from del_bench import session
 from del_bench.bench import harness as h
 from del_bench.bench.syncs import SyncReport, measure, print_syncs
 from del_bench.methods.dynamic_exit import batch_factors, round_cost
-from del_bench.models.layer_stack import _linear
+from del_bench.models.layer_math import linear
 from del_bench.models.products import layer_matrices
 from del_bench.records import RunDir
 
@@ -68,14 +68,14 @@ def probe_seconds(mb: int, reps: int = 5) -> tuple[int, list[float]]:
 @torch.inference_mode()
 def gemv_seconds(stack, reps: int = 5) -> list[float]:
     """Seconds of one token's matrix products alone, as the engine computes them (every layer's q|k|v, o, gate|up
-    and down through layer_stack._linear, then the LM head, at one position)."""
+    and down through layer_math.linear, then the LM head, at one position)."""
     mats = layer_matrices(stack)
     rows = {w.shape[1]: torch.randn(1, 1, w.shape[1], dtype=w.dtype, device=w.device) for w in mats}
     head_row = torch.randn(1, 1, stack.head_weight.shape[1], dtype=stack.dtype, device=stack.head_weight.device)
 
     def products():
         for w in mats:
-            _linear(rows[w.shape[1]], w, None)
+            linear(rows[w.shape[1]], w, None)
         stack.head(head_row)
 
     return h.timings(products, reps)

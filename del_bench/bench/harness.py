@@ -27,7 +27,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from del_bench.config import CONFIG_DIR, check_overrides, ls_grid, ls_setting, resolve_aliases
-from del_bench.models.layer_stack import seconds_of
+from del_bench.models.layer_math import seconds_of
 from del_bench.records import (
     DRIFT_LIMIT,
     STEADY_SLOWDOWN,

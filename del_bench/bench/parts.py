@@ -2,7 +2,7 @@
 
 HF's forward at one token vs our eager and fused layer loops (all layers with and without the head, an LS draft
 at E = 4L/5, an LS verification batch of 5 positions); every layer's products and the LM head's at 1, 2 and 5 rows
-in the engine's form (layer_stack._linear) beside x @ W_t on an [in, out] copy and F.linear, so each engine choice
+in the engine's form (layer_math.linear) beside x @ W_t on an [in, out] copy and F.linear, so each engine choice
 can be checked on this machine. Prints median ms; the result file keeps every part's raw seconds.
 """
 
@@ -13,7 +13,8 @@ import torch.nn.functional as F
 
 from del_bench.bench import harness as h
 from del_bench.models import loading
-from del_bench.models.layer_stack import LayerStack, _linear
+from del_bench.models.layer_math import linear
+from del_bench.models.layer_stack import LayerStack
 from del_bench.models.products import layer_matrices
 
 
@@ -46,26 +47,26 @@ def loop_parts(stack, layers: str, prompt, token, context: int, reps: int) -> di
 
 
 def product_parts(stack, reps: int) -> dict[str, list[float]]:
-    """Every layer's four products at 1, 2 and 5 rows: the engine's (_linear) against x @ W_t on [in, out] copies."""
+    """Every layer's four products at 1, 2 and 5 rows: the engine's (linear) against x @ W_t on [in, out] copies."""
     mats = layer_matrices(stack)
     copies = [w.t().contiguous() for w in mats]
     parts = {}
     for n in (1, 2, 5):
         xs = {w.shape[1]: torch.randn(1, n, w.shape[1], dtype=w.dtype) for w in mats}
-        parts[f"layer products, {n} row(s), the engine's _linear"] = h.timings(
-            lambda xs=xs: [_linear(xs[w.shape[1]], w, None) for w in mats], reps)
+        parts[f"layer products, {n} row(s), the engine's linear"] = h.timings(
+            lambda xs=xs: [linear(xs[w.shape[1]], w, None) for w in mats], reps)
         parts[f"layer products, {n} row(s), x @ W_t on [in, out] copies"] = h.timings(
             lambda xs=xs: [xs[w.shape[0]] @ w for w in copies], reps)
     return parts
 
 
 def head_parts(head: torch.Tensor, reps: int) -> dict[str, list[float]]:
-    """The LM head [V, D] at 1, 2 and 5 rows: the engine's _linear, F.linear (HF's) and x @ W_t on a [D, V] copy."""
+    """The LM head [V, D] at 1, 2 and 5 rows: the engine's linear, F.linear (HF's) and x @ W_t on a [D, V] copy."""
     head_t = head.t().contiguous()
     parts = {}
     for n in (1, 2, 5):
         x = torch.randn(1, n, head.shape[1], dtype=head.dtype)
-        parts[f"LM head, {n} row(s), the engine's _linear"] = h.timings(lambda x=x: _linear(x, head, None), reps)
+        parts[f"LM head, {n} row(s), the engine's linear"] = h.timings(lambda x=x: linear(x, head, None), reps)
         parts[f"LM head, {n} row(s), F.linear on [V, D] (HF's)"] = h.timings(lambda x=x: F.linear(x, head), reps)
         parts[f"LM head, {n} row(s), x @ W_t on a [D, V] copy"] = h.timings(lambda x=x: x @ head_t, reps)
     return parts

@@ -44,7 +44,8 @@ import torch
 
 from del_bench.engine.decode import Engine
 from del_bench.engine.sampling import Sampling
-from del_bench.models.layer_stack import KVCache, LayerStack, RaggedRow, TreeMask
+from del_bench.models.kv_cache import KVCache, TreeMask
+from del_bench.models.layer_stack import LayerStack, RaggedRow
 
 HEAD_RANK = {"head": 1, "shadow": 2}  # after the last layer: the head, then shadow scoring
 

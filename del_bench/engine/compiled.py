@@ -49,7 +49,8 @@ from collections.abc import Callable
 import torch
 
 from del_bench.methods.base import LAYER_SKIPPING
-from del_bench.models.layer_stack import KVCache, LayerStack
+from del_bench.models.kv_cache import KVCache
+from del_bench.models.layer_stack import LayerStack
 from del_bench.numerics import compare, gap_ulps, is_half
 
 log = logging.getLogger(__name__)
@@ -329,7 +330,7 @@ class Graphs:
 
 
 class _Compiled:
-    """Graphs by torch.compile(fullgraph=True), run as they are (no capture): the layer's tensors (a _Layer) and its
+    """Graphs by torch.compile(fullgraph=True), run as they are (no capture): the layer's tensors (a Layer) and its
     cache are arguments, so one graph serves every layer of a shape (dynamo guards on shapes, not on which
     tensors)."""
 

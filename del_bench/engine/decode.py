@@ -42,7 +42,9 @@ from del_bench.engine.sampling import (
 from del_bench.engine.shadow import ShadowScorer
 from del_bench.engine.steps import Draft, Verified, whole  # noqa: F401 (Draft, Verified: part of this module's API)
 from del_bench.methods.base import Method, RoundEvidence
-from del_bench.models.layer_stack import KVCache, LayerStack, cat_on, top_confidence
+from del_bench.models.kv_cache import KVCache
+from del_bench.models.layer_math import cat_on, top_confidence
+from del_bench.models.layer_stack import LayerStack
 from del_bench.numerics import gap_from_top2, is_half, widened
 from del_bench.transfer import reads, to_device, to_list
 

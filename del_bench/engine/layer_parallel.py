@@ -34,7 +34,7 @@ import torch
 
 from del_bench.engine.rounds import Round
 from del_bench.engine.sampling import accepts, choose, residual
-from del_bench.models.layer_stack import cat_on
+from del_bench.models.layer_math import cat_on
 from del_bench.numerics import widened
 from del_bench.transfer import to_list
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from del_bench.models.layer_stack import KVCache, LayerStack, TreeMask
+from del_bench.models.kv_cache import KVCache, TreeMask
+from del_bench.models.layer_stack import LayerStack
 
 
 class LayerStates:

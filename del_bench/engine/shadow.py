@@ -18,7 +18,8 @@ import torch
 
 from del_bench.engine.steps import Draft, Verified
 from del_bench.methods.base import MAX_DEFERRED, Method, RoundEvidence, Shadow, matches_and_confidence
-from del_bench.models.layer_stack import LayerStack, cat_on
+from del_bench.models.layer_math import cat_on
+from del_bench.models.layer_stack import LayerStack
 from del_bench.transfer import to_device, to_numpy
 
 

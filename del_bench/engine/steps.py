@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from del_bench.engine.sampling import Siblings
-from del_bench.models.layer_stack import TreeMask
+from del_bench.models.kv_cache import TreeMask
 from del_bench.numerics import gap_from_top2
 from del_bench.transfer import to_list
 

@@ -245,7 +245,7 @@ class Method:
     def keep_drafting(self, drafted: int, confidence: float) -> bool:
         """Called with each new draft candidate, `drafted` tokens already in the draft; confidence = the
         draft distribution's top probability (with shadow_vocab = K normalised over the first K ids and the top token,
-        as shadow confidences are: layer_stack.top_confidence). False stops drafting after (or, with
+        as shadow confidences are: layer_math.top_confidence). False stops drafting after (or, with
         drop_stopped_draft, without) this candidate."""
         return True
 

@@ -31,7 +31,7 @@ Beyond the paper (`shadow_vocab: K`): shadow tokens scored over the first K toke
 (LayerStack.shadow_tokens), ~V/K times cheaper; their confidences are normalised over those ids only, which lifts
 them above the whole vocabulary's (on a tiny 8-layer model with K = 50 of 259 ids τ sat above every candidate). So a
 draft candidate is scored on the same scale: its top probability normalised over the first K ids and itself
-(layer_stack.top_confidence) — what the statistics record where it is the full model's token, so τ, a mean of such
+(layer_math.top_confidence) — what the statistics record where it is the full model's token, so τ, a mean of such
 confidences, and the candidates it stops are like with like. The other way round (τ from whole-vocabulary
 confidences) would need the whole head over every shadow row, the cost K removes; scoring the candidate so costs
 nothing (its head row is whole anyway: the candidate is the whole vocabulary's argmax). Without K both are the whole

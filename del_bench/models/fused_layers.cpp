@@ -35,7 +35,7 @@ Tensor gemma_norm(const Tensor& x, const Tensor& one_plus_w, double eps) {
   return (normed * one_plus_w).to(x.scalar_type());
 }
 
-// layer_stack._linear without a bias (models/products.product): x [T, in] times a matrix (+ residual [T, out]) →
+// layer_math.linear without a bias (models/products.product): x [T, in] times a matrix (+ residual [T, out]) →
 // [T, out], in the layout LayerStack chose for this product at this row count, which the matrix carries:
 // - HF's [out, in] as stored: wt_x, W @ Xᵀ with X at least two rows (MKL's few-column GEMM), the residual joined in
 //   one addmm;
@@ -54,7 +54,7 @@ Tensor product(const Tensor& x, const Tensor& weight, const c10::optional<Tensor
   return y.narrow(1, 0, T).t().contiguous();
 }
 
-// layer_stack._attend: SDPA of q [1, H, T, hd] over k, v [1, KV, pos+T, hd]. No mask over several queries: from an
+// layer_math.attend: SDPA of q [1, H, T, hd] over k, v [1, KV, pos+T, hd]. No mask over several queries: from an
 // empty cache is_causal, over a cache row by row (each row the single-query call of a decode step); a tree with
 // `exact` row by row too, each node over the keys its mask row selects.
 Tensor attend(const Tensor& q, const Tensor& k, const Tensor& v, const c10::optional<Tensor>& mask, int64_t pos,
@@ -97,13 +97,13 @@ Tensor norm(const Tensor& x, const Tensor& weight, double eps, const Family& f) 
   return f.gemma_norm ? gemma_norm(x, weight, eps) : rms_norm(x, weight, eps);
 }
 
-// layer_stack._causal: [T, S] bool, query i (position pos + i) sees keys 0 .. pos + i
+// layer_math.causal: [T, S] bool, query i (position pos + i) sees keys 0 .. pos + i
 Tensor causal(int64_t pos, int64_t T, int64_t S, const at::Device& device) {
   auto longs = at::TensorOptions().dtype(at::kLong).device(device);
   return at::arange(S, longs).unsqueeze(0) <= (at::arange(T, longs) + pos).unsqueeze(1);
 }
 
-// layer_stack._windowed: the mask of T queries from slot pos over S keys (none: a causal chain) restricted to a sliding
+// layer_math.windowed: the mask of T queries from slot pos over S keys (none: a causal chain) restricted to a sliding
 // window, keys at positions p − window < k ≤ p for the query at position p; a query's position is pos + the keys it
 // sees among slots pos.. − 1 (a tree node's depth), a slot before pos holds its own
 Tensor windowed(const c10::optional<Tensor>& mask, int64_t pos, int64_t T, int64_t S, int64_t window,
@@ -114,7 +114,7 @@ Tensor windowed(const c10::optional<Tensor>& mask, int64_t pos, int64_t T, int64
   return m & (key_pos.unsqueeze(0) > (query_pos - window).unsqueeze(1));
 }
 
-// layer_stack._attend_softcapped (HF's eager attention with Gemma 2's logit soft cap): q [1, H, T, hd] over k, v
+// layer_math.attend_softcapped (HF's eager attention with Gemma 2's logit soft cap): q [1, H, T, hd] over k, v
 // [1, KV, S, hd]: softmax(cap · tanh(q kᵀ · scale / cap), masked) in float32, cast back, times v
 Tensor attend_softcapped(const Tensor& q, const Tensor& k, const Tensor& v, c10::optional<Tensor> mask, int64_t pos,
                          double scale, double cap) {
@@ -158,7 +158,7 @@ Tensor attend_layer(const Tensor& q, Tensor k, Tensor v, c10::optional<Tensor> m
   return attend(q, k, v, mask, pos, scale, gqa, exact);
 }
 
-// product (+ bias) (+ residual): layer_stack._linear, the bias added as its own op, then the residual
+// product (+ bias) (+ residual): layer_math.linear, the bias added as its own op, then the residual
 Tensor biased_product(const Tensor& x, const Tensor& weight, const Tensor* e, Extra bias,
                       const c10::optional<Tensor>& residual) {
   if (!has(e, bias)) return product(x, weight, residual);

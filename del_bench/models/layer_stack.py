@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import platform
 import statistics
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -22,260 +21,34 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from del_bench.models import fused
+from del_bench.models import fused, shadow_scoring
 from del_bench.models.families import LayerMath, decoder_of, resolve
+from del_bench.models.kv_cache import KVCache, TreeMask, WorkCounter
+from del_bench.models.layer_math import (
+    Layer,
+    attend,
+    attend_softcapped,
+    fuse_rows,
+    gemma_rms_norm,
+    linear,
+    moved,
+    rms_norm,
+    seconds_of,
+    softcapped,
+    synchronize,
+    windowed,
+)
 from del_bench.models.loading import check_resident
 from del_bench.models.products import (
     FEW_ROWS,
-    TUNED,
     X_WT,
     X_WT_COPY,
-    Layout,
     Products,
     for_rows,
-    product,
     time_products,
 )
 from del_bench.models.products import choose as choose_products
-from del_bench.numerics import HALF_DTYPES, widened
-
-
-def synchronize(device: torch.device) -> None:
-    """Wait for queued kernels before reading a clock (no-op on CPU)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def seconds_of(fn, reps: int, warmup: int = 1, sync=lambda: None) -> list[float]:
-    """Wall seconds of each of `reps` calls of fn after `warmup` untimed ones, sync() (waiting for the devices fn
-    queues work on) before each clock read: every micro-timing of the project, engine's and benches'."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        sync()
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return times
-
-
-def cat_on(tensors, device: torch.device, dim: int = 0) -> torch.Tensor:
-    """torch.cat on `device` of tensors that may live on several (states of layers split by device_map): each moves
-    there first — a no-op for a tensor already there, so on one device this is the plain cat."""
-    return torch.cat([t.to(device) for t in tensors], dim=dim)
-
-
-def _moved(device: torch.device, *tensors):
-    """RoPE tables and mask (None, or any non-tensor, stays as it is) on a layer's device: once per device crossed."""
-    return tuple(t.to(device) if isinstance(t, torch.Tensor) else t for t in tensors)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """LlamaRMSNorm, op for op (variance in float32, weight applied in the input dtype)."""
-    if x.dtype != torch.float32:
-        dtype = x.dtype
-        return weight * _normalized(x.to(torch.float32), eps).to(dtype)
-    if x.device.type == "cpu":  # one fused op, the same bits (see _normalized)
-        return F.rms_norm(x, (x.shape[-1],), weight, eps)
-    return weight * _normalized(x, eps)  # no no-op casts
-
-
-def gemma_rms_norm(x: torch.Tensor, weight1: torch.Tensor, eps: float) -> torch.Tensor:
-    """Gemma2RMSNorm / Gemma3RMSNorm, op for op: (_norm(x.float()) * (1 + w.float())).type_as(x) — float32 even for
-    a float64 model, the weight applied before the cast. weight1: 1 + w, precomputed in float32 (_norm_tensor)."""
-    return (_normalized(x.float(), eps) * weight1).to(x.dtype)
-
-
-def _normalized(x32: torch.Tensor, eps: float) -> torch.Tensor:
-    """x · rsqrt(mean(x²) + eps) in float32. On CPU torch's fused F.rms_norm gives HF's bits in one op instead of
-    five (~10 µs less per norm, two norms a layer; tests/test_engine.py holds the equality on the machine at hand)."""
-    if x32.device.type == "cpu":
-        return F.rms_norm(x32, (x32.shape[-1],), None, eps)
-    return x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-
-
-def _attend(q, k, v, mask: torch.Tensor | None, pos: int, scale: float, gqa: bool, exact: bool = False) -> torch.Tensor:
-    """SDPA of q [1, H, T, hd] (positions pos .. pos+T-1) over k, v [1, KV, pos+T, hd] → [1, H, T, hd]. With no mask
-    (_rope_and_mask) over several queries: from an empty cache, `is_causal` (T queries, T keys: top-left and
-    bottom-right alignment agree; HF's prefill makes the same call); with a cache, row by row, each row the single-query
-    call a decode step makes over its own keys [0, pos+i] — the SDPA kernel's bits depend on the key length, so a
-    masked batch row is not a decode step's. A token tree with `exact` (LayerStack.exact_rows) likewise, each node
-    over the keys its mask row selects (the prefix, then its ancestors: its path's keys, in order). fused_layers.cpp:
-    the same rule."""
-    T = q.shape[2]
-    if exact and mask is not None and T > 1:  # a tree: node i's own keys, gathered [1, KV, n_i, hd]
-        return torch.cat([F.scaled_dot_product_attention(q[:, :, i : i + 1], k[:, :, mask[i]], v[:, :, mask[i]],
-                                                         scale=scale, enable_gqa=gqa) for i in range(T)], dim=2)
-    if mask is None and T > 1 and pos > 0:
-        return torch.cat([F.scaled_dot_product_attention(q[:, :, i : i + 1], k[:, :, : pos + i + 1],
-                                                         v[:, :, : pos + i + 1], scale=scale, enable_gqa=gqa)
-                          for i in range(T)], dim=2)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1, scale=scale,
-                                          enable_gqa=gqa)
-
-
-def softcapped(x: torch.Tensor, cap: float) -> torch.Tensor:
-    """Gemma's soft cap, op for op: tanh(x / cap) * cap (attention weights: modeling_gemma2.py:196-198; final logits:
-    :519-521)."""
-    return torch.tanh(x / cap) * cap
-
-
-def top_confidence(probs: torch.Tensor, vocab: int | None = None) -> torch.Tensor:
-    """A draft candidate's confidence on the scale of LayerStack.shadow_tokens(vocab=K): probs [V] → the top
-    probability normalised over the first K ids and the top token itself (a scalar tensor: no host read) — what
-    shadow scoring gives a row whose target is that token. vocab None or ≥ V: the top probability as it is."""
-    top, token = probs.max(-1)
-    if vocab is None or vocab >= probs.shape[-1]:
-        return top
-    return top / (probs[:vocab].sum() + torch.where(token >= vocab, top, 0.0))  # the top joins where it lies outside
-
-
-def _fuse_rows(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One [Σout, in] matrix (HF's own layout, concatenated) for linears that read the same input (q|k|v, gate|up).
-    The HF modules are re-pointed at row slices of it, so no weight is stored twice and the HF model still runs (on
-    the same numbers)."""
-    weight = torch.cat([lin.weight.detach() for lin in linears], dim=0)  # [Σout, in]
-    has_bias = linears[0].bias is not None
-    bias = torch.cat([lin.bias.detach() for lin in linears]) if has_bias else None
-    row = 0
-    for lin in linears:
-        n = lin.weight.shape[0]
-        lin.weight.data = weight[row : row + n]
-        if has_bias:
-            lin.bias.data = bias[row : row + n]
-        row += n
-    return weight, bias
-
-
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual=None,
-            layout: Layout = TUNED) -> torch.Tensor:
-    """x: [B, T, in] @ weight: [out, in]ᵀ (+ bias) (+ residual [B, T, out]) → [B, T, out], the B·T rows as one
-    product (B = 1: the engine's chains; B > 1: rows of a static-shape step), in the layout chosen for
-    this shape class at B·T rows (LayerStack.products; models/products.py: x_wt = x @ Wᵀ, HF's; wt_x = W @ Xᵀ with X at
-    least two rows, MKL's few-column GEMM); fused_layers.cpp's `product` does the same ops. wt_x, measured on SmolLM2 /
-    the testbed at 2 threads on the AMD host it was tuned on (the fused loop; the layers were stored [in, out] for
-    x @ W before): a token's layers at one position 0.96× / 1.03× the time, at 2 positions 0.63× / 0.73×, at 5
-    0.72× / 0.86×; the LM head at 2 rows 5.2 vs 8.5 ms, at 5 rows 7.0 vs 20 ms. Half precision always x_wt, HF's own
-    product, which rounds as HF's nn.Linear does (float16's CPU GEMM gives other bits as W @ Xᵀ; bfloat16's the same),
-    the residual added as its own op as in LlamaDecoderLayer (products.product)."""
-    rows = x.reshape(-1, x.shape[-1])  # [B·T, in]: for B = 1 the view x[0] (the same strides, the same bits)
-    kind = X_WT if x.dtype in HALF_DTYPES else layout.at(rows.shape[0])
-    shape = (*x.shape[:-1], weight.shape[0])
-    if bias is None:
-        flat = None if residual is None else residual.reshape(-1, residual.shape[-1])
-        return product(rows, weight, kind, flat).view(shape)
-    y = (product(rows, weight, kind) + bias).view(shape)  # [B, T, out]
-    return y if residual is None else residual + y
-
-
-@dataclass
-class _Layer:
-    """One decoder layer's tensors, fused for fewer kernel launches."""
-
-    w_in_norm: torch.Tensor
-    w_qkv: torch.Tensor  # [(H + 2·KV)·hd, D]  (all [out, in], HF's layout: see _linear)
-    b_qkv: torch.Tensor | None
-    w_o: torch.Tensor  # [D, H·hd]
-    b_o: torch.Tensor | None
-    w_post_norm: torch.Tensor
-    w_gate_up: torch.Tensor  # [2·I, D]
-    b_gate_up: torch.Tensor | None
-    w_down: torch.Tensor  # [D, I]
-    b_down: torch.Tensor | None
-    device: torch.device
-    # other families (families.py; None / 0 for Llama): q/k norms over head_dim (Qwen3, Gemma 3), the sandwich norms
-    # on the attention's and the MLP's outputs (Gemma 2/3), the attention window W (the last W positions) and which
-    # rotary table the layer reads (Gemma 3: local / global)
-    w_q_norm: torch.Tensor | None = None
-    w_k_norm: torch.Tensor | None = None
-    w_attn_out_norm: torch.Tensor | None = None
-    w_mlp_out_norm: torch.Tensor | None = None
-    window: int | None = None
-    rope: int = 0
-
-
-@dataclass
-class WorkCounter:
-    """What a LayerStack really executed, counted where it runs — below the engine, apart from its bookkeeping —
-    so tests can hold each Round's self-reported accounting against it (LayerStack.counting). Units are the
-    paper's: a decoder layer run over any number of positions at once is one load (a batch of positions reads the
-    weights once), an attention or MLP sublayer half of one; a head row is one position through the LM head."""
-
-    layers: float = 0.0  # decoder layers loaded: ½ per sublayer run (eager), end − start per fused call
-    head_rows: int = 0  # LM-head rows (LayerStack.head): drafts, verification, prefill, SWIFT's probe
-    shadow_rows: int = 0  # rows scored by shadow_tokens (DEL's controller; its head work is not in head_rows)
-    adapter_rows: int = 0  # exit-head rows through an exit adapter (exit_input; shadow rows not included)
-
-
-class KVCache:
-    """Preallocated keys/values per layer, each layer with its own filled length.
-
-    During drafting the early layers run ahead of the late ones, so lengths differ per layer;
-    rejection only lowers lengths (stale slots are overwritten by the next write)."""
-
-    def __init__(self, stack: "LayerStack", max_len: int, num_layers: int | None = None, batch: int = 1):
-        """num_layers: allocate only the first layers (a latency probe of one layer at a long context). batch: rows
-        (a batched run's shared cache, engine/batch.py: each row decodes in its own view, `row`)."""
-        self.max_len = max_len
-        self.k, self.v = [], []
-        for layer in stack.layers[:num_layers]:
-            # k, v: [batch, KV, max_len, hd]
-            shape = (batch, stack.n_kv_heads, max_len, stack.head_dim)
-            self.k.append(torch.empty(shape, dtype=stack.dtype, device=layer.device))
-            self.v.append(torch.empty(shape, dtype=stack.dtype, device=layer.device))
-        self.lengths = [0] * len(self.k)
-
-    def row(self, r: int, view: "KVCache | None" = None) -> "KVCache":
-        """Row r of a batched cache as a cache of its own: each layer's [1, KV, max_len, hd] view of that row (a slice
-        along the batch dimension: contiguous, the strides of a one-row cache), with its own lengths — a row writes
-        in place, so nothing is copied per round. `view`: an existing row view to re-point (the cache grew)."""
-        view = view if view is not None else object.__new__(KVCache)
-        view.max_len = self.max_len
-        view.k = [k[r : r + 1] for k in self.k]
-        view.v = [v[r : r + 1] for v in self.v]
-        if not hasattr(view, "lengths"):
-            view.lengths = [0] * len(self.k)
-        return view
-
-    def crop(self, length: int) -> None:
-        """Forget every position ≥ length in every layer."""
-        self.lengths = [min(n, length) for n in self.lengths]
-
-    def move(self, src: int, dst: int) -> None:
-        """Copy every layer's entry at position src to dst (a token tree's accepted leaf joins its path)."""
-        for k, v in zip(self.k, self.v):
-            k[:, :, dst] = k[:, :, src]
-            v[:, :, dst] = v[:, :, src]
-
-
-@dataclass(frozen=True)
-class TreeMask:
-    """A token tree in one batch (SWIFT's dynamic token tree): node i holds RoPE position pos + depth[i] and sees
-    the cached prefix [0, pos), its ancestors and itself. Its KV is written at slot pos + i, like a chain's."""
-
-    depth: torch.Tensor  # [T] long: 0 for the root (the pending token)
-    ancestors: torch.Tensor  # [T, T] bool: ancestors[i, j] = node j is node i or one of its ancestors
-
-    @staticmethod
-    def of(parents: list[int]) -> "TreeMask":
-        """parents[i]: node i's parent (−1 for the root), each before its children."""
-        T = len(parents)
-        ancestors = torch.eye(T, dtype=torch.bool)
-        depth = [0] * T
-        for i, parent in enumerate(parents):
-            if parent >= 0:
-                ancestors[i] |= ancestors[parent]
-                depth[i] = depth[parent] + 1
-        return TreeMask(torch.tensor(depth), ancestors)
-
-    @staticmethod
-    def branches(count: int, length: int) -> "TreeMask":
-        """`count` independent chains of `length` tokens each, branch after branch in the batch: every chain starts
-        at the same position, sees the cached prefix and its own earlier tokens, never another chain (a selection's
-        candidate draft models, each over the same window)."""
-        return TreeMask.of([-1 if t == 0 else b * length + t - 1 for b in range(count) for t in range(length)])
+from del_bench.numerics import HALF_DTYPES
 
 
 @dataclass
@@ -329,7 +102,7 @@ class LayerStack:
         self.scale = self.math.scale  # head_dim ** -0.5, or Gemma's query_pre_attn_scalar ** -0.5
         self.dtype = inner.embed_tokens.weight.dtype
         # half precision on CPU: a chain of several new positions over a cache (verification) attends row by row, so
-        # each row is the bits of a decode step (_attend; in bfloat16 the products' rows are too, in float16 the CPU
+        # each row is the bits of a decode step (attend; in bfloat16 the products' rows are too, in float16 the CPU
         # GEMM's bits change with the row count). Not on CUDA, where the GEMMs' kernels change with the row count as
         # well, and a launch per row would cost more than it buys
         self.exact_rows = self.dtype in HALF_DTYPES and inner.embed_tokens.weight.device.type == "cpu"
@@ -339,7 +112,7 @@ class LayerStack:
         # the head, shadow states and their scoring, the sampling RNG — on the head's device. One device: all one.
         self.head_device = head.weight.device
         self.norm_weight = self._norm_tensor(inner.norm).to(self.head_device)  # [D]: a copy only if it lived elsewhere
-        # [V, D], HF's own storage (a tied embedding's too): _linear's products read it as they read the layers'
+        # [V, D], HF's own storage (a tied embedding's too): linear's products read it as they read the layers'
         self.head_weight = head.weight.detach()
         self.head_bias = None if head.bias is None else head.bias.detach()
         self.embed_weight = inner.embed_tokens.weight.detach()
@@ -431,7 +204,7 @@ class LayerStack:
         for device in self.devices:
             synchronize(device)
 
-    def _wrap(self, layer: nn.Module, index: int) -> _Layer:
+    def _wrap(self, layer: nn.Module, index: int) -> Layer:
         """Layer `index`'s tensors, read from its family's modules (families.py)."""
         family = self.math.family
         attn, mlp = layer.self_attn, layer.mlp
@@ -439,15 +212,15 @@ class LayerStack:
             qkv, gate_up = [attn.qkv_proj], [mlp.gate_up_proj]
         else:
             qkv, gate_up = [attn.q_proj, attn.k_proj, attn.v_proj], [mlp.gate_proj, mlp.up_proj]
-        w_qkv, b_qkv = _fuse_rows(qkv)
-        w_gate_up, b_gate_up = _fuse_rows(gate_up)
-        w_o, b_o = _fuse_rows([attn.o_proj])
-        w_down, b_down = _fuse_rows([mlp.down_proj])
+        w_qkv, b_qkv = fuse_rows(qkv)
+        w_gate_up, b_gate_up = fuse_rows(gate_up)
+        w_o, b_o = fuse_rows([attn.o_proj])
+        w_down, b_down = fuse_rows([mlp.down_proj])
         # the MLP's input norm: Llama's post_attention_layernorm; with sandwich norms that name is the attention's
         # output norm, and the MLP's input norm is pre_feedforward_layernorm
         sandwich = family.sandwich_norms
         mlp_norm = layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm
-        return _Layer(
+        return Layer(
             w_in_norm=self._norm_tensor(layer.input_layernorm),
             w_qkv=w_qkv,
             b_qkv=b_qkv,
@@ -539,13 +312,13 @@ class LayerStack:
         """h_normed: [1, T, D] → logits [1, T, V] (the model's own LM head, full vocabulary): T head rows."""
         if self.counter is not None:
             self.counter.head_rows += h_normed.shape[:-1].numel()
-        return self._head(h_normed)
+        return self.head_logits(h_normed)
 
-    def _head(self, h_normed: torch.Tensor) -> torch.Tensor:
-        """head, uncounted (shadow_tokens counts its rows as shadow rows)."""
+    def head_logits(self, h_normed: torch.Tensor) -> torch.Tensor:
+        """head, uncounted (shadow scoring counts its rows as shadow rows)."""
         h_normed = h_normed.to(self.head_weight.device)
         if self.head_t is None or h_normed.shape[1] > 1:
-            return _linear(h_normed, self.head_weight, self.head_bias, layout=self.products["head"])
+            return linear(h_normed, self.head_weight, self.head_bias, layout=self.products["head"])
         logits = h_normed @ self.head_t  # [1, 1, V]
         return logits if self.head_bias is None else logits + self.head_bias
 
@@ -569,7 +342,7 @@ class LayerStack:
         """The early-exit head at 1-based `layer`: h [1, T, D] → logits [1, T, V] (own head, or its adapter)."""
         return self.head(self.exit_input(h, layer))
 
-    def _exit_rows(self, states: torch.Tensor, layers: torch.Tensor | None) -> torch.Tensor:
+    def exit_rows(self, states: torch.Tensor, layers: torch.Tensor | None) -> torch.Tensor:
         """states [N, D] (pre-norm), layers [N] (1-based layer of each row, or None: own head) → head inputs [N, D]."""
         hn = self.norm(states[None])[0]
         if self.adapters is None or layers is None:
@@ -623,7 +396,7 @@ class LayerStack:
             if cache.lengths[i] < pos:
                 raise RuntimeError(f"layer {i} holds {cache.lengths[i]} positions; cannot write at {pos}")
             if cos.device != self.layers[i].device:  # device_map: the layers moved on to another device
-                cos, sin, mask = _moved(self.layers[i].device, cos, sin, mask)
+                cos, sin, mask = moved(self.layers[i].device, cos, sin, mask)
             h = self._layer(i, h, pos, cos, sin, mask, cache)
             cache.lengths[i] = pos + T
             if collect is not None:
@@ -651,66 +424,8 @@ class LayerStack:
 
     def shadow_tokens(self, states: torch.Tensor, targets: torch.Tensor | None = None, vocab: int | None = None,
                       chunk: int = 64, layers: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Greedy token and its softmax probability for every row of states [N, D] (pre-norm hidden
-        states of any layers): what each layer would have drafted. Returns ([N] ids, [N] confidences).
-
-        With `vocab`=K (and targets [N], the full model's token per row) only the first K vocabulary
-        entries plus each row's target are scored: ~V/K times cheaper. It is exact whenever the true
-        argmax is among them — in particular "matches the target" is never missed — and the confidence
-        is normalised over the scored tokens only (an overestimate; DEL scores its draft candidates the same way,
-        top_confidence, so that τ and what it is compared with share one scale).
-
-        `layers` [N]: the 1-based layer of each row; with exit adapters loaded each row goes through its layer's
-        adapter (exit_input), so shadow tokens are what the adapter-headed draft would have produced."""
-        if self.counter is not None:
-            self.counter.shadow_rows += states.shape[0]
-        hn = self._exit_rows(states, layers)  # [N, D] the head's inputs
-        if vocab is not None and vocab < self.vocab_size:
-            return self._shadow_restricted(hn, targets, vocab)
-        tokens, confidence = [], []
-        for rows in hn.split(chunk):
-            probs = widened(self._head(rows[None])[0]).softmax(-1)  # [n, V]
-            top, ids = probs.max(-1)
-            tokens.append(ids)
-            confidence.append(top)
-        return torch.cat(tokens), torch.cat(confidence)
-
-    def _shadow_restricted(self, hn, targets, vocab: int):
-        """hn: [N, D] the head's inputs (normed, adapted). Per row: the argmax over the first `vocab` ids and the
-        row's target, and its probability normalised over them. Runs every round of DEL, on a few dozen rows, so
-        each op counts (~5 µs apiece on this CPU): logsumexp reuses the max, and each row's target logit is one dot
-        product (it joins the argmax and the norm only where the target lies outside the first `vocab` ids: BPE ids ≈
-        frequency order, rare) — computed for every row rather than after asking the host whether any lies outside,
-        a read that would stall a GPU's queue every round (the same bits either way)."""
-        if getattr(self, "_head_top", None) is None or self._head_top.shape[1] != vocab:
-            # [D, K]; BPE ids ≈ frequency order. x @ W_t, not _linear: for a few dozen rows against a cached K × D
-            # matrix the plain GEMM is ~100-200 µs faster (measured on both models)
-            self._head_top = self.head_weight[:vocab].t().contiguous()
-        sub = hn @ self._head_top  # [N, K]
-        if self.head_bias is not None:
-            sub = sub + self.head_bias[:vocab]
-        if self.math.final_softcap is not None:  # Gemma: the logits _head gives (per round, not per op)
-            sub = softcapped(sub, self.math.final_softcap)
-        sub = widened(sub)
-        sub_max, tokens = sub.max(-1)  # [N]
-        # torch.logsumexp's own steps (amax, exp of the shifted logits, sum, log, + max), the max reused
-        norm = (sub - sub_max[:, None]).exp_().sum(-1).log_().add_(sub_max)  # [N]
-        return self._add_targets(hn, targets, targets >= vocab, sub_max, tokens, norm)
-
-    def _add_targets(self, hn, targets, outside, sub_max, tokens, norm):
-        """Rows whose target lies outside the scored ids: the target's logit joins the argmax and the norm."""
-        target_rows = self.head_weight[targets]  # [N, D] the targets' head rows
-        target_logit = (hn * target_rows).sum(-1)  # [N]
-        if self.head_bias is not None:
-            target_logit = target_logit + self.head_bias[targets]
-        if self.math.final_softcap is not None:
-            target_logit = softcapped(target_logit, self.math.final_softcap)
-        target_logit = widened(target_logit)
-        take_target = outside & (target_logit > sub_max)
-        tokens = torch.where(take_target, targets, tokens)
-        norm = torch.where(outside, torch.logaddexp(norm, target_logit), norm)
-        top = torch.where(take_target, target_logit, sub_max)
-        return tokens, (top - norm).exp()
+        """DEL's shadow tokens of states [N, D] (models/shadow_scoring.py): ([N] ids, [N] confidences)."""
+        return shadow_scoring.shadow_tokens(self, states, targets, vocab, chunk, layers)
 
     def forward_skipping(self, h: torch.Tensor, pos: int, cache: KVCache, skip_attn: frozenset[int],
                          skip_mlp: frozenset[int], write: bool = True, collect: list | None = None) -> torch.Tensor:
@@ -734,7 +449,7 @@ class LayerStack:
         cos, sin, mask = self._rope_and_mask(pos, T, h.device)
         for i in range(self.num_layers):
             if cos.device != self.layers[i].device:  # device_map: the layers moved on to another device
-                cos, sin, mask = _moved(self.layers[i].device, cos, sin, mask)
+                cos, sin, mask = moved(self.layers[i].device, cos, sin, mask)
             if i not in skip_attn:
                 if cache.lengths[i] < pos:
                     raise RuntimeError(f"layer {i} holds {cache.lengths[i]} positions; cannot attend at {pos}")
@@ -797,7 +512,7 @@ class LayerStack:
         sees keys 0..pos+i). No mask (None) where SDPA needs none, as HF's sdpa_attention_forward passes none, so that
         SDPA may choose its flash / memory-efficient kernels (and rounds as HF's call does): a single query sees every
         cached key; a prefill from an empty cache (pos 0) is `is_causal`; with `exact_rows`, a chain over a cache runs
-        row by row (see _attend). A tree: positions pos + depth, each node sees the prefix, its ancestors and itself."""
+        row by row (see attend). A tree: positions pos + depth, each node sees the prefix, its ancestors and itself."""
         if tree is None:
             cos, sin = self._cos[pos : pos + T], self._sin[pos : pos + T]
             mask = None
@@ -838,7 +553,7 @@ class LayerStack:
         q, k_new, v_new = self.project_qkv(w, h, cos, sin)
         return self.attention_out(w, self._attend_cached(i, w, q, k_new, v_new, pos, mask, cache, write), h)
 
-    def _attend_cached(self, i, w: _Layer, q, k_new, v_new, pos: int, mask, cache: KVCache,
+    def _attend_cached(self, i, w: Layer, q, k_new, v_new, pos: int, mask, cache: KVCache,
                        write: bool = True) -> torch.Tensor:
         """q [1, H, T, hd] (positions pos..) over layer i's cached keys [0, pos) and its own k_new, v_new
         [1, KV, T, hd]: written into the cache first, or (write=False) joined to the cached prefix unwritten →
@@ -919,40 +634,40 @@ class LayerStack:
 
     # ---- one decoder layer's math: the eager loop above and the static-shape steps (engine/compiled.py) both run
     # these, on h [B, T, D] (the eager loop: B = 1); FamilyLayerStack overrides them with its family's variations
-    def project_qkv(self, w: _Layer, h, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def project_qkv(self, w: Layer, h, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Attention's inputs for h [B, T, D]: q [B, H, T, hd] and the new keys, values [B, KV, T, hd], RoPE applied
         (cos, sin [B or 1, T, 1, hd]). Apart from the cache write and the attention so that a static-shape step
         (positions as a tensor) runs these same ops."""
         B, T, H, KV, hd = h.shape[0], h.shape[1], self.n_heads, self.n_kv_heads, self.head_dim
         x = rms_norm(h, w.w_in_norm, self.eps)
-        qkv = _linear(x, w.w_qkv, w.b_qkv, layout=self.products["qkv"]).view(B, T, H + 2 * KV, hd)
+        qkv = linear(x, w.w_qkv, w.b_qkv, layout=self.products["qkv"]).view(B, T, H + 2 * KV, hd)
         # RoPE on q and k together: [B, T, H+KV, hd]; same elementwise ops as apply_rotary_pos_emb
         qk = qkv[:, :, : H + KV]
         qk = qk * cos + torch.roll(qk, hd // 2, dims=-1) * sin
         return qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2), qkv[:, :, H + KV :].transpose(1, 2)
 
-    def _attend_layer(self, w: _Layer, q, k, v, mask, pos: int) -> torch.Tensor:
-        """q [1, H, T, hd] (positions pos..) over the keys and values [1, KV, S, hd] a cached chain reads: _attend."""
-        return _attend(q, k, v, mask, pos, self.scale, self.n_kv_heads != self.n_heads, self.exact_rows)
+    def _attend_layer(self, w: Layer, q, k, v, mask, pos: int) -> torch.Tensor:
+        """q [1, H, T, hd] (positions pos..) over the keys and values [1, KV, S, hd] a cached chain reads: attend."""
+        return attend(q, k, v, mask, pos, self.scale, self.n_kv_heads != self.n_heads, self.exact_rows)
 
-    def attend_static(self, w: _Layer, q, k, v, mask: torch.Tensor) -> torch.Tensor:
+    def attend_static(self, w: Layer, q, k, v, mask: torch.Tensor) -> torch.Tensor:
         """q [B, H, T, hd] over a whole static cache k, v [B, KV, S, hd] under mask [B, 1, T, S] (static_mask: the
         causal and, for a windowed layer, the window's bounds, per row) → [B, H, T, hd]: the static-shape steps'
         attention, SDPA with an explicit mask as HF's sdpa_attention_forward calls it with one."""
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
                                               enable_gqa=self.n_kv_heads != self.n_heads)
 
-    def attention_out(self, w: _Layer, attn: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    def attention_out(self, w: Layer, attn: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """h + o_proj(attn): attn [B, H, T, hd] → [B, T, D]."""
         B, T = h.shape[0], h.shape[1]
-        return _linear(attn.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim), w.w_o, w.b_o, residual=h,
+        return linear(attn.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim), w.w_o, w.b_o, residual=h,
                        layout=self.products["o"])
 
-    def mlp(self, w: _Layer, h: torch.Tensor) -> torch.Tensor:
+    def mlp(self, w: Layer, h: torch.Tensor) -> torch.Tensor:
         """h + MLP(norm(h)) for the layer w: [B, T, D] → [B, T, D]."""
         x = rms_norm(h, w.w_post_norm, self.eps)
-        gate, up = _linear(x, w.w_gate_up, w.b_gate_up, layout=self.products["gate_up"]).chunk(2, dim=-1)
-        return _linear(F.silu(gate) * up, w.w_down, w.b_down, residual=h, layout=self.products["down"])
+        gate, up = linear(x, w.w_gate_up, w.b_gate_up, layout=self.products["gate_up"]).chunk(2, dim=-1)
+        return linear(F.silu(gate) * up, w.w_down, w.b_down, residual=h, layout=self.products["down"])
 
     def _mlp_inputs(self, i, h):
         """Layer i's tensors and h on its device; counts the MLP sublayer while counting. → (layer, h)"""
@@ -966,44 +681,11 @@ class LayerStack:
         return self.mlp(*self._mlp_inputs(i, h))
 
 
-def _attend_softcapped(q, k, v, mask: torch.Tensor | None, pos: int, scale: float, cap: float) -> torch.Tensor:
-    """HF's eager attention with Gemma 2's logit soft cap (SDPA cannot cap; Gemma2PreTrainedModel._supports_sdpa is
-    False, so `generate` runs this), op for op as modeling_gemma2.py's eager_attention_forward: q [1, H, T, hd]
-    (positions pos..) over k, v [1, KV, S, hd] → [1, H, T, hd]. HF adds min(dtype) where the mask is False; -inf gives
-    the same softmax (exp of either is 0 after the float32 cast)."""
-    T, S = q.shape[2], k.shape[2]
-    groups = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)  # repeat_kv: [1, H, S, hd]
-    weights = softcapped(torch.matmul(q, k.transpose(2, 3)) * scale, cap)  # [1, H, T, S]
-    if mask is None and T > 1:  # a chain from pos: causal, bottom-right aligned
-        mask = _causal(pos, T, S, q.device)
-    if mask is not None:
-        weights = weights.masked_fill(~mask, float("-inf"))
-    probs = F.softmax(weights, dim=-1, dtype=torch.float32).to(q.dtype)
-    return torch.matmul(probs, v)
-
-
-def _causal(pos: int, T: int, S: int, device) -> torch.Tensor:
-    """[T, S] bool: query i (position pos + i) sees keys 0 .. pos + i."""
-    return torch.arange(S, device=device)[None, :] <= (pos + torch.arange(T, device=device))[:, None]
-
-
-def _windowed(mask: torch.Tensor | None, pos: int, T: int, S: int, window: int, device) -> torch.Tensor:
-    """The mask of T queries from slot pos over S keys (mask: [T, S] or None for a causal chain) restricted to a
-    sliding window: a query at position p sees keys at positions p − window < k ≤ p (masking_utils.py
-    sliding_window_overlay). Positions come from the mask itself, so a token tree is windowed too: node i's position is
-    pos + its depth (= its ancestors in slots pos.., itself included, − 1); slots before pos hold their own position."""
-    if mask is None:
-        mask = _causal(pos, T, S, device)
-    query_pos = pos + mask[:, pos:].sum(-1) - 1  # [T]
-    key_pos = torch.cat([torch.arange(pos, device=device), query_pos])  # [S]: slot pos + j holds query j's position
-    return mask & (key_pos[None, :] > query_pos[:, None] - window)
-
 
 class FamilyLayerStack(LayerStack):
     """A LayerStack of a family whose layer math is not Llama's (families.py; LayerStack.__new__ chooses it): each
     method below is Llama's plus what the family's LayerMath switches on, per layer where it varies (the q/k norms,
-    sandwich norms, window, rotary table live on _Layer). The reference for the fused loop, which takes the same
+    sandwich norms, window, rotary table live on Layer). The reference for the fused loop, which takes the same
     per-layer extras (_fused_family_args)."""
 
     def __init__(self, model: nn.Module, layers: str = "eager", products: str = "wt_x"):
@@ -1021,8 +703,8 @@ class FamilyLayerStack(LayerStack):
     def norm(self, h: torch.Tensor) -> torch.Tensor:
         return self._rms(h.to(self.norm_weight.device), self.norm_weight, self.eps)
 
-    def _head(self, h_normed: torch.Tensor) -> torch.Tensor:
-        logits = super()._head(h_normed)
+    def head_logits(self, h_normed: torch.Tensor) -> torch.Tensor:
+        logits = super().head_logits(h_normed)
         cap = self.math.final_softcap
         return logits if cap is None else softcapped(logits, cap)
 
@@ -1041,21 +723,21 @@ class FamilyLayerStack(LayerStack):
         self._cos, self._sin = self._rope_kinds_cos[0], self._rope_kinds_sin[0]
 
     def _rope_and_mask(self, pos: int, T: int, device, tree: TreeMask | None = None):
-        """LayerStack's, with cos, sin [R, T, 1, hd]: one table per rotary kind (a layer reads cos[_Layer.rope])."""
+        """LayerStack's, with cos, sin [R, T, 1, hd]: one table per rotary kind (a layer reads cos[Layer.rope])."""
         _, _, mask = super()._rope_and_mask(pos, T, device, tree)
         positions = torch.arange(pos, pos + T) if tree is None else pos + tree.depth
         positions = positions.to(self._rope_kinds_cos.device)
         return self._rope_kinds_cos[:, positions, None, :], self._rope_kinds_sin[:, positions, None, :], mask
 
     def rope_at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """LayerStack's, with cos, sin [R, B, T, 1, hd]: one table per rotary kind (a layer reads cos[_Layer.rope])."""
+        """LayerStack's, with cos, sin [R, B, T, 1, hd]: one table per rotary kind (a layer reads cos[Layer.rope])."""
         return self._rope_kinds_cos[:, positions, None, :], self._rope_kinds_sin[:, positions, None, :]
 
-    def project_qkv(self, w: _Layer, h, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def project_qkv(self, w: Layer, h, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """LayerStack's, the family's way: q/k biases (in w_qkv's bias), q/k norms, the layer's rotary table
         (cos, sin [R, …, T, 1, hd] → cos[w.rope])."""
         B, T, H, KV, hd = h.shape[0], h.shape[1], self.n_heads, self.n_kv_heads, self.head_dim
-        qkv = _linear(self._rms(h, w.w_in_norm, self.eps), w.w_qkv, w.b_qkv, layout=self.products["qkv"])
+        qkv = linear(self._rms(h, w.w_in_norm, self.eps), w.w_qkv, w.b_qkv, layout=self.products["qkv"])
         qkv = qkv.view(B, T, H + 2 * KV, hd)
         q, k_new, v_new = qkv[:, :, :H], qkv[:, :, H : H + KV], qkv[:, :, H + KV :]
         if w.w_q_norm is not None:  # Qwen3, Gemma 3: per head over head_dim, before RoPE
@@ -1065,22 +747,22 @@ class FamilyLayerStack(LayerStack):
         k_new = (k_new * cos + torch.roll(k_new, hd // 2, dims=-1) * sin).transpose(1, 2)  # [B, KV, T, hd]
         return q, k_new, v_new.transpose(1, 2)
 
-    def attention_out(self, w: _Layer, attn: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    def attention_out(self, w: Layer, attn: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """LayerStack's, with the sandwich norm on the attention's output where the family has one."""
         B, T = h.shape[0], h.shape[1]
         out = attn.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
         if w.w_attn_out_norm is None:
-            return _linear(out, w.w_o, w.b_o, residual=h, layout=self.products["o"])
-        return h + self._rms(_linear(out, w.w_o, w.b_o, layout=self.products["o"]), w.w_attn_out_norm, self.eps)
+            return linear(out, w.w_o, w.b_o, residual=h, layout=self.products["o"])
+        return h + self._rms(linear(out, w.w_o, w.b_o, layout=self.products["o"]), w.w_attn_out_norm, self.eps)
 
-    def attend_static(self, w: _Layer, q, k, v, mask: torch.Tensor) -> torch.Tensor:
+    def attend_static(self, w: Layer, q, k, v, mask: torch.Tensor) -> torch.Tensor:
         """LayerStack's (the window is in the mask: static_mask), or the soft-capped eager attention under it."""
         cap = self.math.attention_softcap
         if cap is not None:
-            return _attend_softcapped(q, k, v, mask, 0, self.scale, cap)
+            return attend_softcapped(q, k, v, mask, 0, self.scale, cap)
         return super().attend_static(w, q, k, v, mask)
 
-    def _attend_layer(self, w: _Layer, q, k, v, mask, pos: int) -> torch.Tensor:
+    def _attend_layer(self, w: Layer, q, k, v, mask, pos: int) -> torch.Tensor:
         """q [1, H, T, hd] over k, v [1, KV, S, hd] with the layer's window (where it reaches back past key 0) and the
         family's attention (SDPA, or the soft-capped eager attention)."""
         T, S = q.shape[2], k.shape[2]
@@ -1092,24 +774,24 @@ class FamilyLayerStack(LayerStack):
                 mask = self._window_mask(mask, pos, T, S, w.window, q.device)
         cap = self.math.attention_softcap
         if cap is not None:
-            return _attend_softcapped(q, k, v, mask, pos, self.scale, cap)
-        return _attend(q, k, v, mask, pos, self.scale, self.n_kv_heads != self.n_heads, self.exact_rows)
+            return attend_softcapped(q, k, v, mask, pos, self.scale, cap)
+        return attend(q, k, v, mask, pos, self.scale, self.n_kv_heads != self.n_heads, self.exact_rows)
 
     def _window_mask(self, mask, pos: int, T: int, S: int, window: int, device) -> torch.Tensor:
-        """_windowed, computed once per forward call and window (the layers of a call share mask, pos and T)."""
+        """windowed, computed once per forward call and window (the layers of a call share mask, pos and T)."""
         key = (mask, pos, T, S, window, device)
         memo = self._window_memo
         if memo and memo[0] is mask and memo[1:-1] == key[1:]:
             return memo[-1]
-        windowed = _windowed(mask, pos, T, S, window, device)
-        self._window_memo = (*key, windowed)
-        return windowed
+        made = windowed(mask, pos, T, S, window, device)
+        self._window_memo = (*key, made)
+        return made
 
-    def mlp(self, w: _Layer, h: torch.Tensor) -> torch.Tensor:
+    def mlp(self, w: Layer, h: torch.Tensor) -> torch.Tensor:
         """LayerStack's: the family's activation and, with sandwich norms, its output norm."""
         x = self._rms(h, w.w_post_norm, self.eps)
-        gate, up = _linear(x, w.w_gate_up, w.b_gate_up, layout=self.products["gate_up"]).chunk(2, dim=-1)
+        gate, up = linear(x, w.w_gate_up, w.b_gate_up, layout=self.products["gate_up"]).chunk(2, dim=-1)
         act = self._act(gate) * up
         if w.w_mlp_out_norm is None:
-            return _linear(act, w.w_down, w.b_down, residual=h, layout=self.products["down"])
-        return h + self._rms(_linear(act, w.w_down, w.b_down, layout=self.products["down"]), w.w_mlp_out_norm, self.eps)
+            return linear(act, w.w_down, w.b_down, residual=h, layout=self.products["down"])
+        return h + self._rms(linear(act, w.w_down, w.b_down, layout=self.products["down"]), w.w_mlp_out_norm, self.eps)

@@ -28,7 +28,7 @@ from del_bench.numerics import HALF_DTYPES
 
 SETTINGS = ("auto", "wt_x", "x_wt")
 X_WT, WT_X, X_WT_COPY = "x_wt", "wt_x", "x_wt_copy"
-LAYER_SHAPES = ("qkv", "o", "gate_up", "down")  # the _Layer matrices: w_qkv, w_o, w_gate_up, w_down
+LAYER_SHAPES = ("qkv", "o", "gate_up", "down")  # the Layer matrices: w_qkv, w_o, w_gate_up, w_down
 SHAPES = (*LAYER_SHAPES, "head")
 RESIDUAL_SHAPES = ("o", "down")  # joined to the residual stream: timed with it, as they run
 ONE_ROW, FEW_ROWS = (1,), (2, 3, 4, 5)  # the row classes: drafting and Vanilla; verification batches
@@ -138,7 +138,7 @@ def summed(times: dict[int, dict[str, float]], row_class: tuple[int, ...]) -> di
 
 def product(x: torch.Tensor, weight: torch.Tensor, layout: str, residual: torch.Tensor | None = None) -> torch.Tensor:
     """x: [T, in] times weight: [out, in]ᵀ (+ residual [T, out]) → [T, out], computed in `layout` (x_wt or wt_x;
-    x_wt_copy is the head's own path, LayerStack._head). fused_layers.cpp's `product`: the same ops.
+    x_wt_copy is the head's own path, LayerStack.head_logits). fused_layers.cpp's `product`: the same ops.
 
     x_wt in half precision adds the residual as its own op, as LlamaDecoderLayer does (addmm would round once where HF
     rounds the product and then the sum); in float32/float64 either layout joins it in one addmm."""
