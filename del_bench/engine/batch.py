@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from del_bench.engine.decode import Engine
+from del_bench.engine.decode import Engine, Request, served
 from del_bench.engine.sampling import Sampling
 from del_bench.models.layer_stack import KVCache, LayerStack, RaggedRow, TreeMask
 
@@ -111,6 +111,10 @@ class Row:
 
     def begin(self, now_s: float) -> None:
         self.start_s, self.loaded_layers, self.head_passes = now_s, 0.0, 0.0
+
+    def generate(self, prompt_ids: list[int], method, max_new_tokens: int, seed: int) -> Request:
+        """What a job yields to have its row decode a prompt (it is sent the Generation back)."""
+        return Request(prompt_ids, method, max_new_tokens, seed)
 
 
 class RowStack:
@@ -206,9 +210,10 @@ class Batch:
         return time.perf_counter() - self._t0
 
     # ---- running jobs ------------------------------------------------------------------------------------------
-    def run(self, jobs: Iterable, decode: Callable[[Row, Any], None]) -> dict:
-        """decode(row, job) for every job, in the rows' threads: a slot takes the next job as soon as its last one
-        ends (continuous batching). Returns the batch's counts: wall_s (first job's start to the last one's end),
+    def run(self, jobs: Iterable, decode: Callable[[Row, Any], Any]) -> dict:
+        """decode(row, job) — a job: a generator of Requests (engine/lockstep.py) — for every job, in the rows'
+        threads, each request decoded by the row's Engine: a slot takes the next job as soon as its last one ends
+        (continuous batching). Returns the batch's counts: wall_s (first job's start to the last one's end),
         loaded_layers (each sublayer step ½, whatever its rows), head_passes, steps."""
         self._jobs, self._decode = iter(jobs), decode
         self._error: BaseException | None = None
@@ -252,7 +257,7 @@ class Batch:
                 if job is None:
                     break
                 row.begin(time.perf_counter() - self._t0)
-                self._decode(row, job)
+                served(self._decode(row, job), row.engine)
         except _Aborted:
             pass
         except BaseException as err:  # the batch raises it in the caller's thread

@@ -51,6 +51,7 @@ import torch
 from del_bench.methods.base import LAYER_SKIPPING
 from del_bench.models.layer_stack import KVCache, LayerStack
 from del_bench.numerics import compare, gap_ulps, is_half
+from del_bench.transfer import upload
 
 log = logging.getLogger(__name__)
 
@@ -91,15 +92,20 @@ class StaticSteps:
     def __init__(self, stack: LayerStack):
         self.stack = stack
 
-    def attention(self, w, h, positions, cos, sin, k, v) -> torch.Tensor:
+    def attention(self, w, h, positions, cos, sin, k, v, mask=None, write=None) -> torch.Tensor:
         """h + attention(norm(h)) of the layer w: its new keys and values written at each row's positions into k, v
-        [B, KV, S, hd] (the layer's static cache), then the queries over the whole cache under static_mask."""
+        [B, KV, S, hd] (the layer's static cache), then the queries over the whole cache under static_mask (or
+        `mask`, made once for a chain). write [B, T]: the slots written where they are not the positions (a batch's
+        rows that idle in this layer write only a scratch slot, RowSteps)."""
         st = self.stack
         q, k_new, v_new = st.project_qkv(w, h, cos, sin)  # q [B, H, T, hd]; k_new, v_new [B, KV, T, hd]
-        index = positions[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])  # [B, KV, T, hd]
+        at = positions if write is None else write
+        index = at[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])  # [B, KV, T, hd]
         k.scatter_(2, index, k_new)
         v.scatter_(2, index, v_new)
-        attn = st.attend_static(w, q, k, v, static_mask(positions, k.shape[2], w.window))  # [B, H, T, hd]
+        if mask is None:
+            mask = static_mask(positions, k.shape[2], w.window)
+        attn = st.attend_static(w, q, k, v, mask)  # [B, H, T, hd]
         return st.attention_out(w, attn, h)
 
     def attention_at(self, w, h, positions, k, v) -> torch.Tensor:
@@ -120,6 +126,51 @@ class StaticSteps:
         """A chain of whole layers (ws, their caches ks, vs)."""
         for w, k, v in zip(ws, ks, vs):
             h = self.layer(w, h, positions, k, v)
+        return h
+
+    # ---- a batch's rows in lockstep (engine/lockstep.py): each row its own positions, and its own sublayers ------
+    def masked_layer(self, w, h, positions, cos, sin, k, v, mask, scratch: int, attn_live, mlp_live,
+                     states: list | None = None, sublayers: bool = False, runs: tuple[bool, bool] = (True, True)
+                     ) -> torch.Tensor:
+        """One layer for B rows of which only some run each sublayer: attn_live, mlp_live [B] bool (None: every row).
+        A row that idles keeps its state and writes its keys only into the scratch slot, which no row's mask reaches
+        (RowSteps): its own positions keep what its earlier passes wrote. Every row is computed (static shapes); an
+        idle row's result is dropped by a select, not by a branch. states: the output appended (with `sublayers`,
+        the attention's too). runs: whether any row runs the attention, the MLP (host-known: one no row runs is not
+        computed)."""
+        if runs[0]:
+            write = positions if attn_live is None else torch.where(attn_live[:, None], positions, scratch)  # [B, T]
+            out = self.attention(w, h, positions, cos, sin, k, v, mask, write)
+            h = out if attn_live is None else torch.where(attn_live[:, None, None], out, h)  # [B, T, D]
+        if sublayers:
+            states.append(h)
+        if runs[1]:
+            out = self.mlp(w, h)
+            h = out if mlp_live is None else torch.where(mlp_live[:, None, None], out, h)
+        if states is not None:
+            states.append(h)
+        return h
+
+    def rows_layer(self, w, h, positions, attn_live, mlp_live, k, v, scratch: int) -> torch.Tensor:
+        """masked_layer with its rotary tables and mask made inside (the unit a compiled batched chain repeats)."""
+        cos, sin = self.stack.rope_at(positions)
+        mask = static_mask(positions, k.shape[2], w.window)
+        return self.masked_layer(w, h, positions, cos, sin, k, v, mask, scratch, attn_live, mlp_live)
+
+    def rows(self, ws, h, positions, live, ks, vs, scratch: int, states: list | None = None,
+             sublayers: bool = False, runs: list[bool] | None = None) -> torch.Tensor:
+        """Whole layers ws for B rows (h [B, T, D], positions [B, T]), each row running the sublayers live marks: per
+        sublayer (layer j's attention at 2j, its MLP at 2j + 1) a [B] bool, or None where every row runs it (live
+        None: every row runs every one). The rotary tables and masks are made once for the chain. runs: whether any
+        row runs each sublayer (host-known: one no row runs is not computed at all)."""
+        cos, sin = self.stack.rope_at(positions)
+        masks: dict = {}
+        for j, (w, k, v) in enumerate(zip(ws, ks, vs)):
+            if w.window not in masks:
+                masks[w.window] = static_mask(positions, k.shape[2], w.window)  # [B, 1, T, S]
+            attn_live, mlp_live = (None, None) if live is None else (live[2 * j], live[2 * j + 1])
+            h = self.masked_layer(w, h, positions, cos, sin, k, v, masks[w.window], scratch, attn_live, mlp_live,
+                                  states, sublayers, (True, True) if runs is None else (runs[2 * j], runs[2 * j + 1]))
         return h
 
 
@@ -168,6 +219,66 @@ class StepFunctions:
             if states is not None:
                 states.append(h)
         return h
+
+
+ROW_QUANTUM = 64  # RowSteps' eager steps attend over the cache's slots up to the rows' furthest, rounded up to this
+
+
+class RowSteps:
+    """A batch's steps (engine/lockstep.py): B rows through whole layers [start, end) at once on the batch's cache
+    [B, KV, S, hd] (a row of it each), each row at its own positions and running its own sublayers — an early-exit
+    row only the layers up to its exit, a skipping draft only those its skip set keeps, a row with nothing to do
+    none — as one [B, T, D] step. A row's position −1 (no position: padding beyond its width, or a row that idles)
+    and a sublayer it idles in write the scratch slot, the cache's last, beyond every real position: never inside any
+    real query's mask, and overwritten before a real position reaches it (RowSteps sizes the cache one slot past the
+    longest sequence).
+
+    Run eagerly (StaticSteps' functions: on a CPU over the cache's slots up to the rows' furthest only, and a sublayer
+    no row runs not computed) or on `graphs` (engine/compiled.Graphs: captured per (B, width bucket) on CUDA, one
+    replay a chain; a call they cannot take runs eagerly). What the host decided — positions, which rows run which
+    sublayers — goes to the device in one upload a step, without a sync (transfer.upload)."""
+
+    def __init__(self, stack: LayerStack, cache: KVCache, graphs: "Graphs | None" = None):
+        self.stack, self.cache, self.graphs = stack, cache, graphs
+        self.steps = StaticSteps(stack)
+
+    def run(self, start: int, end: int, h: torch.Tensor, positions: list[list[int]], live: list[list[bool]] | None,
+            held: int, collect: str | None = None) -> tuple[torch.Tensor, list[torch.Tensor], list[bool]]:
+        """h [B, T, D] through layers [start, end); positions: each row's T slots (−1: none); live: per sublayer
+        (2(end − start), attention then MLP of each layer) which of the B rows run it (None: all of them); held: the
+        slots any row holds or writes (the scratch slot lies beyond them all: an idle row must not overwrite its own
+        earlier positions); collect: "layers" (each layer's output [B, T, D]) or "sublayers" (each sublayer's). →
+        (the output [B, T, D], the states collected, which sublayers were computed)."""
+        runs = [True] * (2 * (end - start)) if live is None else [any(row) for row in live]
+        if self.graphs is not None:
+            out = self.graphs.rows(start, end, h, positions, live, self.cache, collect)
+            if out is not None:
+                return (*out, [True] * len(runs))
+        out, states = self._eager(start, end, h, positions, live, runs, held, collect)
+        return out, states, runs
+
+    def _eager(self, start, end, h, positions, live, runs, held: int, collect) -> tuple[torch.Tensor, list]:
+        B, T, _ = h.shape
+        reach = max(held, max(p for row in positions for p in row) + 1) + 1  # every slot in use, then the scratch
+        S = min(self.cache.max_len, -(-reach // ROW_QUANTUM) * ROW_QUANTUM)
+        scratch = S - 1
+        if S < reach:
+            raise RuntimeError(f"a batched step reaches slot {reach - 1} of a cache of {S}")
+        flat = [p if p >= 0 else scratch for row in positions for p in row]
+        bits = [] if live is None else [int(x) for row in live for x in row]
+        values = upload(flat + bits, h.device)  # one upload: positions [B·T], then live [2n·B]
+        at = values[: B * T].view(B, T)
+        rows = None
+        if live is not None:
+            flags = values[B * T :].view(len(live), B) != 0  # [2n, B]
+            rows = [None if all(row) else flags[i] for i, row in enumerate(live)]
+        ks = [k[:, :, :S] for k in self.cache.k[start:end]]  # [B, KV, S, hd] views: the slots the rows reach
+        vs = [v[:, :, :S] for v in self.cache.v[start:end]]
+        states: list[torch.Tensor] | None = [] if collect else None
+        with self.stack.products_for(B * T):
+            out = self.steps.rows(self.stack.layers[start:end], h, at, rows, ks, vs, scratch, states,
+                                  sublayers=collect == "sublayers", runs=runs)
+        return out, states or []
 
 
 # a step: ("layers", start, end) — whole layers [start, end) — or ("attn", i) / ("mlp", i) — one sublayer

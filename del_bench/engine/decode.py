@@ -48,6 +48,29 @@ from del_bench.numerics import gap_from_top2, is_half, widened
 from del_bench.transfer import Ledger, reads, to_device, to_list
 
 
+@dataclass(frozen=True)
+class Request:
+    """What a job asks an engine to decode — Engine.generate's arguments. A job is a generator of them, sent each
+    Generation back (runner.decode_one): `served` runs it on one engine, a batch runs B of them together
+    (engine/lockstep.py)."""
+
+    prompt_ids: list[int]
+    method: Method
+    max_new_tokens: int
+    seed: int
+
+
+def served(job, engine: "Engine"):
+    """A job (a generator of Requests) run to its end on one engine, one generation at a time → its return value."""
+    try:
+        request = next(job)
+        while True:
+            request = job.send(engine.generate(request.prompt_ids, request.method, request.max_new_tokens,
+                                               request.seed))
+    except StopIteration as end:
+        return end.value
+
+
 @dataclass
 class Decoding:
     """One generation in progress, from Engine.begin to Engine.finish: what its rounds read and write."""
@@ -117,6 +140,8 @@ class Engine:
         # where the host reads are counted for Round.host_syncs: this thread's count, or a batched row's own ledger
         # (engine/lockstep.py: the batch's reads that carried the row's values)
         self.ledger: Ledger | None = None
+        # a batched row: DEL's statistics read apart from acceptance wait for the batch's one read (ShadowScorer.due)
+        self.hold_shadow_reads = False
 
     @property
     def cache(self) -> KVCache | None:
@@ -139,6 +164,11 @@ class Engine:
         """Where the sampling RNG lives: beside the logits it samples from (the head's device; torch draws with a
         generator on the tensor's own device only)."""
         return self.stack.head_device
+
+    def take_pending(self, gen: Generation) -> torch.Tensor:
+        """The pending token [1, 1] on the device: where the last acceptance kept it, else sent from the host."""
+        pending, self._pending = self._pending, None
+        return pending if pending is not None else self.ids([gen.output_ids[-1]])
 
     def ids(self, ids: list[int]) -> torch.Tensor:
         """Token ids [1, T] where the embedding lives."""
@@ -166,7 +196,8 @@ class Engine:
         rng = draws or Draws(torch.Generator(device=self.rng_device).manual_seed(seed))
         cache = self._fresh_cache(len(prompt_ids) + max_new_tokens + 1)
         method.start(L)
-        self.shadow = ShadowScorer(self.stack, self.shadow_with_acceptance)  # DEL's shadow tokens: scoring, deferral
+        # DEL's shadow tokens: scoring, deferral
+        self.shadow = ShadowScorer(self.stack, self.shadow_with_acceptance, self.hold_shadow_reads)
         self._pending: torch.Tensor | None = None  # the pending token [1, 1] where it is already on the device
         self._reads_at = self._reads()  # host reads before the current round (Round.host_syncs)
         gen = Generation(output_ids=[], top2_gap_ulps=[] if self.track_gaps else None)
@@ -186,6 +217,8 @@ class Engine:
         if run.max_new_tokens > 0 and self.shadow.deferred:
             t = time.perf_counter()
             self.shadow.flush(run.method)
+            if self.shadow.due is not None:  # a batched row's: read now, its own (the batch has moved on)
+                self.shadow.settle(to_list(self.shadow.due.values.flatten()))
             gen.rounds[-1].policy_s += time.perf_counter() - t
             gen.rounds[-1].shadow_rows += self.shadow.take_rows()
             gen.rounds[-1].host_syncs += self._take_reads()
