@@ -203,7 +203,7 @@ def batch_of(stack, size: int, method, ready: session.Session, cache_len: int):
     why = lockstep.serves(method, stack)
     if why is None:
         batch = lockstep.Lockstep(stack, size, ready.sampling, ready.eos, ready.stop, cache_len=cache_len,
-                                  shadow_with_acceptance=ready.engine.shadow_with_acceptance)
+                                  shadow_with_acceptance=ready.engine.shadow_with_acceptance, graphs=ready.graphs)
         return batch, {"batch_path": "lockstep"}
     log.info("batched rows on the thread scheduler: lockstep does not serve %s", why)
     batch = Batch(stack, size, ready.sampling, ready.eos, ready.stop, cache_len=cache_len,

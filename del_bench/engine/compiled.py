@@ -207,6 +207,7 @@ class StepFunctions:
             return fn if backend is None else torch.compile(fn, fullgraph=True, dynamic=False, backend=backend)
 
         self.layer, self.attention, self.mlp = made(steps.layer), made(steps.attention_at), made(steps.mlp)
+        self.rows_layer = made(steps.rows_layer)
 
     @staticmethod
     def of(stack: LayerStack, backend=None) -> "StepFunctions":
@@ -235,6 +236,17 @@ class StepFunctions:
                 return steps.mlp(w, steps.attention(w, x, positions, cos, sin, k, v))
         for w, k, v in zip(ws, ks, vs):
             h = layer(w, h, k, v)
+            if states is not None:
+                states.append(h)
+        return h
+
+    def rows(self, ws, h, positions, live, ks, vs, scratch: int, states: list | None = None) -> torch.Tensor:
+        """A batch's chain (StaticSteps.rows; live [2n, B] bool). Unfused, the rotary tables and masks are made once
+        for the chain; fused, inside each layer's kernels (rows_layer: one compiled function per (B, width))."""
+        if not self.fused:
+            return self.steps.rows(ws, h, positions, live, ks, vs, scratch, states)
+        for j, (w, k, v) in enumerate(zip(ws, ks, vs)):
+            h = self.rows_layer(w, h, positions, live[2 * j], live[2 * j + 1], k, v, scratch)
             if states is not None:
                 states.append(h)
         return h
@@ -330,11 +342,12 @@ class Graphs:
     seconds spent making graphs, `graphs` counts them."""
 
     def __init__(self, stack: LayerStack, backend="inductor", capture: bool | None = None, buckets=BUCKETS,
-                 runner: type | None = None, fuse: bool = True):
+                 runner: type | None = None, fuse: bool = True, batch: int = 1):
         """capture: CUDA graphs (default: where the model is on CUDA), else torch.compile with `backend`. fuse: the
         captured kernels are torch.compile'd ones (without capture the steps are always compiled). runner: the class
-        that captures (tests replay the CUDA-graph runner's bookkeeping on a CPU)."""
-        self.stack = stack
+        that captures (tests replay the CUDA-graph runner's bookkeeping on a CPU). batch: B > 1, a batch's steps
+        (engine/lockstep.py: `rows`, on a cache of B rows), one graph per (step, width bucket) at that B."""
+        self.stack, self.batch = stack, batch
         self.steps = StaticSteps(stack)
         self.buckets = tuple(buckets)
         self.capture = stack.head_device.type == "cuda" if capture is None else capture
@@ -420,6 +433,34 @@ class Graphs:
     def _width(self, h: torch.Tensor) -> int | None:
         return bucket_of(h.shape[1], self.buckets)
 
+    def rows(self, start: int, end: int, h: torch.Tensor, positions: list[list[int]], live: list[list[bool]] | None,
+             cache: KVCache, collect: str | None) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
+        """RowSteps.run on the graphs: a batch's chain [start, end) as one graph of its (B, width bucket) — its
+        positions and which rows run which sublayers uploaded into the graph's buffers — or None where no graph takes
+        it (a width beyond the buckets, a chain keeping every sublayer's state, a shape not prepared, another
+        cache): RowSteps runs it eagerly. → (the output [B, T, D], each layer's output where collect asks)."""
+        width = self._width(h)
+        if width is None:
+            self._decline(f"steps wider than {self.buckets[-1]} positions", expected=True)
+            return None
+        if collect == "sublayers":
+            self._decline("a chain keeping every sublayer's state (a selection's)", expected=True)
+            return None
+        if not self.runner.takes(cache):
+            return None
+        step, collects = ("rows", start, end), collect is not None
+        made = (step, width, collects) in self.runner.made
+        if not made and self.frozen:
+            self._decline("steps of a shape not prepared", expected=True)
+            return None
+        t0 = time.perf_counter()
+        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+            out = self.runner.run_rows(step, h, positions, live, width, cache, collects)
+        if not made:
+            self.stack.synchronize()
+            self.compile_s += time.perf_counter() - t0
+        return out
+
     def _run(self, plan: list[Step], h, pos: int, cache: KVCache, collect: list | None) -> torch.Tensor | None:
         width = self._width(h)
         if width is None:
@@ -465,6 +506,34 @@ class Graphs:
         self.runner.clear(cache)
         self.frozen = True
 
+    @torch.inference_mode()
+    def prepare_rows(self, shape: "StepShapes", cache_len: int) -> None:
+        """prepare for a batch of self.batch rows (engine/lockstep.py): every chain its rounds can call at every width
+        they can take (StepShapes.row_plans), on a cache of B rows and cache_len + 1 slots (the last: RowSteps'
+        scratch slot), then freeze."""
+        cache = self.runner.cache_of(cache_len + 1)
+        D, B = self.stack.embed_weight.shape[1], self.batch
+        device = self.stack.layers[0].device
+        for (_, start, end), width, collects in shape.row_plans(self.stack.num_layers, self.buckets):
+            h = torch.zeros(B, width, D, dtype=self.stack.dtype, device=device)
+            self.rows(start, end, h, [list(range(width))] * B, None, cache, "layers" if collects else None)
+        cache.crop(0)
+        self.runner.clear(cache)
+        self.frozen = True
+
+
+def _row_inputs(positions: list[list[int]], live: list[list[bool]] | None, width: int, start: int, end: int,
+                layers: int, scratch: int) -> list[int]:
+    """What a batch's step uploads into its graph's buffers: each row's positions padded to width (−1, none: the
+    scratch slot), then which rows run each of the model's 2L sublayers (0 outside the chain)."""
+    flat = [p if p >= 0 else scratch for row in positions for p in [*row, *[-1] * (width - len(row))]]
+    B = len(positions)
+    bits = [0] * (2 * layers * B)
+    for i in range(2 * start, 2 * end):
+        for b in range(B):
+            bits[i * B + b] = 1 if live is None else int(live[i - 2 * start][b])
+    return flat + bits
+
 
 class _Compiled:
     """Graphs by torch.compile(fullgraph=True), run as they are (no capture): the layer's tensors (a _Layer) and its
@@ -479,13 +548,32 @@ class _Compiled:
         self._rope = None
 
     def cache_of(self, cache_len: int) -> KVCache:
-        return self.graphs.stack.new_cache(cache_len)
+        cache = self.graphs.stack.new_cache(cache_len, batch=self.graphs.batch)
+        if self.graphs.batch > 1:  # a batch's: every slot its mask covers finite (_adopt)
+            _adopt(cache, static_addresses=True)
+            self.cache = cache
+        return cache
 
     def takes(self, cache: KVCache) -> bool:
         return True
 
     def clear(self, cache: KVCache) -> None:
         pass
+
+    def run_rows(self, step: Step, h, positions, live, width: int, cache: KVCache, collects: bool):
+        stack, fns = self.graphs.stack, self.graphs.functions
+        B, T, _ = h.shape
+        _, start, end = step
+        scratch = cache.max_len - 1
+        values = upload(_row_inputs(positions, live, width, start, end, stack.num_layers, scratch), h.device)
+        at = values[: B * width].view(B, width)
+        on = (values[B * width :].view(2 * stack.num_layers, B) != 0)[2 * start : 2 * end]
+        layers = range(start, end)
+        states: list | None = [] if collects else None
+        out = fns.rows([stack.layers[i] for i in layers], padded(h, width), at, on, [cache.k[i] for i in layers],
+                       [cache.v[i] for i in layers], scratch, states)
+        self.made.add((step, width, collects))
+        return out[:, :T], [state[:, :T] for state in states or []]
 
     def run(self, plan, h, pos: int, width: int, cache: KVCache, collect) -> torch.Tensor:
         stack, fns = self.graphs.stack, self.graphs.functions
@@ -498,7 +586,7 @@ class _Compiled:
                 torch._dynamo.mark_dynamic(table, table.dim() - 2)
         T = h.shape[1]
         positions = torch.arange(pos, pos + width, device=h.device)[None]  # [1, width]
-        x = _padded(h, width)
+        x = padded(h, width)
         for step in plan:
             kind, first = step[0], step[1]
             if kind == "layers":
@@ -530,18 +618,22 @@ class _CudaGraphs:
         self.pool = None
         self.buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.states: dict[int, torch.Tensor] = {}  # width → [L, 1, width, D]: a collecting chain's layers' outputs
+        # a batch's (Graphs.batch = B): width → its rows' states [B, width, D], positions [B, width] and which rows
+        # run each of the 2L sublayers [2L, B] bool; and a collecting chain's layers' outputs [L, B, width, D]
+        self.row_buffers: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.row_states: dict[int, torch.Tensor] = {}
 
     def cache_of(self, cache_len: int) -> KVCache:
         """The cache every graph is captured on (its addresses are baked into the graphs): one per stack and length,
         shared by the stack's Graphs (they never run at once; each prompt's prefill rewrites what it reads)."""
         if self.cache is None:
             length = -(-cache_len // CACHE_QUANTUM) * CACHE_QUANTUM
-            stack = self.graphs.stack
+            stack, B = self.graphs.stack, self.graphs.batch
             caches = stack.__dict__.setdefault("_captured_caches", {})
-            if length not in caches:
-                caches[length] = stack.new_cache(length)
-                _adopt(caches[length], static_addresses=True)
-            self.cache = caches[length]
+            if (length, B) not in caches:
+                caches[length, B] = stack.new_cache(length, batch=B)
+                _adopt(caches[length, B], static_addresses=True)
+            self.cache = caches[length, B]
             self._tables = _rope_tables(stack)  # a longer table later must not free the one the graphs read
         return self.cache
 
@@ -572,6 +664,22 @@ class _CudaGraphs:
             self.states[width] = state.new_zeros(self.graphs.stack.num_layers, *state.shape)
         return self.states[width]
 
+    def _row_buffers(self, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if width not in self.row_buffers:
+            stack, B = self.graphs.stack, self.graphs.batch
+            device = stack.layers[0].device
+            D = stack.embed_weight.shape[1]
+            self.row_buffers[width] = (torch.zeros(B, width, D, dtype=stack.dtype, device=device),
+                                       torch.zeros(B, width, dtype=torch.long, device=device),
+                                       torch.ones(2 * stack.num_layers, B, dtype=torch.bool, device=device))
+        return self.row_buffers[width]
+
+    def _row_states(self, width: int) -> torch.Tensor:
+        if width not in self.row_states:
+            state = self._row_buffers(width)[0]
+            self.row_states[width] = state.new_zeros(self.graphs.stack.num_layers, *state.shape)
+        return self.row_states[width]
+
     def _graph(self, step: Step, width: int, collects: bool) -> torch.cuda.CUDAGraph:
         key = (step, width, collects)
         if key not in self.made:
@@ -582,8 +690,10 @@ class _CudaGraphs:
         """The step on this width's buffers, its result written back into the state buffer (and a collecting
         chain's every layer's output into the states buffer: one stack kernel inside the graph)."""
         stack, fns, cache = self.graphs.stack, self.graphs.functions, self.cache
-        h, positions = self._buffers(width)
         kind, first = step[0], step[1]
+        if kind == "rows":
+            return self._rows_body(step, width, collects)
+        h, positions = self._buffers(width)
         if kind == "layers":
             layers = range(first, step[2])
             ws, ks, vs = [stack.layers[i] for i in layers], [cache.k[i] for i in layers], [cache.v[i] for i in layers]
@@ -601,6 +711,39 @@ class _CudaGraphs:
             k, v = cache.k[first], cache.v[first]
             return lambda: h.copy_(fns.attention(w, h, positions, k, v))
         return lambda: h.copy_(fns.mlp(w, h))
+
+    def _rows_body(self, step: Step, width: int, collects: bool) -> Callable[[], None]:
+        """A batch's chain on this width's row buffers (positions and the rows running each sublayer read from them,
+        as the step uploaded them), its result written back into the state buffer, a collecting chain's every
+        layer's output into the states buffer."""
+        stack, fns, cache = self.graphs.stack, self.graphs.functions, self.cache
+        h, at, on = self._row_buffers(width)
+        _, start, end = step
+        layers = range(start, end)
+        ws, ks, vs = [stack.layers[i] for i in layers], [cache.k[i] for i in layers], [cache.v[i] for i in layers]
+        live, scratch = on[2 * start : 2 * end], cache.max_len - 1
+        if not collects:
+            return lambda: h.copy_(fns.rows(ws, h, at, live, ks, vs, scratch))
+        kept = self._row_states(width)[: len(layers)]
+
+        def chain_keeping_states():
+            states: list[torch.Tensor] = []
+            h.copy_(fns.rows(ws, h, at, live, ks, vs, scratch, states))
+            torch.stack(states, out=kept)
+        return chain_keeping_states
+
+    def run_rows(self, step: Step, h, positions, live, width: int, cache: KVCache, collects: bool):
+        B, T, _ = h.shape
+        state, at, on = self._row_buffers(width)
+        _, start, end = step
+        state[:, :T].copy_(h)  # columns T.. keep the last step's (finite) states: padding, never read by a real row
+        L = self.graphs.stack.num_layers
+        values = upload(_row_inputs(positions, live, width, start, end, L, cache.max_len - 1), h.device)
+        at.copy_(values[: B * width].view(B, width))
+        on.copy_(values[B * width :].view(2 * L, B) != 0)
+        self._graph(step, width, collects).replay()
+        states = self._row_states(width)[: end - start, :, :T].clone().unbind(0) if collects else []
+        return state[:, :T].clone(), list(states)
 
     def _capture(self, body: Callable[[], None], width: int) -> torch.cuda.CUDAGraph:
         """Warm the body up on a side stream (cuBLAS workspaces, lazily loaded kernels, a compiled body's first
@@ -657,10 +800,10 @@ def _adopt(cache: KVCache, static_addresses: bool) -> None:
                 torch._dynamo.mark_dynamic(t, 2)  # one graph for every cache length
 
 
-def _padded(h: torch.Tensor, width: int) -> torch.Tensor:
-    """h [1, T, D] → [1, width, D] (zero rows appended)."""
-    T = h.shape[1]
-    return h if T == width else torch.cat([h, h.new_zeros(1, width - T, h.shape[2])], dim=1)
+def padded(h: torch.Tensor, width: int) -> torch.Tensor:
+    """h [B, T, D] → [B, width, D] (zero rows appended)."""
+    B, T, D = h.shape
+    return h if T == width else torch.cat([h, h.new_zeros(B, width - T, D)], dim=1)
 
 
 class StepShapes:
@@ -708,6 +851,23 @@ class StepShapes:
         return plans
 
 
+    def row_plans(self, L: int, buckets) -> list[tuple[Step, int, bool]]:
+        """(step, width, collects) a batch of this shape's rows can call (engine/lockstep.py): a draft step's chain
+        runs to the deepest passing row's exit (L: a row with no draft this round), a verification from the
+        lowest drafting row's exit, at every width up to the budget + 1's bucket; a skipping draft's every layer
+        (each row's skip set masked) and its verification, with every layer's states kept too (CLaSp's selections).
+        A chain keeping every sublayer's state (KnapSpec's selections) runs eagerly."""
+        widest = bucket_of(self.budget + 1, buckets) or buckets[-1]
+        widths = [b for b in buckets if b <= widest] if self.budget else []
+        if self.skips:
+            return [(("rows", 0, L), 1, False)] + [(("rows", 0, L), b, keeps) for b in widths
+                                                   for keeps in (False, True)]
+        exits = ([self.exit_layer] if self.exit_layer else list(range(1, L))) if self.budget else []
+        keeps = self.collects
+        return ([(("rows", 0, e), 1, keeps) for e in [*exits, L]]
+                + [(("rows", e, L), b, keeps) for e in exits for b in widths])
+
+
 def unsupported(stack: LayerStack) -> str | None:
     """Why the graph-captured steps cannot run this stack (None: they can). Half precision on a CPU can: its eager
     loop verifies row by row for a decode step's bits (LayerStack.exact_rows), the graphs attend the rows as one
@@ -748,6 +908,82 @@ def check(stack: LayerStack, graphs: Graphs, method, tokens: int = 16, prompt: i
     gap = "" if verdict.gap is None else f" (generate's top-2 gap {verdict.gap} ulps)"
     where = f"at token {verdict.position}{gap}"
     return f"a greedy decode on the graphs departs from generate's {where}: {output} vs {reference}"
+
+
+@torch.inference_mode()
+def check_rows(stack: LayerStack, graphs: Graphs, method, tokens: int = 16) -> str | None:
+    """check for a batch's graphs: B rows of random prompts of different lengths decoded together by lockstep on the
+    graphs, greedy, each row held to `generate` on its prompt by the same rule."""
+    from del_bench.engine.lockstep import Lockstep  # lockstep runs these steps
+    from del_bench.engine.sampling import Sampling
+
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, stack.vocab_size, (4 + 2 * b,), generator=generator).tolist()
+               for b in range(graphs.batch)]
+    batch = Lockstep(stack, graphs.batch, Sampling(), set(), cache_len=graphs.cache.max_len - 1, graphs=graphs)
+    outputs: dict = {}
+
+    def decode(slot, i):
+        outputs[i] = (yield slot.generate(prompts[i], copy.deepcopy(method), tokens, 0)).output_ids
+
+    batch.run(range(len(prompts)), decode)
+    for i, prompt in enumerate(prompts):
+        reference, gaps = generate_reference(stack.model, prompt, tokens)
+        verdict = compare(outputs[i], reference, gaps if is_half(stack.dtype) else None)
+        if verdict.kind not in ("equal", "near_tie"):
+            return (f"row {i} of a batch on the graphs departs from generate's at token {verdict.position}: "
+                    f"{outputs[i]} vs {reference}")
+    return None
+
+
+def choose_rows(stack: LayerStack, setting: str, method, max_new_tokens: int, cache_len: int, batch: int,
+                backend: str = "inductor", capture: bool | None = None, runner: type | None = None
+                ) -> tuple[Graphs | None, dict]:
+    """choose for a batch of B rows in lockstep (engine/lockstep.py): its graphs — captured per (B, width bucket) on
+    CUDA, fused (on) or not (graphs); auto: the fused ones, else the unfused ones, else none, each refusal recorded;
+    elsewhere compiled by torch.compile under `on`, none under auto — made, checked (check_rows) and returned with
+    what the setup line records; None: RowSteps' eager steps. cache_len: the longest sequence a row reaches."""
+    setting = compile_setting(setting)
+    if setting not in COMPILE_CHOICES:
+        raise ValueError(f"compile={setting!r}: choose one of {', '.join(COMPILE_CHOICES)}")
+    info: dict = {"compile": setting, "compiled": False}
+    on_cuda = stack.head_device.type == "cuda" if capture is None else capture
+    if setting == "off":
+        return None, info
+    if setting == "auto" and not on_cuda:
+        return None, {**info, "reason": "auto makes graphs on CUDA only (compile=on compiles them here)"}
+    if setting == "graphs" and not on_cuda:
+        raise CompileUnavailable("compile=graphs captures CUDA graphs: the model is not on CUDA")
+    t0 = time.perf_counter()
+    for fuse in {"on": [True], "graphs": [False], "auto": [True, False]}[setting]:
+        try:
+            graphs = _made_rows(stack, method, max_new_tokens, cache_len, batch, backend, capture, runner, fuse)
+        except CompileUnavailable as err:
+            if setting != "auto":
+                raise
+            info.setdefault("fallbacks", []).append(str(err))
+            log.warning("compile=auto: %s graphs of the batch not used: %s", "fused" if fuse else "unfused", err)
+            continue
+        graphs.declined.clear()
+        return graphs, {**info, "compiled": True, "graph_kind": graphs.kind, "compile_s": time.perf_counter() - t0,
+                        "graphs": graphs.graphs}
+    log.warning("compile=auto: the batch decodes on eager steps (records say so)")
+    return None, {**info, "compile_s": time.perf_counter() - t0, "reason": info["fallbacks"][-1]}
+
+
+def _made_rows(stack, method, max_new_tokens, cache_len, batch, backend, capture, runner, fuse) -> Graphs:
+    reason = unsupported(stack)
+    if reason:
+        raise CompileUnavailable(reason)
+    graphs = Graphs(stack, backend=backend, capture=capture, runner=runner, fuse=fuse, batch=batch)
+    try:
+        graphs.prepare_rows(StepShapes.of(method, max_new_tokens), max(cache_len, 64))
+        departure = check_rows(stack, graphs, method)
+    except Exception as err:  # a graph break, an unsupported op, a capture failure: all mean "not these"
+        raise CompileUnavailable(f"making the batch's graphs failed ({type(err).__name__}: {err})") from err
+    if departure:
+        raise CompileUnavailable(departure)
+    return graphs
 
 
 def choose(stack: LayerStack, setting: str, method, max_new_tokens: int, cache_len: int = 1024,

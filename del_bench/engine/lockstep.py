@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from del_bench.engine import early_exit, skipping
-from del_bench.engine.compiled import RowSteps
+from del_bench.engine.compiled import RowSteps, padded
 from del_bench.engine.decode import Acceptance, Decoding, Engine, Request, RoundPlan
 from del_bench.engine.sampling import Sampling
 from del_bench.engine.steps import Draft, Verified
@@ -330,7 +330,7 @@ class Lockstep:
         → (each slot's output [1, T_r, D], the states collected [B, W, D] each: "layers" or "sublayers")."""
         W = max(h.shape[1] for h, _ in inputs.values())
         some = next(iter(inputs.values()))[0]
-        h = torch.cat([_padded(inputs[s][0], W) if s in inputs else some.new_zeros(1, W, some.shape[2])
+        h = torch.cat([padded(inputs[s][0], W) if s in inputs else some.new_zeros(1, W, some.shape[2])
                        for s in self.slots])  # [B, W, D]
         positions = [[inputs[s][1] + t if s in inputs and t < inputs[s][0].shape[1] else -1 for t in range(W)]
                      for s in self.slots]
@@ -385,9 +385,3 @@ def _zeroed(cache: KVCache) -> KVCache:
         k.zero_()
         v.zero_()
     return cache
-
-
-def _padded(h: torch.Tensor, width: int) -> torch.Tensor:
-    """h [1, T, D] → [1, width, D] (zero rows appended)."""
-    T = h.shape[1]
-    return h if T == width else torch.cat([h, h.new_zeros(1, width - T, h.shape[2])], dim=1)
