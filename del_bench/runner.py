@@ -34,6 +34,7 @@ from del_bench.records import (
     RunKey,
     SampleRecord,
     batch_etpl,
+    host_reads,
     key_of,
     load_summary,
     machine_of,
@@ -178,11 +179,12 @@ def decode_batched(cfg, todo, ready: session.Session, run_dir: RunDir) -> None:
         decode = decode_one if sample.turns is None else decode_turns
         record, rounds = yield from decode(cfg, tokenizer, task, methods[row.slot], sample, repeat, loaded, peak)
         record.model_bytes, record.kv_cache_bytes = weights, memory.cache_bytes(batch.cache)
-        record.layer_path = stack.layer_path
+        record.layer_path = stack.layer_path + (f"+{GRAPH_KINDS[ready.graphs.kind]}" if ready.graphs else "")
+        reads, shared_rounds = row.tally(rounds)
         record.batch = {"size": B, "path": path["batch_path"], "slot": row.slot, "session": session_line,
-                        "start_s": row.start_s,
-                        "end_s": batch.elapsed(), "loaded_layers": row.loaded_layers, "head_passes": row.head_passes,
-                        "idle_layers": getattr(row, "idle_layers", 0.0)}
+                        "start_s": row.start_s, "end_s": batch.elapsed(), "loaded_layers": row.loaded_layers,
+                        "idle_layers": getattr(row, "idle_layers", 0.0), "head_passes": row.head_passes,
+                        "reads": reads, "rounds": shared_rounds}
         finished += 1
         states = [m.state() for m in methods]
         run_dir.write_method_state({"slots": states} if any(s is not None for s in states) else None, finished)
@@ -508,6 +510,9 @@ def summarize(cfg: DictConfig, records: list[dict], rounds: list[dict], task) ->
         "etpl": _mean(r["etpl"] for r in records),  # mean over samples (paper B.4)
         "throughput": throughput(records),  # all tokens ÷ the batch's wall seconds (records.throughput)
         "batch_etpl": batch_etpl(records),  # all tokens ÷ the layers the batch loaded (records.batch_etpl)
+        "latency_s": _mean(r["wall_s"] for r in records),  # a prompt's, waiting for its batch included
+        "ttft_s": _mean(r.get("ttft_s") for r in records),
+        **host_reads(records, rounds),  # the host reads the batch (or one prompt at a time) made
         "acceptance_rate": accepted / drafted if drafted else None,  # accepted drafts / drafted tokens
         "generated_tokens": sum(r["generated_tokens"] for r in records),
         "loaded_layers": sum(r["loaded_layers"] for r in records),

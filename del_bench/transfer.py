@@ -28,6 +28,8 @@ class Ledger:
 
     def __init__(self):
         self.count = 0
+        self.share = 0.0  # Σ over the transfers it took part in of 1 ÷ the rows each carried: the rows' shares sum to
+        # the batch's transfers
 
 
 def reads() -> int:
@@ -48,8 +50,10 @@ def charged(ledgers: Iterable[Ledger]) -> Iterator[None]:
 
 def _count() -> None:
     _counts.reads = reads() + 1
-    for ledger in getattr(_counts, "ledgers", ()):
+    ledgers = getattr(_counts, "ledgers", ())
+    for ledger in ledgers:
         ledger.count += 1
+        ledger.share += 1 / len(ledgers)
 
 
 def to_list(values: torch.Tensor) -> list:

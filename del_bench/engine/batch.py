@@ -112,6 +112,11 @@ class Row:
     def begin(self, now_s: float) -> None:
         self.start_s, self.loaded_layers, self.head_passes = now_s, 0.0, 0.0
 
+    @staticmethod
+    def tally(rounds: list[dict]) -> tuple[float, float]:
+        """Its job's host reads and rounds (a row of this scheduler reads alone: its rounds' own)."""
+        return sum(r["host_syncs"] for r in rounds), len(rounds)
+
     def generate(self, prompt_ids: list[int], method, max_new_tokens: int, seed: int) -> Request:
         """What a job yields to have its row decode a prompt (it is sent the Generation back)."""
         return Request(prompt_ids, method, max_new_tokens, seed)

@@ -104,6 +104,8 @@ class Slot:
         self.loaded_layers = 0.0  # its share of the batch's loads (½ a sublayer ÷ the rows running it)
         self.idle_layers = 0.0  # sublayers computed for it for nothing (idle in a step, masked), ½ each
         self.head_passes = 0.0  # its share of the batch's head passes
+        self.rounds = 0.0  # its share of the batch's rounds (each ÷ the rows in it; a prefill, its own, whole)
+        self._reads_before = 0.0  # its ledger's share when its job began
 
     def generate(self, prompt_ids: list[int], method: Method, max_new_tokens: int, seed: int) -> Request:
         """What a job yields to have its slot decode a prompt (it is sent the Generation back)."""
@@ -112,6 +114,10 @@ class Slot:
     @property
     def slot(self) -> int:
         return self.index
+
+    def tally(self, rounds: list[dict]) -> tuple[float, float]:
+        """Its job's shares of the batch's host reads and rounds (they sum over the rows to the batch's)."""
+        return self.ledger.share - self._reads_before, self.rounds
 
     @property
     def method(self) -> Method:
@@ -192,6 +198,7 @@ class Lockstep:
                 with charged([slot.ledger]):
                     slot.engine.prefill(run, request.prompt_ids)
                 self._alone(slot, self.stack.num_layers)
+                slot.rounds += 1  # round 0, its own
                 slot.run = run
                 if run.done:  # its first token ended it (an EOS, a budget of 1)
                     request = self._send(slot, self._finish(slot))
@@ -210,7 +217,8 @@ class Lockstep:
             if job is None:
                 return None
             slot.start_s = time.perf_counter() - self._t0
-            slot.loaded_layers = slot.idle_layers = slot.head_passes = 0.0
+            slot.loaded_layers = slot.idle_layers = slot.head_passes = slot.rounds = 0.0
+            slot._reads_before = slot.ledger.share
             slot.job = self._decode(slot, job)
             try:
                 return next(slot.job)
@@ -248,6 +256,7 @@ class Lockstep:
         t = time.perf_counter()
         for slot in slots:
             self._plan(slot)
+            slot.rounds += 1 / len(slots)
         # the slots rows hold or may write this round: each row's sequence and its draft budget's positions beyond
         self._held = max(s.run.n + s.round.plan.budget for s in slots)
         skips = {s.round.plan.skips for s in slots}
