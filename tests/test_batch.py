@@ -168,7 +168,9 @@ def test_half_precision_rows_follow_the_near_tie_rule_against_batch1(case):
 # ---- mutants: a row that leaks into a neighbour fails the checks above ------------------------------------------
 def _swap_first_two_rows_positions(original):
     def mutant(self, start, end, h, positions, *args, **kwargs):
-        return original(self, start, end, h, [positions[1], positions[0], *positions[2:]], *args, **kwargs)
+        if len(positions) > 1:
+            positions = [positions[1], positions[0], *positions[2:]]
+        return original(self, start, end, h, positions, *args, **kwargs)
     return mutant
 
 
@@ -415,3 +417,21 @@ def test_an_error_in_a_row_stops_the_batch_and_reaches_the_caller(setup, kind):
 
     batch.run(range(2), again)
     assert [out[0], out[1]] == refs[:2]
+
+
+def test_once_the_jobs_run_out_the_running_rows_move_down_and_steps_run_them_alone(setup, monkeypatch):
+    """Continuous batching's tail: a slot that empties with no job left is filled by the highest running row (its
+    cache row copied, its view re-pointed), so the running rows are always the first ones and each step on a CPU runs
+    over them alone — its rows' tokens and rounds unchanged, and no idle work beyond what the running rows idle."""
+    stack, prompts, eos, refs = setup
+    widths, run = [], RowSteps.run
+
+    def spy(self, start, end, h, positions, *args, **kwargs):
+        widths.append(h.shape[0])
+        return run(self, start, end, h, positions, *args, **kwargs)
+
+    monkeypatch.setattr(RowSteps, "run", spy)
+    gens, stats, _ = batched(stack, prompts, eos, method("vanilla"))
+    assert [g.output_ids for g in gens] == refs
+    assert widths[0] == B and widths[-1] == 1 and sorted(widths, reverse=True) == widths  # the tail shrinks
+    assert stats["idle_layers"] == 0  # Vanilla's running rows all run every layer: nothing idles

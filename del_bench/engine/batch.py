@@ -1,4 +1,7 @@
-"""Batched decoding (`batch_size` = B > 1): B prompts decoded together, each by the unchanged Engine, lossless per row.
+"""The thread scheduler: batched decoding (`batch_size` = B > 1) for the methods lockstep (engine/lockstep.py, the
+tensor path every other method takes) does not serve — AdaDecode, SWIFT's token tree, DEL's look-ahead stop reads, a
+model over several devices (lockstep.serves says why) — B prompts decoded together, each by the unchanged Engine,
+lossless per row.
 
 Every row (a slot) runs `Engine.generate` — its rounds, methods, sampling, accounting, shadow scoring, all as at
 B = 1 — in a Python thread of its own, on a `RowStack`: the LayerStack as that row sees it. A RowStack hands every
@@ -29,7 +32,8 @@ step is one head pass; a row's share of the batch's loads (a step's load ÷ the 
 Each row keeps its own RNG stream (its generate's seed), its own Engine (its pending token, shadow scorer, host-read
 count: del_bench/transfer.py counts per thread) and decodes in its own view of one shared KV cache
 [B, KV, max_len, hd] (KVCache.row), which grows for a longer prompt (views re-pointed, contents kept). B = 1 never
-comes here: the runner decodes one prompt at a time without threads, exactly as before.
+comes here: the runner decodes one prompt at a time without threads, exactly as before. Jobs are the same
+generators of requests as lockstep's: each row's thread runs its job, decoding each request with its Engine.
 """
 
 from __future__ import annotations

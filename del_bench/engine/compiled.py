@@ -274,19 +274,26 @@ class RowSteps:
         self.steps = StaticSteps(stack)
 
     def run(self, start: int, end: int, h: torch.Tensor, positions: list[list[int]], live: list[list[bool]] | None,
-            held: int, collect: str | None = None) -> tuple[torch.Tensor, list[torch.Tensor], list[bool]]:
-        """h [B, T, D] through layers [start, end); positions: each row's T slots (−1: none); live: per sublayer
-        (2(end − start), attention then MLP of each layer) which of the B rows run it (None: all of them); held: the
-        slots any row holds or writes (the scratch slot lies beyond them all: an idle row must not overwrite its own
-        earlier positions); collect: "layers" (each layer's output [B, T, D]) or "sublayers" (each sublayer's). →
-        (the output [B, T, D], the states collected, which sublayers were computed)."""
+            held: int, collect: str | None = None) -> tuple[torch.Tensor, list[torch.Tensor], list[bool], int]:
+        """h [m, T, D], the first m ≤ B rows of the batch (the running ones: Lockstep keeps them first), through
+        layers [start, end); positions: each row's T slots (−1: none); live: per sublayer (2(end − start), attention
+        then MLP of each layer) which of the m rows run it (None: all of them); held: the slots any row holds or
+        writes (the scratch slot lies beyond them all: an idle row must not overwrite its own earlier positions);
+        collect: "layers" (each layer's output [m, T, D]) or "sublayers" (each sublayer's). → (the output [m, T, D],
+        the states collected, which sublayers were computed, for how many rows: m eagerly, B on the graphs, whose
+        shapes are the batch's)."""
         runs = [True] * (2 * (end - start)) if live is None else [any(row) for row in live]
+        B, m = self.cache.k[0].shape[0], h.shape[0]
         if self.graphs is not None:
-            out = self.graphs.rows(start, end, h, positions, live, self.cache, collect)
+            full = padded_rows(h, B)  # the rows beyond m: idle, their keys to the scratch slot
+            rows = None if live is None and m == B else [[*(row if live else [True] * m), *[False] * (B - m)]
+                                                           for row in (live or [None] * len(runs))]
+            out = self.graphs.rows(start, end, full, [*positions, *[[-1] * h.shape[1]] * (B - m)], rows, self.cache,
+                                   collect)
             if out is not None:
-                return (*out, [True] * len(runs))
+                return out[0][:m], [state[:m] for state in out[1]], [True] * len(runs), B
         out, states = self._eager(start, end, h, positions, live, runs, held, collect)
-        return out, states, runs
+        return out, states, runs, m
 
     def _eager(self, start, end, h, positions, live, runs, held: int, collect) -> tuple[torch.Tensor, list]:
         B, T, _ = h.shape
@@ -303,8 +310,8 @@ class RowSteps:
         if live is not None:
             flags = values[B * T :].view(len(live), B) != 0  # [2n, B]
             rows = [None if all(row) else flags[i] for i, row in enumerate(live)]
-        ks = [k[:, :, :S] for k in self.cache.k[start:end]]  # [B, KV, S, hd] views: the slots the rows reach
-        vs = [v[:, :, :S] for v in self.cache.v[start:end]]
+        ks = [k[:B, :, :S] for k in self.cache.k[start:end]]  # [B, KV, S, hd] views: its rows, the slots they reach
+        vs = [v[:B, :, :S] for v in self.cache.v[start:end]]
         states: list[torch.Tensor] | None = [] if collect else None
         with self.stack.products_for(B * T):
             out = self.steps.rows(self.stack.layers[start:end], h, at, rows, ks, vs, scratch, states,
@@ -798,6 +805,12 @@ def _adopt(cache: KVCache, static_addresses: bool) -> None:
         if not static_addresses:
             for t in (k, v):
                 torch._dynamo.mark_dynamic(t, 2)  # one graph for every cache length
+
+
+def padded_rows(h: torch.Tensor, rows: int) -> torch.Tensor:
+    """h [m, T, D] → [rows, T, D] (zero rows appended)."""
+    m, T, D = h.shape
+    return h if m == rows else torch.cat([h, h.new_zeros(rows - m, T, D)])
 
 
 def padded(h: torch.Tensor, width: int) -> torch.Tensor:

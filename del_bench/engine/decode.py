@@ -123,7 +123,7 @@ class Engine:
         shadow_with_acceptance: DEL's shadow statistics come to the host on the round's acceptance read, scored over
         all d + 1 positions (engine/shadow.py); None: where the head is not on the CPU (a read stalls a queue there,
         and a CPU pays for the rejected positions' rows).
-        cache: the KV cache to decode in (a batched row: its view of the batch's cache, engine/batch.py); None: one
+        cache: the KV cache to decode in (a batched row: its view of the batch's cache, engine/lockstep.py); None: one
         allocated at the first generate."""
         self.stack = stack
         self.sampling = sampling

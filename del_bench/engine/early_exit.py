@@ -110,11 +110,17 @@ def draft_rows(batch, slots: list) -> None:
     step passes every row with a token to pass through layers 1..E_r — one step to the deepest row's exit, each row
     reading its own layer-E_r state (a shallower row idles above its exit, masked) — then the draft head over every
     row still drafting in one product, and where the method stops on confidence one read of every row's candidate
-    and confidence. A row whose draft ended idles in the steps after."""
+    and confidence. A row whose draft ended idles in the steps after. A row with no draft this round (E = L: its one
+    pass through every layer is its round) goes as deep as the deepest drafting row in the first step and through
+    the rest in the verification step (verify_rows): the same layers in the same order, and no step runs every layer
+    for one row while the others idle above their exits."""
+    L = batch.stack.num_layers
+    reach = max((s.round.plan.exit_layer for s in slots if s.round.plan.budget > 0), default=L)
     for slot in slots:
         r = slot.round
         r.draft = Draft(early=[] if slot.method.wants_shadow else None, exit_layer=r.plan.exit_layer)
         r.stop = r.plan.budget == 0
+        r.depth = r.plan.exit_layer if r.plan.budget > 0 else reach  # where its passes leave off this round
     passing = list(slots)
     while passing:
         _layers_rows(batch, passing)
@@ -123,17 +129,17 @@ def draft_rows(batch, slots: list) -> None:
 
 
 def _layers_rows(batch, slots: list) -> None:
-    """draft_layers for every row of `slots`: its token [1, 1] at its position through layers 1..E_r."""
-    deepest = max(s.round.plan.exit_layer for s in slots)
+    """draft_layers for every row of `slots`: its token [1, 1] at its position through layers 1..depth (its E)."""
+    deepest = max(s.round.depth for s in slots)
     collect = "layers" if slots[0].round.draft.early is not None else None
     h = batch.stack.embed(torch.cat([s.round.token.view(1, 1) for s in slots], dim=1))  # [1, n, D]
     inputs = {s: (h[:, i : i + 1], s.round.pos) for i, s in enumerate(slots)}
-    out, states = batch.step(0, deepest, inputs, lambda s, i: (i < s.round.plan.exit_layer,) * 2, collect)
+    out, states = batch.step(0, deepest, inputs, lambda s, i: (i < s.round.depth,) * 2, collect)
     for s in slots:
         r = s.round
-        r.draft.exit_states.append(out[s])  # [1, 1, D]: its state at its own exit layer (it idled above)
+        r.draft.exit_states.append(out[s])  # [1, 1, D]: its state at its own depth (it idled above)
         if r.draft.early is not None:
-            r.draft.early.append([state[s.index : s.index + 1] for state in states[: r.plan.exit_layer]])
+            r.draft.early.append([state[s.index : s.index + 1] for state in states[: r.depth]])
         r.pos += 1
 
 
@@ -163,20 +169,26 @@ def _heads_rows(batch, slots: list) -> list:
 
 
 def verify_rows(batch, slots: list) -> None:
-    """`verify` for every row of a batch at once: the rows that drafted (E_r < L) through layers E_min+1..L in one
-    step of width max(d_r + 1), each row from its own exit layer (below it, idle); a row that did not (E_r = L) has its
-    verification already: its one pass through every layer."""
+    """`verify` for every row of a batch at once, through layers E_min+1..L in one step of width max(d_r + 1): a row
+    that drafted from its own exit layer, its d + 1 positions; a row that did not (E = L) its one position from where
+    its pass left off (draft_rows), its every layer's state (DEL's shadow tokens) the draft's and this step's; below
+    its layer a row idles."""
     st, L = batch.stack, batch.stack.num_layers
-    drafted = [s for s in slots if s.round.plan.exit_layer < L]
+    joining = [s for s in slots if s.round.depth < L]
     out, states, lowest = {}, [], L
-    if drafted:
-        lowest = min(s.round.plan.exit_layer for s in drafted)
-        collect = "layers" if drafted[0].round.draft.early is not None else None
-        inputs = {s: (torch.cat(s.round.draft.exit_states, dim=1), s.round.n - 1) for s in drafted}  # [1, d+1, D]
-        out, states = batch.step(lowest, L, inputs, lambda s, i: (i >= s.round.plan.exit_layer,) * 2, collect)
+    if joining:
+        lowest = min(s.round.depth for s in joining)
+        collect = "layers" if joining[0].round.draft.early is not None else None
+        inputs = {s: (torch.cat(s.round.draft.exit_states, dim=1), s.round.n - 1) for s in joining}  # [1, d+1, D]
+        out, states = batch.step(lowest, L, inputs, lambda s, i: (i >= s.round.depth,) * 2, collect)
     for s in slots:
         r = s.round
-        E, T = r.plan.exit_layer, len(r.draft.exit_states)
-        h = out.get(s, r.draft.exit_states[0])  # [1, d+1, D]; a row at E = L: its pass's state [1, 1, D]
-        late = None if r.draft.early is None else [state[s.index : s.index + 1, :T] for state in states[E - lowest :]]
+        T = len(r.draft.exit_states)
+        h = out.get(s, r.draft.exit_states[0])  # [1, d+1, D]; a row through every layer already: [1, 1, D]
+        late = None
+        if r.draft.early is not None:
+            late = [state[s.index : s.index + 1, :T] for state in states[r.depth - lowest :]] if s in out else []
+            if r.plan.exit_layer == L:  # no draft: its one pass's every layer is the draft's (as one pass alone)
+                r.draft.early[0] += late
+                late = []
         r.verified = Verified(st.norm(h), late, st.head, gaps={} if s.engine.track_gaps else None)

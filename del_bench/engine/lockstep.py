@@ -84,6 +84,7 @@ class RowRound:
     pending: torch.Tensor | None = None  # [1, 1] ids: the round's first token (the last emitted), on the device
     token: torch.Tensor | None = None  # [1, 1] ids: the next token through the draft's layers
     pos: int = 0  # its position
+    depth: int = 0  # an early-exit draft's passes run layers 1..depth (E; a row with no draft: see draft_rows)
     stop: bool = False  # the next pass is the draft's last (its candidate stopped drafting, or ended the budget)
     acceptance: Acceptance | None = None
     accepted: tuple[int, int] = (0, 0)  # (k accepted drafts, tokens emitted)
@@ -96,6 +97,7 @@ class Slot:
 
     def __init__(self, index: int, engine: Engine):
         self.index, self.engine = index, engine
+        self.began_in = index
         self.ledger = engine.ledger = Ledger()
         self.job: Job | None = None
         self.run: Decoding | None = None
@@ -113,7 +115,9 @@ class Slot:
 
     @property
     def slot(self) -> int:
-        return self.index
+        """The slot its job began in (its method copy's: runner.decode_batched); it may end in a lower one, moved down
+        once no job is left to start (_compact)."""
+        return self.began_in
 
     def tally(self, rounds: list[dict]) -> tuple[float, float]:
         """Its job's shares of the batch's host reads and rounds (they sum over the rows to the batch's)."""
@@ -164,6 +168,7 @@ class Lockstep:
                     self._round(running)
                     self.rounds += 1
                     self._admit([s for s in running if s.run.done])
+                    self._compact()
         finally:
             for slot in self.slots:  # an error: every job closed (their contexts exit), the batch reusable
                 if slot.job is not None:
@@ -205,6 +210,29 @@ class Lockstep:
                     continue
                 break
 
+    @property
+    def running(self) -> int:
+        """How many rows are running: the first slots (_compact)."""
+        return sum(s.run is not None for s in self.slots)
+
+    def _compact(self) -> None:
+        """The running rows into the lowest slots, so that the steps (on a CPU) run over them alone: a row above an
+        empty slot moves down — its cache row's filled slots copied, its slot's view re-pointed (its engine, ledger
+        and job go with it). Only once no job is left to start (a slot is empty only then), so a job's method copy is
+        never another running job's."""
+        while True:
+            empty = next((s for s in self.slots if s.run is None), None)
+            top = next((s for s in reversed(self.slots) if s.run is not None), None)
+            if empty is None or top is None or empty.index > top.index:
+                return
+            held = top.run.n  # its positions before the pending token's
+            for k in self.cache.k + self.cache.v:
+                k[empty.index, :, :held] = k[top.index, :, :held]
+            self.slots[empty.index], self.slots[top.index] = top, empty
+            empty.index, top.index = top.index, empty.index
+            for slot in (empty, top):
+                self.cache.row(slot.index, slot.engine.cache)
+
     def _next_request(self, slot: Slot) -> Request | None:
         """The slot's job's next request: after its finished generation, or a new job's first (None: no job left)."""
         if slot.run is not None:
@@ -216,7 +244,7 @@ class Lockstep:
             job = next(self._jobs, None)
             if job is None:
                 return None
-            slot.start_s = time.perf_counter() - self._t0
+            slot.start_s, slot.began_in = time.perf_counter() - self._t0, slot.index
             slot.loaded_layers = slot.idle_layers = slot.head_passes = slot.rounds = 0.0
             slot._reads_before = slot.ledger.share
             slot.job = self._decode(slot, job)
@@ -339,26 +367,27 @@ class Lockstep:
         → (each slot's output [1, T_r, D], the states collected [B, W, D] each: "layers" or "sublayers")."""
         W = max(h.shape[1] for h, _ in inputs.values())
         some = next(iter(inputs.values()))[0]
+        rows = self.slots[: self.running]  # the running rows, first (_compact): the step's batch on a CPU
         h = torch.cat([padded(inputs[s][0], W) if s in inputs else some.new_zeros(1, W, some.shape[2])
-                       for s in self.slots])  # [B, W, D]
+                       for s in rows])  # [m, W, D]
         positions = [[inputs[s][1] + t if s in inputs and t < inputs[s][0].shape[1] else -1 for t in range(W)]
-                     for s in self.slots]
-        flags = [[live(s, i) if s in inputs else (False, False) for s in self.slots] for i in range(start, end)]
-        rows = [[f[kind] for f in layer] for layer in flags for kind in (0, 1)]  # [2n][B]
-        out, states, ran = self.steps.run(start, end, h, positions, None if all(map(all, rows)) else rows,
-                                          self._held, collect)
-        self._share(rows, ran)
+                     for s in rows]
+        flags = [[live(s, i) if s in inputs else (False, False) for s in rows] for i in range(start, end)]
+        runs = [[f[kind] for f in layer] for layer in flags for kind in (0, 1)]  # [2n][m]
+        out, states, ran, computed = self.steps.run(start, end, h, positions, None if all(map(all, runs)) else runs,
+                                                    self._held, collect)
+        self._share(runs, ran, computed)
         return {s: out[s.index : s.index + 1, : inputs[s][0].shape[1]] for s in inputs}, states
 
-    def _share(self, rows: list[list[bool]], ran: list[bool]) -> None:
-        """The loads of a step: each sublayer computed ½ for the batch, shared by the rows that ran it; the others'
-        ½ each their idle work (an empty slot's too, in the batch's total)."""
-        for live, computed in zip(rows, ran):
-            if not computed:
+    def _share(self, runs: list[list[bool]], ran: list[bool], computed: int) -> None:
+        """The loads of a step: each sublayer computed ½ for the batch, shared by the rows that ran it; the other
+        rows computed (the graphs compute all B) count ½ each as idle work (an empty slot's in the batch's total)."""
+        for live, done in zip(runs, ran):
+            if not done:
                 continue
             self.loaded_layers += 0.5
             users = sum(live)
-            for slot, on in zip(self.slots, live):
+            for slot, on in zip(self.slots[:computed], [*live, *[False] * (computed - len(live))]):
                 if on:
                     slot.loaded_layers += 0.5 / users
                 else:
