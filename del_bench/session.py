@@ -174,12 +174,12 @@ def build(cfg: DictConfig, load: Load | None = None, *, task=None, method=None, 
 
 
 def batch_graphs(cfg: DictConfig, stack: LayerStack, method, reach: int) -> tuple[compiled.Graphs | None, dict]:
-    """A batched run's graph-captured steps (compiled.choose_rows: per (B, width bucket), for lockstep), or none: a
+    """A batched run's graph-captured steps (lockstep.choose_graphs: per (B, width bucket)), or none: a
     method the thread scheduler decodes runs the stack's loop (compile=on or graphs then: CompileUnavailable)."""
     setting = compiled.compile_setting(cfg.get("compile", "auto"))
     why = lockstep.serves(method, stack)
     if why is None:
-        return compiled.choose_rows(stack, setting, method, int(cfg.max_new_tokens), reach, int(cfg.batch_size))
+        return lockstep.choose_graphs(stack, setting, method, int(cfg.max_new_tokens), reach, int(cfg.batch_size))
     if setting in ("on", "graphs"):
         raise compiled.CompileUnavailable(f"compile={setting}: a batch of this method runs on the thread scheduler "
                                           f"(lockstep does not serve {why}), on the stack's layer loop")

@@ -435,3 +435,24 @@ def test_once_the_jobs_run_out_the_running_rows_move_down_and_steps_run_them_alo
     assert [g.output_ids for g in gens] == refs
     assert widths[0] == B and widths[-1] == 1 and sorted(widths, reverse=True) == widths  # the tail shrinks
     assert stats["idle_layers"] == 0  # Vanilla's running rows all run every layer: nothing idles
+
+
+def test_one_host_read_a_round_for_the_whole_batch_counted_independently(setup):
+    """The batch's host reads, counted by the independent counter (bench/syncs.py: every tensor read and transfer)
+    around a Vanilla batch of four rows: one a round for all of them, two a prefill (the prompt up, its first token
+    back) — what the batch's own count and its rows' shares (records.host_reads) say."""
+    from del_bench.bench.syncs import count_syncs
+
+    stack, prompts, eos, _ = setup
+    batch = batch_of(stack, method("vanilla"), GREEDY, eos)
+    shares = []
+
+    def decode(row, i):
+        yield row.generate(prompts[i], copy.deepcopy(method("vanilla")), BUDGETS[i], seed=i)
+        shares.append(row.tally([]))
+
+    with count_syncs() as counted:
+        stats = batch.run(range(len(prompts)), decode)
+    assert counted.total == stats["reads"] == stats["rounds"] + 2 * len(prompts)
+    assert math.isclose(sum(r for r, _ in shares), stats["reads"])
+    assert math.isclose(sum(n for _, n in shares), stats["rounds"] + len(prompts))

@@ -18,7 +18,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from del_bench import runner
 from del_bench.bench.syncs import count_syncs
 from del_bench.config import ConfigError, validate
-from del_bench.engine import compiled
+from del_bench.engine import compiled, lockstep
 from del_bench.engine.compiled import Graphs, StaticSteps, StepShapes, _CudaGraphs, bucket_of, static_mask
 from del_bench.engine.decode import Engine
 from del_bench.engine.lockstep import Lockstep
@@ -365,7 +365,7 @@ def test_the_cuda_graph_runner_replays_a_batchs_steps(case, setting, kind):
     m = method(case)
     engine = Engine(stack, Sampling(), set())
     alone = [engine.generate(p, copy.deepcopy(m), n, seed=i) for i, (p, n) in enumerate(zip(prompts, BUDGETS))]
-    graphs, info = compiled.choose_rows(stack, setting, m, max(BUDGETS), 80, 4, capture=True, runner=Replayed,
+    graphs, info = lockstep.choose_graphs(stack, setting, m, max(BUDGETS), 80, 4, capture=True, runner=Replayed,
                                         backend=CompileCounterWithBackend(BACKEND))
     assert info["compiled"] and info["graph_kind"] == kind and graphs.cache.k[0].shape[0] == 4
     batch = Lockstep(stack, 4, Sampling(), set(), cache_len=80, graphs=graphs)

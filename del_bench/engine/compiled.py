@@ -615,8 +615,9 @@ class _Compiled:
 class _CudaGraphs:
     """Graphs captured with torch.cuda.CUDAGraph from the steps' kernels (inductor's where the functions are compiled,
     else the eager ones). Each graph of a width reads and writes that width's static buffers in place — the rows'
-    states [1, width, D] and positions [1, width], and for a chain that keeps its states, every layer's output
-    [n, 1, width, D] — and one cache, so any sequence of steps replays with one copy in and one copy out."""
+    states [B, width, D] and positions [B, width] (B = 1, or a batch's: Graphs.batch; a batch's graphs also read
+    which rows run each sublayer, [2L, B]), and for a chain that keeps its states, every layer's output
+    [n, B, width, D] — and one cache, so any sequence of steps replays with one copy in and one copy out."""
 
     def __init__(self, graphs: Graphs):
         self.graphs = graphs
@@ -624,11 +625,8 @@ class _CudaGraphs:
         self.cache: KVCache | None = None
         self.pool = None
         self.buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.states: dict[int, torch.Tensor] = {}  # width → [L, 1, width, D]: a collecting chain's layers' outputs
-        # a batch's (Graphs.batch = B): width → its rows' states [B, width, D], positions [B, width] and which rows
-        # run each of the 2L sublayers [2L, B] bool; and a collecting chain's layers' outputs [L, B, width, D]
-        self.row_buffers: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        self.row_states: dict[int, torch.Tensor] = {}
+        self.states: dict[int, torch.Tensor] = {}  # width → [L, B, width, D]: a collecting chain's layers' outputs
+        self.live: torch.Tensor | None = None  # a batch's: which rows run each sublayer (_live)
 
     def cache_of(self, cache_len: int) -> KVCache:
         """The cache every graph is captured on (its addresses are baked into the graphs): one per stack and length,
@@ -657,35 +655,28 @@ class _CudaGraphs:
             v.zero_()
 
     def _buffers(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This width's rows' states [B, width, D] and positions [B, width] (B: 1, or a batch's: Graphs.batch)."""
         if width not in self.buffers:
-            stack = self.graphs.stack
+            stack, B = self.graphs.stack, self.graphs.batch
             device = stack.layers[0].device
             D = stack.embed_weight.shape[1]
-            self.buffers[width] = (torch.zeros(1, width, D, dtype=stack.dtype, device=device),
-                                   torch.zeros(1, width, dtype=torch.long, device=device))
+            self.buffers[width] = (torch.zeros(B, width, D, dtype=stack.dtype, device=device),
+                                   torch.zeros(B, width, dtype=torch.long, device=device))
         return self.buffers[width]
+
+    def _live(self) -> torch.Tensor:
+        """A batch's [2L, B] bool: which rows run each sublayer (every width's graphs read it: a step uploads it)."""
+        if self.live is None:
+            stack = self.graphs.stack
+            self.live = torch.ones(2 * stack.num_layers, self.graphs.batch, dtype=torch.bool,
+                                   device=stack.layers[0].device)
+        return self.live
 
     def _states(self, width: int) -> torch.Tensor:
         if width not in self.states:
             state = self._buffers(width)[0]
             self.states[width] = state.new_zeros(self.graphs.stack.num_layers, *state.shape)
         return self.states[width]
-
-    def _row_buffers(self, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if width not in self.row_buffers:
-            stack, B = self.graphs.stack, self.graphs.batch
-            device = stack.layers[0].device
-            D = stack.embed_weight.shape[1]
-            self.row_buffers[width] = (torch.zeros(B, width, D, dtype=stack.dtype, device=device),
-                                       torch.zeros(B, width, dtype=torch.long, device=device),
-                                       torch.ones(2 * stack.num_layers, B, dtype=torch.bool, device=device))
-        return self.row_buffers[width]
-
-    def _row_states(self, width: int) -> torch.Tensor:
-        if width not in self.row_states:
-            state = self._row_buffers(width)[0]
-            self.row_states[width] = state.new_zeros(self.graphs.stack.num_layers, *state.shape)
-        return self.row_states[width]
 
     def _graph(self, step: Step, width: int, collects: bool) -> torch.cuda.CUDAGraph:
         key = (step, width, collects)
@@ -724,14 +715,14 @@ class _CudaGraphs:
         as the step uploaded them), its result written back into the state buffer, a collecting chain's every
         layer's output into the states buffer."""
         stack, fns, cache = self.graphs.stack, self.graphs.functions, self.cache
-        h, at, on = self._row_buffers(width)
+        (h, at), on = self._buffers(width), self._live()
         _, start, end = step
         layers = range(start, end)
         ws, ks, vs = [stack.layers[i] for i in layers], [cache.k[i] for i in layers], [cache.v[i] for i in layers]
         live, scratch = on[2 * start : 2 * end], cache.max_len - 1
         if not collects:
             return lambda: h.copy_(fns.rows(ws, h, at, live, ks, vs, scratch))
-        kept = self._row_states(width)[: len(layers)]
+        kept = self._states(width)[: len(layers)]
 
         def chain_keeping_states():
             states: list[torch.Tensor] = []
@@ -741,7 +732,7 @@ class _CudaGraphs:
 
     def run_rows(self, step: Step, h, positions, live, width: int, cache: KVCache, collects: bool):
         B, T, _ = h.shape
-        state, at, on = self._row_buffers(width)
+        (state, at), on = self._buffers(width), self._live()
         _, start, end = step
         state[:, :T].copy_(h)  # columns T.. keep the last step's (finite) states: padding, never read by a real row
         L = self.graphs.stack.num_layers
@@ -749,7 +740,7 @@ class _CudaGraphs:
         at.copy_(values[: B * width].view(B, width))
         on.copy_(values[B * width :].view(2 * L, B) != 0)
         self._graph(step, width, collects).replay()
-        states = self._row_states(width)[: end - start, :, :T].clone().unbind(0) if collects else []
+        states = self._states(width)[: end - start, :, :T].clone().unbind(0) if collects else []
         return state[:, :T].clone(), list(states)
 
     def _capture(self, body: Callable[[], None], width: int) -> torch.cuda.CUDAGraph:
@@ -923,82 +914,6 @@ def check(stack: LayerStack, graphs: Graphs, method, tokens: int = 16, prompt: i
     return f"a greedy decode on the graphs departs from generate's {where}: {output} vs {reference}"
 
 
-@torch.inference_mode()
-def check_rows(stack: LayerStack, graphs: Graphs, method, tokens: int = 16) -> str | None:
-    """check for a batch's graphs: B rows of random prompts of different lengths decoded together by lockstep on the
-    graphs, greedy, each row held to `generate` on its prompt by the same rule."""
-    from del_bench.engine.lockstep import Lockstep  # lockstep runs these steps
-    from del_bench.engine.sampling import Sampling
-
-    generator = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, stack.vocab_size, (4 + 2 * b,), generator=generator).tolist()
-               for b in range(graphs.batch)]
-    batch = Lockstep(stack, graphs.batch, Sampling(), set(), cache_len=graphs.cache.max_len - 1, graphs=graphs)
-    outputs: dict = {}
-
-    def decode(slot, i):
-        outputs[i] = (yield slot.generate(prompts[i], copy.deepcopy(method), tokens, 0)).output_ids
-
-    batch.run(range(len(prompts)), decode)
-    for i, prompt in enumerate(prompts):
-        reference, gaps = generate_reference(stack.model, prompt, tokens)
-        verdict = compare(outputs[i], reference, gaps if is_half(stack.dtype) else None)
-        if verdict.kind not in ("equal", "near_tie"):
-            return (f"row {i} of a batch on the graphs departs from generate's at token {verdict.position}: "
-                    f"{outputs[i]} vs {reference}")
-    return None
-
-
-def choose_rows(stack: LayerStack, setting: str, method, max_new_tokens: int, cache_len: int, batch: int,
-                backend: str = "inductor", capture: bool | None = None, runner: type | None = None
-                ) -> tuple[Graphs | None, dict]:
-    """choose for a batch of B rows in lockstep (engine/lockstep.py): its graphs — captured per (B, width bucket) on
-    CUDA, fused (on) or not (graphs); auto: the fused ones, else the unfused ones, else none, each refusal recorded;
-    elsewhere compiled by torch.compile under `on`, none under auto — made, checked (check_rows) and returned with
-    what the setup line records; None: RowSteps' eager steps. cache_len: the longest sequence a row reaches."""
-    setting = compile_setting(setting)
-    if setting not in COMPILE_CHOICES:
-        raise ValueError(f"compile={setting!r}: choose one of {', '.join(COMPILE_CHOICES)}")
-    info: dict = {"compile": setting, "compiled": False}
-    on_cuda = stack.head_device.type == "cuda" if capture is None else capture
-    if setting == "off":
-        return None, info
-    if setting == "auto" and not on_cuda:
-        return None, {**info, "reason": "auto makes graphs on CUDA only (compile=on compiles them here)"}
-    if setting == "graphs" and not on_cuda:
-        raise CompileUnavailable("compile=graphs captures CUDA graphs: the model is not on CUDA")
-    t0 = time.perf_counter()
-    for fuse in {"on": [True], "graphs": [False], "auto": [True, False]}[setting]:
-        try:
-            graphs = _made_rows(stack, method, max_new_tokens, cache_len, batch, backend, capture, runner, fuse)
-        except CompileUnavailable as err:
-            if setting != "auto":
-                raise
-            info.setdefault("fallbacks", []).append(str(err))
-            log.warning("compile=auto: %s graphs of the batch not used: %s", "fused" if fuse else "unfused", err)
-            continue
-        graphs.declined.clear()
-        return graphs, {**info, "compiled": True, "graph_kind": graphs.kind, "compile_s": time.perf_counter() - t0,
-                        "graphs": graphs.graphs}
-    log.warning("compile=auto: the batch decodes on eager steps (records say so)")
-    return None, {**info, "compile_s": time.perf_counter() - t0, "reason": info["fallbacks"][-1]}
-
-
-def _made_rows(stack, method, max_new_tokens, cache_len, batch, backend, capture, runner, fuse) -> Graphs:
-    reason = unsupported(stack)
-    if reason:
-        raise CompileUnavailable(reason)
-    graphs = Graphs(stack, backend=backend, capture=capture, runner=runner, fuse=fuse, batch=batch)
-    try:
-        graphs.prepare_rows(StepShapes.of(method, max_new_tokens), max(cache_len, 64))
-        departure = check_rows(stack, graphs, method)
-    except Exception as err:  # a graph break, an unsupported op, a capture failure: all mean "not these"
-        raise CompileUnavailable(f"making the batch's graphs failed ({type(err).__name__}: {err})") from err
-    if departure:
-        raise CompileUnavailable(departure)
-    return graphs
-
-
 def choose(stack: LayerStack, setting: str, method, max_new_tokens: int, cache_len: int = 1024,
            backend: str = "inductor", capture: bool | None = None, runner: type | None = None) -> dict:
     """The graphs for `setting` (see _choose), made and checked once per stack and method configuration: a bench
@@ -1034,24 +949,34 @@ def _choose(stack: LayerStack, setting: str, method, max_new_tokens: int, cache_
       the fused C++ loop on a CPU and cost minutes to compile: `make bench-compile`).
     cache_len: the slots the run's longest prompt needs (prompt + max_new_tokens + 1): CUDA graphs are captured on
     one cache that long."""
+    stack.compiled = None
+    graphs, info = pick(stack, setting, method, max_new_tokens, cache_len, backend, capture, runner)
+    if graphs is not None:
+        stack.compiled = graphs
+    return info
+
+
+def pick(stack: LayerStack, setting: str, method, max_new_tokens: int, cache_len: int, backend="inductor",
+         capture: bool | None = None, runner: type | None = None, batch: int = 1,
+         checked: Callable | None = None) -> tuple[Graphs | None, dict]:
+    """The graphs `setting` asks for, by _choose's rules — one prompt at a time, or (batch B > 1) a batch's, checked
+    by `checked` (engine/lockstep.check_rows) — made and checked, or None, with what the setup line records."""
     setting = compile_setting(setting)
     if setting not in COMPILE_CHOICES:
         raise ValueError(f"compile={setting!r}: choose one of {', '.join(COMPILE_CHOICES)}")
-    stack.compiled = None
     info: dict = {"compile": setting, "compiled": False}
     on_cuda = stack.head_device.type == "cuda" if capture is None else capture
     if setting == "off":
-        return info
+        return None, info
     if setting == "auto" and not on_cuda:
-        info["reason"] = "auto makes graphs on CUDA only (compile=on compiles them here)"
-        return info
+        return None, {**info, "reason": "auto makes graphs on CUDA only (compile=on compiles them here)"}
     if setting == "graphs" and not on_cuda:
         raise CompileUnavailable("compile=graphs captures CUDA graphs: the model is not on CUDA")
     tries = {"on": [True], "graphs": [False], "auto": [True, False]}[setting]  # fuse, in order
     t0 = time.perf_counter()
     for fuse in tries:
         try:
-            graphs = _made(stack, method, max_new_tokens, cache_len, backend, capture, runner, fuse)
+            graphs = _made(stack, method, max_new_tokens, cache_len, backend, capture, runner, fuse, batch, checked)
         except CompileUnavailable as err:
             if setting != "auto":
                 raise
@@ -1059,24 +984,28 @@ def _choose(stack: LayerStack, setting: str, method, max_new_tokens: int, cache_
             log.warning("compile=auto: %s graphs not used: %s", "fused" if fuse else "unfused", err)
             continue
         graphs.declined.clear()  # from here on: the run's own calls
-        stack.compiled = graphs
-        return {**info, "compiled": True, "graph_kind": graphs.kind, "compile_s": time.perf_counter() - t0,
-                "graphs": graphs.graphs}
-    info.update(compile_s=time.perf_counter() - t0, reason=info["fallbacks"][-1])
+        return graphs, {**info, "compiled": True, "graph_kind": graphs.kind, "compile_s": time.perf_counter() - t0,
+                        "graphs": graphs.graphs}
     log.warning("compile=auto: decoding without the graph-captured steps (records say so)")
-    return info
+    return None, {**info, "compile_s": time.perf_counter() - t0, "reason": info["fallbacks"][-1]}
 
 
 def _made(stack: LayerStack, method, max_new_tokens: int, cache_len: int, backend, capture, runner,
-          fuse: bool) -> Graphs:
-    """Graphs made for the method's shapes and checked against `generate`, or CompileUnavailable saying why not."""
+          fuse: bool, batch: int = 1, checked: Callable | None = None) -> Graphs:
+    """Graphs made for the method's shapes (a batch's: their rows' chains) and checked against `generate` (a batch's
+    by `checked`), or CompileUnavailable saying why not."""
     reason = unsupported(stack)
     if reason:
         raise CompileUnavailable(reason)
-    graphs = Graphs(stack, backend=backend, capture=capture, runner=runner, fuse=fuse)
+    graphs = Graphs(stack, backend=backend, capture=capture, runner=runner, fuse=fuse, batch=batch)
+    shape = StepShapes.of(method, max_new_tokens)
     try:
-        graphs.prepare(StepShapes.of(method, max_new_tokens), max(cache_len, 64))
-        departure = check(stack, graphs, method)
+        if batch > 1:
+            graphs.prepare_rows(shape, max(cache_len, 64))
+            departure = checked(stack, graphs, method)
+        else:
+            graphs.prepare(shape, max(cache_len, 64))
+            departure = check(stack, graphs, method)
     except Exception as err:  # a graph break (fullgraph), an unsupported op, a capture failure: all mean "not these"
         raise CompileUnavailable(f"making the graphs failed ({type(err).__name__}: {err})") from err
     if departure:

@@ -36,6 +36,7 @@ layers; a prefill, a selection's or an optimiser's pass is its row's alone.
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Callable, Generator, Iterable
 from dataclasses import dataclass, field
@@ -43,13 +44,14 @@ from typing import Any
 
 import torch
 
-from del_bench.engine import early_exit, skipping
+from del_bench.engine import compiled, early_exit, skipping
 from del_bench.engine.compiled import RowSteps, padded
 from del_bench.engine.decode import Acceptance, Decoding, Engine, Request, RoundPlan
 from del_bench.engine.sampling import Sampling
 from del_bench.engine.steps import Draft, Verified
 from del_bench.methods.base import Method
 from del_bench.models.layer_stack import KVCache, LayerStack
+from del_bench.numerics import compare, is_half
 from del_bench.transfer import Ledger, charged, reads, to_list
 
 Job = Generator[Request, Any, Any]
@@ -69,6 +71,40 @@ def serves(method: Method, stack: LayerStack) -> str | None:
         return "the look-ahead stop reads (K candidates drafted past a row's stop)"
     if len({lay.device for lay in stack.layers} | {stack.head_device}) > 1:
         return "the model spans several devices (device_map)"
+    return None
+
+
+def choose_graphs(stack: LayerStack, setting: str, method, max_new_tokens: int, cache_len: int, batch: int,
+                  backend: str = "inductor", capture: bool | None = None, runner: type | None = None
+                  ) -> tuple[compiled.Graphs | None, dict]:
+    """A batch's graph-captured steps for `setting` (compiled.choose's rules: CUDA graphs per (B, width bucket) on
+    CUDA, fused or not; compiled under `on` elsewhere), made, checked row by row (check_rows) and returned — not
+    installed on the stack — with what the setup line records; None: RowSteps' eager steps. cache_len: the longest
+    sequence a row reaches."""
+    return compiled.pick(stack, setting, method, max_new_tokens, cache_len, backend, capture, runner, batch,
+                         check_rows)
+
+
+@torch.inference_mode()
+def check_rows(stack: LayerStack, graphs: compiled.Graphs, method, tokens: int = 16) -> str | None:
+    """compiled.check for a batch's graphs: B rows of random prompts of different lengths decoded together on them,
+    greedy, each row held to `generate` on its prompt by the same rule (None: lossless; else what departed)."""
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, stack.vocab_size, (4 + 3 * (b % 4),), generator=generator).tolist()
+               for b in range(graphs.batch)]  # of different lengths, all within the smallest cache the graphs take
+    batch = Lockstep(stack, graphs.batch, Sampling(), set(), cache_len=graphs.cache.max_len - 1, graphs=graphs)
+    outputs: dict = {}
+
+    def decode(slot, i):
+        outputs[i] = (yield slot.generate(prompts[i], copy.deepcopy(method), tokens, 0)).output_ids
+
+    batch.run(range(len(prompts)), decode)
+    for i, prompt in enumerate(prompts):
+        reference, gaps = compiled.generate_reference(stack.model, prompt, tokens)
+        verdict = compare(outputs[i], reference, gaps if is_half(stack.dtype) else None)
+        if verdict.kind not in ("equal", "near_tie"):
+            return (f"row {i} of a batch on the graphs departs from generate's at token {verdict.position}: "
+                    f"{outputs[i]} vs {reference}")
     return None
 
 
