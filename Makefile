@@ -14,7 +14,7 @@ export HF_DATASETS_OFFLINE ?= 1
 export TRANSFORMERS_NO_ADVISORY_WARNINGS ?= 1
 
 .DEFAULT_GOAL := help
-.PHONY: help setup constraints bench bench-gpu gpu-wheels gpu-check demo test lint tables figures bench-peer bench-profile bench-parts bench-engine bench-compile bench-controller bench-memory bench-del bench-testbed bench-swift bench-adapters bench-half-lossless bench-sandbox bench-batch exits smoke-tasks testbed clean
+.PHONY: help setup constraints reference bench bench-gpu bench-synthetic gpu-wheels gpu-check demo test lint tables figures bench-peer bench-profile bench-parts bench-engine bench-compile bench-controller bench-memory bench-del bench-testbed bench-swift bench-adapters bench-half-lossless bench-sandbox bench-batch exits smoke-tasks testbed clean
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -64,6 +64,9 @@ tables: setup ## Tables 1-6 (Markdown + LaTeX) from the reference records (resul
 figures: setup ## the paper's figures from the reference records → results/figures (PNG + PDF)
 	$(PY) -m del_bench report --figures-only
 
+reference: setup ## re-measure the committed reference (every experiment the tables and figures read, both local models, the README's benches) into results/reference from a clean tree; resumable, busy/unsteady/§ runs re-measured (hours) — then make tables figures
+	$(PY) scripts/reference.py
+
 bench: setup ## list the benchmarks (python -m del_bench bench NAME --help: a bench's options; the bench-* targets run them)
 	$(PY) -m del_bench bench
 
@@ -90,6 +93,12 @@ gpu-wheels: ## on a networked machine: the wheels a CUDA image lacks (constraint
 
 gpu-check: $(if $(DRY),setup) ## on a GPU node: .gpu-whl installed, then CUDA tests, bench gpu on synthetic-llama2-7b (eager / graphs / fused graphs), a cold prompt profiled, half-lossless (≤ 8 min; DRY=1: tiny, on this CPU, in .venv)
 	$(GPU_PYTHON) scripts/gpu_node.py check $(GPU_CHECK_OUT) $(if $(DRY),--dry-run)
+
+bench-synthetic: setup ## LS on synthetic-smollm2 at agreement 0.6 and 0.9 on this CPU: acceptance vs agreement, speedup vs the memory-bound prediction, = Vanilla (~15 min) → $(RECORDS)/bench/synthetic_a*.json
+	for a in 0.6 0.9; do $(PY) -m del_bench bench gpu --model synthetic-smollm2 --device cpu --dtype float32 \
+	  --captured off --no-del --no-peers --prompts 8 --max-new-tokens 64 --configs 8:4 \
+	  --set model.agreement=$$a warmup=steady --root $(RECORDS)/bench/synthetic_a$${a}_runs \
+	  --out $(RECORDS)/bench/synthetic_a$${a}.json || exit 1; done
 
 bench-profile: setup ## what a cold prompt pays: a run's prompts one by one under torch.profiler, the first against the last (SET="model=testbed model.device=cuda …") → $(RECORDS)/bench/profile.json
 	$(PY) -m del_bench bench profile --out $(RECORDS)/bench/profile.json $(if $(SET),--set $(SET))

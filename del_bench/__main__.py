@@ -164,7 +164,17 @@ def format_table(summaries: list[dict], keys: list | None = None) -> str:
     records.overloaded), runs not timed at steady state (`~`, records.steady_state), batched runs' throughput over the
     batch, and runs that drafted nothing (why their α is '-'). A speedup carries its Vanilla partners' marks too."""
     import del_bench.bench.peers  # noqa: F401 -- peers' runs labelled as their classes say (records.method_entry)
-    from del_bench.records import PEER_MARK, PEER_NOTE, is_peer, run_key_of, vanilla_baseline, vanilla_partners
+    from del_bench.records import (
+        DRIFT_LIMIT,
+        PEER_MARK,
+        PEER_NOTE,
+        drifted,
+        is_peer,
+        machine_probe,
+        run_key_of,
+        vanilla_baseline,
+        vanilla_partners,
+    )
 
     keys = keys or [run_key_of(s) for s in summaries]
     labels, tag_notes = _show_labels(keys)
@@ -177,7 +187,9 @@ def format_table(summaries: list[dict], keys: list | None = None) -> str:
         base = vanilla_baseline(key, runs)
         loaded, unsteady = _busy(s), _unsteady(s)
         speedup = f"{s['tokens_per_s'] / base:.2f}x" if base and s["tokens_per_s"] else "n/a"
-        speedup += f"{_marks([s, *vanilla_partners(key, runs)]):<2}"  # either side busy or unsteady
+        partners = vanilla_partners(key, runs)
+        moved = drifted(machine_probe(s.get("setup") or []), [machine_probe(p.get("setup") or []) for p in partners])
+        speedup += f"{_marks([s, *partners]) + ('§' if moved else ''):<2}"  # either side busy or unsteady; drifted
         alpha = f"{s['acceptance_rate']:.2f}" if s["acceptance_rate"] is not None else "-"
         quality = " ".join(f"{k}={v:.3g}" for k, v in s.get("quality", {}).items() if not k.startswith("bleu_"))
         loop = s.get("provenance", {}).get("layer_path") or "eager"  # records from before the fused loop: eager
@@ -194,6 +206,10 @@ def format_table(summaries: list[dict], keys: list | None = None) -> str:
             notes.append(f"~ {label} on {s['model']}/{s['task']}: not timed at steady state — "
                          f"{_why_unsteady(unsteady)}; its speed and the speedups against it are not to be trusted "
                          "(rerun with warmup=steady).")
+        if moved:
+            notes.append(f"§ {label} on {s['model']}/{s['task']}: its speedup pairs two states of the machine — the "
+                         f"matrix products' probe (records.machine_probe) took more than {DRIFT_LIMIT:g}× as long in "
+                         "one as in the other; re-measure it together with its Vanilla.")
         if key.batch_size != 1 and s.get("throughput"):
             base = vanilla_baseline(key, runs, "throughput")
             versus = f", {s['throughput'] / base:.2f}x Vanilla's at B={key.batch_size}" if base else ""

@@ -298,8 +298,9 @@ class RunConfig:
     layers: Literal[LAYER_PATHS] = key("auto", "the decoder-layer loop (auto: fused where it matches eager here)")
     products: Literal[PRODUCT_SETTINGS] = key("auto", "the matrix products' layout (auto: the fastest timed at load)")
     # read from engine/compiled.py as the check runs: a choice added there is a choice here
-    compile: Literal[compiled.COMPILE_CHOICES] = key("auto", "graph-captured decode steps (auto: CUDA graphs on CUDA)",
-                                                     read=compile_setting)
+    compile: Literal[compiled.COMPILE_CHOICES] = key(
+        "auto", "graph-captured decode steps (on: inductor's fused kernels; graphs: the eager kernels, CUDA only; "
+        "auto: on CUDA the fused graphs, else the unfused, else none)", read=compile_setting)
     generation: Sampling | None = key(None)
     data_dir: str = key(MISSING, "offline task data (data=local); DEL_BENCH_DATA sets it")
     calibration: Calibration | None = key(None)

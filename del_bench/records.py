@@ -320,9 +320,11 @@ def drifted(probe: float | None, partner_probes: Iterable[float | None]) -> bool
 
 def machine_of(provenance: dict) -> str:
     """device/CPU (+ torch threads on CPU, which change speed as much as the hardware does; + the layer loop unless
-    eager, see SampleRecord.layer_path): the runs a speedup may pair must share it. The provenance holds no host
-    name, so two hosts of one CPU kind look alike."""
-    machine = f"{provenance.get('device', '?')}/{provenance.get('cpu', '?')}"
+    eager, see SampleRecord.layer_path): the runs a speedup may pair must share it. The CPU is its model as the kernel
+    names it where the records say (Intel Xeon …, AMD EPYC …; older records: the architecture), so an Intel and an AMD
+    host of one architecture do not pair; the provenance holds no host name, so two hosts of one CPU model look
+    alike (their `host_kind` says more)."""
+    machine = f"{provenance.get('device', '?')}/{provenance.get('cpu_model') or provenance.get('cpu', '?')}"
     threads = provenance.get("torch_threads")
     extra = [f"{threads} threads"] if provenance.get("device") == "cpu" and threads else []
     if provenance.get("layer_path") not in (None, "eager"):

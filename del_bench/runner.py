@@ -6,6 +6,7 @@ import copy
 import importlib.metadata
 import json
 import logging
+import os
 import platform
 import statistics
 import subprocess
@@ -530,7 +531,7 @@ def summarize(cfg: DictConfig, records: list[dict], rounds: list[dict], task) ->
         "quality": task.aggregate([{"sample_id": r["sample_id"], "repeat": r.get("repeat", 0), **r["scores"]}
                                    for r in records]),
         "config": OmegaConf.to_container(cfg, resolve=True),
-        "provenance": provenance(layer_path=layer_path_of(records)),
+        "provenance": provenance(layer_path=layer_path_of(records), device=cfg.model.get("device")),
         "load": load_summary(records),  # the machine's load around the timed samples (records.overloaded)
     }
 
@@ -555,16 +556,12 @@ def memory_summary(records: list[dict]) -> dict:
     }
 
 
-def provenance(layer_path: str | None = None) -> dict:
+def provenance(layer_path: str | None = None, device: str | None = None) -> dict:
+    """Where and from what a run was measured: the commit and whether the code differed from it (`git_dirty`:
+    tracked or untracked files outside results/ — records written there are data, not code), package versions, the
+    device the model ran on (`device`: the model config's; None, as loading chooses: CUDA where there is one), the CPU
+    as the kernel names it and the host's kind, torch's threads, the layer loop."""
     repo = Path(__file__).resolve().parent.parent
-
-    def git(*args):
-        try:
-            done = subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, timeout=10)
-        except (OSError, subprocess.SubprocessError):
-            return ""
-        return done.stdout.strip() if done.returncode == 0 else ""
-
     versions = {}
     for name in PACKAGES:
         try:
@@ -572,12 +569,68 @@ def provenance(layer_path: str | None = None) -> dict:
         except importlib.metadata.PackageNotFoundError:
             versions[name] = None
     return {
-        "git_commit": git("rev-parse", "--verify", "HEAD") or None,
-        "git_dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+        "git_commit": git(repo, "rev-parse", "--verify", "HEAD") or None,
+        "git_dirty": git_dirty(repo),
         "packages": versions,
         "python": platform.python_version(),
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "device": device_name(device),
         "cpu": platform.processor() or platform.machine(),
+        "cpu_model": cpu_model(),
+        "host_kind": host_kind(),
         "torch_threads": torch.get_num_threads(),
         **({"layer_path": layer_path} if layer_path else {}),
     }
+
+
+def git(repo: Path, *args) -> str:
+    """A git command's output in `repo` ("" where git fails or is missing)."""
+    try:
+        done = subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return done.stdout.strip() if done.returncode == 0 else ""
+
+
+def git_dirty(repo: Path) -> bool:
+    """Whether the code differs from the commit: any tracked file changed or untracked file added (ignored ones
+    aside), outside results/ — the records and tables written there are data, committed apart from code."""
+    return bool(git(repo, "status", "--porcelain", "--", ".", ":(exclude)results"))
+
+
+def device_name(device: str | None) -> str:
+    """The device a model on `device` runs on, by name: cpu, or the CUDA device's name (None: CUDA's where there is
+    one, as loading chooses)."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if not str(device).startswith("cuda") or not torch.cuda.is_available():
+        return "cpu" if not str(device).startswith("cuda") else str(device)
+    return torch.cuda.get_device_name(torch.device(device))
+
+
+def cpu_model() -> str | None:
+    """The CPU as the kernel names it (/proc/cpuinfo's model name: AMD EPYC …, Intel Xeon …), None where it says
+    nothing."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("model name", "Model")):
+                return line.split(":", 1)[1].strip() or None
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
+def host_kind() -> str:
+    """The kind of host, as the system says it: the DMI product name (a cloud VM's type, a board), else a virtual or
+    bare machine by the CPU's hypervisor flag — with its core count and kernel release (this VM: `virtual machine, 2
+    cores, kernel 6.18.44-fc-v669`), so a run on another kind of host is told apart from one on this."""
+    try:
+        product = Path("/sys/class/dmi/id/product_name").read_text().strip()
+    except OSError:
+        product = ""
+    if not product:
+        try:
+            virtual = " hypervisor" in Path("/proc/cpuinfo").read_text()
+        except OSError:
+            virtual = False
+        product = "virtual machine" if virtual else "machine"
+    return f"{product}, {os.cpu_count()} cores, kernel {platform.release()}"

@@ -1,7 +1,7 @@
 """Finished runs' tok/s prompt by prompt, in decode order, and the first timed prompt ÷ the median of the rest (far
 below 1: the untimed warm-up left decoding short of steady state).
 
-    python scripts/per_prompt.py RUN_DIR [RUN_DIR …] [--out FILE.json]      (make gpu-check's timing step)
+    python scripts/per_prompt.py RUN_DIR [RUN_DIR …] [--out FILE.json]      (any runs' per-prompt speeds)
 """
 
 from __future__ import annotations

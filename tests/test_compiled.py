@@ -270,6 +270,23 @@ def test_every_family_runs_on_the_graphs_like_generate(name):
         stack.compiled = None
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_every_family_on_inductors_steps_is_generate(name):
+    """compile=on on a CPU: inductor's C++ kernels (the fused steps a GPU captures are inductor's Triton ones), each
+    family's greedy decode with LS equal to `generate` in float64 (~20 s a family: the compile)."""
+    model = tiny_family(name)
+    stack = LayerStack(model)
+    method = LayerSkip(1, 2)
+    try:
+        info = compiled.choose(stack, "on", method, 12)
+        assert info["graph_kind"] == "compiled" and stack.compiled.functions.fused
+        prompt = PROMPTS[0]
+        assert decode(stack, prompt, method, 12) == hf_greedy(model, prompt, 12)
+    finally:
+        stack.compiled = None
+
+
 def test_half_precision_is_held_to_the_near_tie_rule():
     """bfloat16 on the CPU: the graphs attend a verification batch as one (the eager loop goes row by row for a decode
     step's bits), so their bits differ from every other kernel's; `check` accepts them because each greedy decode

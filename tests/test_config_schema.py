@@ -43,7 +43,7 @@ BAD = {
     "ls-gamma": ("method=ls method.gamma=0", "method.gamma=0: must be an integer ≥ 1 — "),
     "threads": ("threads=0", "threads=0: must be an integer ≥ 1, or null — "),
     "batch_size": ("batch_size=0", "batch_size=0: must be an integer ≥ 1 — "),
-    "compile": ("compile=maybe", "compile='maybe': must be one of off, auto, on — "),
+    "compile": ("compile=maybe", "compile='maybe': must be one of off, auto, on, graphs — "),
     "warmup": ("warmup=stedy", "warmup='stedy': must be one of auto, quick, steady, off — the untimed warm-up"),
     "limit": ("limit=-1", "limit=-1: must be an integer ≥ 1, or null — "),
     "max_new_tokens": ("max_new_tokens=0", "max_new_tokens=0: must be an integer ≥ 1 — "),
@@ -141,7 +141,7 @@ def test_a_key_its_config_leaves_out_is_added_with_a_plus(monkeypatch, capsys):
 def test_compile_choices_follow_the_compiled_steps(monkeypatch):
     """A choice engine/compiled.py adds is a choice of `compile` (no copy of the list here)."""
     cfg = compose_run("model=tiny-random", "compile=graphs2")
-    with pytest.raises(ConfigError, match="compile='graphs2': must be one of off, auto, on "):
+    with pytest.raises(ConfigError, match="compile='graphs2': must be one of off, auto, on, graphs "):
         validate(cfg)
     monkeypatch.setattr(compiled, "COMPILE_CHOICES", (*compiled.COMPILE_CHOICES, "graphs2"))
     validate(cfg)

@@ -164,6 +164,22 @@ def test_restricted_shadow_vocabulary_is_exact_where_it_can_be(stack_and_ref):
     assert (conf[scored] >= full_conf[scored] - 1e-12).all()
 
 
+def candidate_confidences(stack, sampling: Sampling, vocab: int | None) -> tuple[torch.Tensor, list[float]]:
+    """64 random pre-norm states [N, D], and the confidence DEL(shadow_vocab=vocab) reads for each as a draft
+    candidate at E = 1 (engine.draft_token)."""
+    torch.manual_seed(0)
+    states = torch.randn(64, stack.head_weight.shape[1], dtype=stack.dtype)
+    method = DEL(shadow_vocab=vocab)
+    method.start(stack.num_layers)
+    engine, rng = Engine(stack, sampling, set()), Draws(torch.Generator().manual_seed(0))
+    confidences = []
+    for h in states:
+        draft = Draft(exit_layer=1, exit_states=[h[None, None]])  # [1, 1, D]
+        engine.draft_token(draft, method, rng)
+        confidences.append(draft.confidences[-1])
+    return states, confidences
+
+
 @pytest.mark.parametrize("vocab", [None, 50])
 @pytest.mark.parametrize("sampling", [Sampling(), Sampling(do_sample=True)], ids=["greedy", "sampling"])
 def test_a_draft_candidates_confidence_is_scored_as_the_shadow_statistics_are(stack_and_ref, vocab, sampling):
@@ -173,20 +189,61 @@ def test_a_draft_candidates_confidence_is_scored_as_the_shadow_statistics_are(st
     token (a matched position) — not over the whole vocabulary, which K = 50 of 259 puts far below τ. Without K both
     are the whole vocabulary's top probability (DEL as published: unchanged)."""
     stack = stack_and_ref[0]
-    torch.manual_seed(0)
-    states = torch.randn(64, stack.head_weight.shape[1], dtype=stack.dtype)  # [N, D] pre-norm states
-    method = DEL(shadow_vocab=vocab)
-    method.start(stack.num_layers)
-    engine, rng = Engine(stack, sampling, set()), Draws(torch.Generator().manual_seed(0))
-    confidences = []
-    for h in states:
-        draft = Draft(exit_layer=1, exit_states=[h[None, None]])  # [1, 1, D]
-        engine.draft_token(draft, method, rng)
-        confidences.append(draft.confidences[-1])
+    states, confidences = candidate_confidences(stack, sampling, vocab)
     tokens, _ = stack.shadow_tokens(states)  # [N] each row's argmax over the whole vocabulary
     assert (tokens < 50).sum() > 5 and (tokens >= 50).sum() > 5  # candidates inside and outside the first K ids
     _, expected = stack.shadow_tokens(states, tokens, vocab)  # [N] the statistics' confidence were each row matched
     assert confidences == pytest.approx(expected.tolist(), rel=1e-12, abs=0)
+
+
+WARPED = Sampling(do_sample=True, temperature=0.5, top_p=0.8)  # warping that moves every top probability
+
+
+@pytest.mark.parametrize("vocab", [None, 50])
+def test_under_sampling_a_draft_candidates_confidence_is_read_from_the_warped_distribution(stack_and_ref, vocab):
+    """As in the authors' code (DEL_speculation_generator.py:172, 183: the drafted token's probability under the
+    temperature/top-p warping it is sampled from; docs/design.md §3.5), a candidate's confidence comes from the warped
+    draft distribution q — its top probability, on τ's scale with shadow_vocab=K (top_confidence) — not from the raw
+    softmax. Temperature 0.5 and top-p 0.8 lift every top probability, so reading the raw one fails here."""
+    stack = stack_and_ref[0]
+    states, got = candidate_confidences(stack, WARPED, vocab)
+    warped, raw = [], []
+    for h in states:
+        logits = stack.exit_logits(h[None, None], 1)[0, -1]  # [V]
+        for probs, out in ((WARPED.probs(logits), warped), (logits.softmax(-1), raw)):
+            top, token = probs.max(-1)
+            scale = 1.0 if vocab is None else float(probs[:vocab].sum() + (top if token >= vocab else 0.0))
+            out.append(float(top) / scale)
+    assert got == pytest.approx(warped, rel=1e-12, abs=0)
+    assert np.mean(np.subtract(warped, raw)) > 0.05  # the two readings differ by far more than rounding
+
+
+def test_under_sampling_shadow_tokens_and_their_confidences_come_from_the_raw_logits(stack_and_ref):
+    """τ is a mean of shadow confidences; the authors' code scores shadow tokens greedily whatever the sampling
+    (DEL.py:190: decode_next_token with sample=False, llama_model_utils.py:122-127: argmax, softmax of the raw logits,
+    no temperature, no top-p). So do we: every window DEL observes while decoding with a warped sampler holds each
+    layer's raw argmax and its raw softmax probability — recomputed here from the window's states."""
+    stack, _, prompts, _ = stack_and_ref
+    seen = []
+
+    class Recording(DEL):
+        def update(self, shadow):
+            seen.append(shadow)
+            super().update(shadow)
+
+    engine = Engine(stack, WARPED, set())
+    for p in prompts:
+        engine.generate(p, Recording(), 24, seed=0)
+    assert len(seen) > len(prompts) and sum(s.tokens.shape[1] for s in seen) > 40  # prefill windows and rounds
+    lift = []
+    for s in seen:
+        for i, states in enumerate(s.states):  # [W, D] layer i + 1
+            logits = stack.exit_logits(states[None], i + 1)[0]  # [W, V]
+            raw = logits.softmax(-1).max(-1)
+            assert torch.equal(s.tokens[i], raw.indices)
+            assert s.confidence[i].tolist() == pytest.approx(raw.values.tolist(), rel=1e-9, abs=0)
+            lift += (WARPED.probs(logits).max(-1).values - raw.values).tolist()
+    assert np.mean(lift) > 0.05  # warped confidences would have failed the check above
 
 
 class CountingDEL(DEL):

@@ -234,8 +234,8 @@ def test_tables_mark_busy_runs_and_their_partners_and_the_report_can_leave_them_
               and r.model == "llama2-7b"}
     assert {"Vanilla ‡", "LS(E7-γ6) ‡", "DEL ‡"} <= set(table3)  # the partners of a busy Vanilla too
     assert "FS(E7-γ6)" in table3  # not run on GSM8K: its speedups stand
-    assert render.BUSY_NOTE in tables.to_markdown(tables.build_tables(load_runs([runs]))[2])
-    assert r"$\ddagger$" in tables.to_latex(tables.build_tables(load_runs([runs]))[2])
+    assert render.BUSY_NOTE in render.to_markdown(tables.build_tables(load_runs([runs]))[2])
+    assert r"$\ddagger$" in render.to_latex(tables.build_tables(load_runs([runs]))[2])
     kept = load_runs([runs], exclude_busy=True)
     assert len(kept) == len(load_runs([runs])) - 1
     ls = kept.query("model == 'llama2-7b' and task == 'gsm8k' and method == 'ls'")
@@ -373,10 +373,10 @@ def test_tables_mark_runs_not_at_steady_state_and_the_report_can_leave_them_out(
     table3 = tables.build_tables(load_runs([runs]))[2]
     labels = {r.label for r in table3.rows if r.source.startswith("ours") and r.model == "llama2-7b"}
     assert {"Vanilla ¶", "LS(E7-γ6) ¶", "DEL ¶"} <= labels and "FS(E7-γ6)" in labels  # partners too
-    assert render.UNSTEADY_NOTE in tables.to_markdown(table3) and render.BUSY_NOTE not in tables.to_markdown(table3)
+    assert render.UNSTEADY_NOTE in render.to_markdown(table3) and render.BUSY_NOTE not in render.to_markdown(table3)
     kept = load_runs([runs], exclude_unsteady=True)
     assert len(kept) == len(load_runs([runs])) - 1
-    assert r"\P{}" in tables.to_latex(table3)
+    assert r"\P{}" in render.to_latex(table3)
     assert write_report([runs], tmp_path / "t", None, exclude_unsteady=True)
     assert "¶" not in (tmp_path / "t" / "table3.md").read_text()
 
@@ -413,4 +413,4 @@ def test_tables_mark_a_speedup_paired_across_machine_states(tmp_path):
     table3 = tables.build_tables(load_runs([runs]))[2]
     labels = {r.label for r in table3.rows if r.source.startswith("ours") and r.model == "llama2-7b"}
     assert "LS(E7-γ6) §" in labels and "DEL" in labels and "Vanilla" in labels  # DEL: 1.25×, within the limit
-    assert render.DRIFT_NOTE in tables.to_markdown(table3) and r"\S{}" in tables.to_latex(table3)
+    assert render.DRIFT_NOTE in render.to_markdown(table3) and r"\S{}" in render.to_latex(table3)

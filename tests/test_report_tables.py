@@ -18,7 +18,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from del_bench.report import tables
+from del_bench.report import render, tables
 from del_bench.report.collect import aggregate, segment_speeds
 
 GOLDEN = Path(__file__).parent / "data" / "report_golden"
@@ -32,7 +32,7 @@ def built(df) -> dict[str, tables.Table]:
 
 @pytest.mark.parametrize("name", [f"table{i}" for i in range(1, 7)])
 def test_table_matches_golden(built, name):
-    text = tables.to_markdown(built[name])
+    text = render.to_markdown(built[name])
     path = GOLDEN / f"{name}.md"
     if UPDATE:
         path.write_text(text)
@@ -171,7 +171,7 @@ def test_best_and_second_are_marked_per_block(built):
 
 def test_latex_has_the_same_rows(built):
     for table in built.values():
-        tex = tables.to_latex(table)
+        tex = render.to_latex(table)
         assert tex.count(r" \\") == len(table.rows) + 1  # + the header
         assert "_" not in tex.replace(r"\_", "")
 
@@ -196,3 +196,20 @@ def test_rounds_of_the_records_sum_to_the_samples_tokens(runs_dir):
     for s in samples:
         assert sum(r["emitted"] for r in rounds if r["sample_id"] == s["sample_id"]) == s["generated_tokens"]
         assert sum(r["loaded_layers"] for r in rounds if r["sample_id"] == s["sample_id"]) == s["loaded_layers"]
+
+
+def test_the_gpu_table_is_the_bench_result_beside_the_papers_table1(tmp_path):
+    """report/gpu.py: each row of `make gpu-check`'s bench result as it recorded it, the paper's Table 1 LLaMA-2-7B
+    overall speed and speedup beside them; no file, no table."""
+    from del_bench.report import gpu
+
+    result = {"model": "synthetic-llama2-7b", "synthetic": {"agreement": 0.79, "exit_layer": 8},
+              "settings": {"prompts": 3, "max_new_tokens": 64}, "provenance": {"device": "NVIDIA H200"},
+              "rows": [{"row": "LS(E8-γ4) (fused graphs)", "tokens_per_s": 256.58, "speedup": 1.54, "etpl": 0.0506},
+                       {"row": "DEL (graphs)", "failure": "CompileUnavailable: …"}]}
+    path = tmp_path / "bench_gpu_7b.json"
+    assert gpu.write_gpu(tmp_path, path) == []
+    path.write_text(json.dumps(result))
+    md = (gpu.write_gpu(tmp_path / "out", path)[0]).read_text()
+    assert "| synthetic-llama2-7b | LS(E8-γ4) (fused graphs) | ours: NVIDIA H200, bf16 | 256.58 | 1.54 | 0.051 |" in md
+    assert "| llama2-7b | DEL | paper: 1× A100-40GB | 90.29 | 2.50 |" in md and "DEL (graphs)" not in md

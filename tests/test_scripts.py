@@ -62,7 +62,8 @@ NOT_HERE = {  # benches this file does not run, and why
 SCRIPTS = {"tag_experiments.py": ["smoke", "--records-root", "{tmp}/records"]}
 SCRIPTS_NOT_HERE = {"freeze_constraints.py": "writes constraints.txt from the environment",
                     "gpu_node.py": "tests/test_gpu_node.py (make gpu-check, make gpu-wheels)",
-                    "per_prompt.py": "tests/test_gpu_node.py (gpu-check's timing step)"}
+                    "per_prompt.py": "tests/test_gpu_node.py (finished runs' tok/s prompt by prompt)",
+                    "reference.py": "tests/test_reference.py (make reference: hours of decoding)"}
 
 
 def run_bench(name: str, tmp: Path) -> dict:
@@ -136,6 +137,12 @@ def test_bench_runs_on_the_tiny_model(name, tmp_path, capsys):
         rows = [r["row"] for r in result["models"][0]["rows"]]  # DEL's also with its statistics on acceptance
         assert [r["row"] for r in syncs] == [x for r in rows for x in (r, r + ON_ACCEPTANCE)[: 1 + r.startswith("DEL")]]
         assert all(r["total"] >= r["rounds"] > 0 for r in syncs) and "host syncs" in out
+    if name == "controller":  # the false-match figure printed is the sum of its per-layer counts (test_false_matches)
+        for twin, summary in result["vocab_matches"].items():
+            layers = summary["layers"]
+            false, positions = (sum(x[k] for x in layers) for k in ("false_matches", "positions"))
+            assert positions > 0 and f"{twin}: false matches" in out
+            assert f"{false} of {positions} layer-positions" in out and summary["missed_matches"] == 0
     if name in ("del", "peer"):
         check_recomputable(result["rows"], out)
         check_interleaved(result["rows"], limit=2)

@@ -28,7 +28,17 @@ from omegaconf import DictConfig, OmegaConf
 
 from del_bench.config import CONFIG_DIR, check_overrides, ls_grid, ls_setting, resolve_aliases
 from del_bench.models.layer_stack import seconds_of
-from del_bench.records import STEADY_SLOWDOWN, read_jsonl, run_key_of, unsteady, vanilla_baseline
+from del_bench.records import (
+    DRIFT_LIMIT,
+    STEADY_SLOWDOWN,
+    drifted,
+    machine_probe,
+    read_jsonl,
+    run_key_of,
+    unsteady,
+    vanilla_baseline,
+    vanilla_partners,
+)
 
 log = logging.getLogger(__name__)
 RESULTS = "results/runs/bench"  # where a bench writes by default (gitignored); make's RECORDS= moves it
@@ -194,9 +204,11 @@ def table(rows: list[Row]) -> list[dict]:
                     "out_dir": r.cfg.out_dir})
     keys = [run_key_of(r.summary) for r in rows]
     runs = list(zip(keys, out))
+    probes = {id(t): machine_probe(r.summary.get("setup") or []) for r, t in zip(rows, out)}
     for key, t in runs:
         for name, of in (("speedup", "tokens_per_s"), ("pooled_speedup", "pooled_tokens_per_s")):
             t[name] = _ratio(t[of], vanilla_baseline(key, runs, of))
+        t["drifted"] = drifted(probes[id(t)], [probes[id(p)] for p in vanilla_partners(key, runs)])
         t["measured_over_predicted"] = _ratio(t["speedup"], t["predicted_speedup"])
         t["pooled_measured_over_predicted"] = _ratio(t["pooled_speedup"], t["pooled_predicted_speedup"])
     return out
@@ -279,7 +291,8 @@ COLUMNS = {
 def print_table(rows: list[dict], columns: list, title: str = "") -> None:
     """rows under `columns` (names of COLUMNS, or (header, key, spec, width) tuples); text left, numbers right; a row
     timed on a busy machine (records.overloaded around some sample) marked * with a note, one not timed at steady
-    state (records.steady_state) ~ with a note."""
+    state (records.steady_state) ~ with a note, one whose speedup pairs two machine states (records.drifted) § with a
+    note."""
     rows = [{**r, "row": f"{r['row']} {marks}"} if (marks := _marks(r)) and "row" in r else r for r in rows]
     cols = [COLUMNS[c] if isinstance(c, str) else c for c in columns]
     cols = [(hd, k, spec, w if spec else max([w, *(len(str(r.get(k, ""))) for r in rows)])) for hd, k, spec, w in cols]
@@ -297,10 +310,13 @@ def print_table(rows: list[dict], columns: list, title: str = "") -> None:
               f"more than {STEADY_SLOWDOWN:g}× the median decode time per loaded layer of the samples after it "
               "(records.steady_state; the result file's first_slowdown and lead_slowdown); its speed and speedups are "
               "not to be trusted (rerun with --set warmup=steady)")
+    if any(r.get("drifted") for r in rows):
+        print(f"§ its speedup pairs two states of the machine: the matrix products' probe (records.machine_probe) took "
+              f"more than {DRIFT_LIMIT:g}× as long in it as in its Vanilla partners; re-measure them together")
 
 
 def _marks(row: dict) -> str:
-    return "*" * bool(row.get("busy_samples")) + "~" * bool(row.get("unsteady"))
+    return "*" * bool(row.get("busy_samples")) + "~" * bool(row.get("unsteady")) + "§" * bool(row.get("drifted"))
 
 
 def write_result(path: str | Path, bench: str, settings: dict, **payload) -> Path:

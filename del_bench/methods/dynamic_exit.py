@@ -17,6 +17,9 @@ Decisions where the paper, its Algorithm 1 and the authors' code differ (docs/de
 - Stopping (`dynamic_draft_exit`): stop when a candidate's confidence < τ_E; the candidate is dropped
   (Algorithm 1 breaks before appending it).
 - First round: from the prefill statistics (paper), not the authors' fixed E = 1, γ = 1.
+- Sampling, as the authors' code: shadow tokens and their confidences (so τ) from the raw logits' softmax, a draft
+  candidate's confidence from the warped (temperature/top-p) draft distribution q — its top probability, which the
+  drawn token does not move, as the stopping candidate is dropped (the authors read the drawn token's own and keep it).
 - 0/0: with no matched position yet the matched mean is taken as 1, with no mismatched one the
   mismatched mean as 0 (the extremes a confidence can take), so τ is always defined; S(n) = 0 gives α = 0.
 Beyond the paper (`cost_model: measured`): the TPL cost counts an LM-head row as h layers, h measured at

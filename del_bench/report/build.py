@@ -6,7 +6,8 @@
     cli(argv) -> exit code         argument handling for `python -m del_bench report`
     log_report(logger, roots, …)   the same tables and figures into one W&B run (`report … logger=wandb`)
 
-The Spec-Bench table (report/specbench.py) is written only where there are Spec-Bench runs.
+The Spec-Bench table (report/specbench.py) is written only where there are Spec-Bench runs; the GPU table
+(report/gpu.py: results/reference/gpu's bench beside the paper's Table 1) only with the committed tables.
 `report` alone reads the committed reference records (results/reference) and rewrites the committed
 results/tables and results/figures: on a fresh clone, byte for byte what is committed. `report DIRS…` reads
 your own runs (runs of no experiment included: you asked for them) and writes to results/runs/report/, so it
@@ -33,13 +34,17 @@ def write_report(roots: Iterable[str | Path] = DEFAULT_ROOTS, out_tables: str | 
     files of ours that these records no longer produce are removed from out_figures (see write_figures).
     exclude_busy: runs timed on an overloaded machine are left out (else they are marked ‡: collect, tables);
     exclude_unsteady: runs not timed at steady state (else marked ¶)."""
+    roots = list(roots)
     df = load_runs(roots, exclude_busy=exclude_busy, exclude_unsteady=exclude_unsteady)
     written = []
     if out_tables is not None:
+        from .gpu import write_gpu
         from .specbench import write_specbench
         from .tables import write_tables
         written += write_tables(df, out_tables, adhoc)
         written += write_specbench(df, out_tables, adhoc)  # only where there are Spec-Bench runs
+        if [str(r) for r in roots] == [str(r) for r in DEFAULT_ROOTS]:  # the reference build: its GPU figures too
+            written += write_gpu(out_tables)
     if out_figures is not None:
         from .figures import write_figures  # matplotlib only when figures are wanted
         written += write_figures(df, out_figures)

@@ -85,9 +85,10 @@ BUSY_NOTE = ("‡ = timed on a busy machine: other processes kept more CPUs busy
 
 
 UNSTEADY_MARK = " ¶"
-UNSTEADY_NOTE = ("¶ = not timed at steady state: a warm-up that did not converge, or a first timed sample slower than "
-                 f"{STEADY_SLOWDOWN:g}× the others' median per loaded layer, in the run or its Vanilla partner "
-                 "(records.steady_state); its speed or speedup is not to be trusted. `report --exclude-unsteady` "
+UNSTEADY_NOTE = ("¶ = not timed at steady state: a warm-up that did not converge, or one of the first two timed "
+                 f"samples slower than {STEADY_SLOWDOWN:g}× the later ones' median per loaded layer, in the run or its "
+                 "Vanilla partner (records.steady_state); its speed or speedup is not to be trusted. "
+                 "`report --exclude-unsteady` "
                  "leaves such runs out.")
 
 
@@ -187,3 +188,16 @@ def to_latex(table: Table) -> str:
               r"\caption{" + tex_escape(table.title + ". " + " ".join(notes(table))) + "}",
               r"\end{table}"]
     return "\n".join(lines) + "\n"
+
+
+def write_table(table: Table, out_dir) -> list:
+    """table.name + .md and .tex under out_dir (made if missing): the files written."""
+    from pathlib import Path
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for suffix, render in ((".md", to_markdown), (".tex", to_latex)):
+        written.append(out_dir / f"{table.name}{suffix}")
+        written[-1].write_text(render(table))
+    return written

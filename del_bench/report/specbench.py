@@ -31,7 +31,7 @@ from del_bench.specbench import GROUP_LABELS, GROUPS, in_group
 
 from . import tables
 from .collect import CONFIG_KEYS, read_jsonl
-from .render import Cell, Row, Table, disambiguate, mark_best, to_latex, to_markdown
+from .render import Cell, Row, Table, disambiguate, mark_best, write_table
 
 TASK = "specbench"
 COLUMN_GROUPS = [*GROUPS, "overall"]
@@ -161,13 +161,4 @@ def _notes(runs: pd.DataFrame, metrics: pd.DataFrame) -> list[str]:
 def write_specbench(df: pd.DataFrame, out_dir: str | Path = "results/tables", adhoc: bool = True) -> list[Path]:
     """specbench.md and specbench.tex when there are Spec-Bench runs; nothing (no empty file) otherwise."""
     table = specbench_table(df, adhoc)
-    if table is None:
-        return []
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    written = []
-    for suffix, render in ((".md", to_markdown), (".tex", to_latex)):
-        path = out_dir / f"specbench{suffix}"
-        path.write_text(render(table))
-        written.append(path)
-    return written
+    return [] if table is None else write_table(table, out_dir)

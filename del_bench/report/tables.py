@@ -44,8 +44,7 @@ from .render import (
     Table,
     disambiguate,
     mark_best,
-    to_latex,
-    to_markdown,
+    write_table,
 )
 
 PAPER_CSV = Path(__file__).with_name("paper_values.csv")
@@ -535,12 +534,4 @@ def build_tables(df: pd.DataFrame, adhoc: bool = True) -> list[Table]:
 
 def write_tables(df: pd.DataFrame, out_dir: str | Path = "results/tables", adhoc: bool = True) -> list[Path]:
     """tableN.md and tableN.tex for every table; returns the files written."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    written = []
-    for table in build_tables(df, adhoc):
-        for suffix, render in ((".md", to_markdown), (".tex", to_latex)):
-            path = out_dir / f"{table.name}{suffix}"
-            path.write_text(render(table))
-            written.append(path)
-    return written
+    return [path for table in build_tables(df, adhoc) for path in write_table(table, out_dir)]

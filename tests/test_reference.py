@@ -1,0 +1,53 @@
+"""scripts/reference.py (make reference) without decoding: its steps are the experiments the tables read on both
+local models and the README's benches, each a make target or experiment that exists; it refuses a dirty tree; the
+runs it cannot keep — busy, unsteady, drifted (with their Vanilla partners) — are the ones it re-measures."""
+
+from __future__ import annotations
+
+import re
+import runpy
+from pathlib import Path
+
+import pandas as pd
+
+from del_bench.records import RunKey
+
+REPO = Path(__file__).resolve().parent.parent
+reference = runpy.run_path(str(REPO / "scripts" / "reference.py"), run_name="reference")
+
+
+def test_the_steps_are_every_experiment_on_both_models_and_the_benches():
+    plan = reference["steps"]("results/reference", "python3")
+    names = [s.name for s in plan]
+    for model in reference["MODELS"]:
+        for name in reference["EXPERIMENTS"]:
+            assert f"{name}:{model}" in names
+            assert (REPO / "configs" / "experiment" / f"{name}.yaml").is_file()
+    assert names.index("fig1a_calibrate:testbed") < names.index("fig1a:testbed")  # fig1a reads the calibration
+    targets = set(re.findall(r"^([a-z-]+):", (REPO / "Makefile").read_text(), re.M))
+    assert {s.argv[1] for s in plan if s.benches} <= targets
+    assert all("records_root=results/reference" in s.argv for s in plan if not s.benches)
+
+
+def test_a_dirty_tree_is_refused(monkeypatch, capsys):
+    monkeypatch.setitem(reference["main"].__globals__, "git_dirty", lambda repo: True)
+    assert reference["main"]([]) == 2
+    assert "commit it first" in capsys.readouterr().err
+
+
+def _key(method: str, machine: str = "cpu/x") -> RunKey:
+    return RunKey(model="m", weights="", task="t", task_version="1", method=method, method_tag=method,
+                  hyperparameters={}, decoding="greedy", max_new_tokens=8, prompts="p", prompt_digest="d",
+                  machine=machine, batch_size=1, experiments=("table3_local",))
+
+
+def test_the_runs_not_kept_are_busy_unsteady_or_drifted_with_their_partners(monkeypatch):
+    rows = [  # run_dir, method, busy, unsteady, drifted
+        ("vanilla", "vanilla", 0, False, False), ("ls", "ls", 0, False, True), ("fs", "fs", 1, False, False),
+        ("dv", "dv", 0, True, False), ("del", "del", 0, False, False), ("other", "vanilla", 0, False, False)]
+    df = pd.DataFrame([{"run_dir": d, "method": m, "busy_samples": b, "unsteady": u, "drifted": dr, "model": "m",
+                        "experiments": ("table3_local",), "run_key": _key(m, "cpu/y" if d == "other" else "cpu/x")}
+                       for d, m, b, u, dr in rows])
+    monkeypatch.setitem(reference["bad_runs"].__globals__, "load_runs", lambda roots: df)
+    step = reference["Step"]("table3:m", [], "table3_local", "m")
+    assert reference["bad_runs"](Path("."), step) == ["dv", "fs", "ls", "vanilla"]  # ls drifted: its partner too
