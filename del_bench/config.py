@@ -368,13 +368,10 @@ def validate(cfg: DictConfig) -> None:
 
 
 def batch_problems(cfg: DictConfig) -> list[str]:
-    """batch_size above 1 (engine/batch.py): our engine decodes, on the stack's layer loop."""
+    """batch_size above 1 (engine/lockstep.py, engine/batch.py): our engine decodes."""
     if cfg.get("batch_size", 1) == 1:
         return []
     if getattr(get_class(cfg.method._target_), "decoder", None) is not None:
         return [f"method={cfg.method.name} is transformers' own decoding (a peer row), which decodes one prompt at a "
                 "time: use batch_size=1"]
-    if compile_setting(cfg.get("compile", "auto")) == "on":
-        return ["compile=on: the graph-captured steps serve batch size 1; a batched run decodes on the stack's layer "
-                "loop (compile=auto or off)"]
     return []

@@ -110,10 +110,13 @@ class SampleRecord:
     # seconds from the start of its generation to its first token (the prefill; at batch size B > 1 its waiting for
     # the batch too; a multi-turn sample: the first turn's). None in records from before it was kept
     ttft_s: float | None = None
-    # batch size B > 1 only (else None; engine/batch.py): {"size": B, "slot", "session" (the decoding session: the
-    # run's setup line), "start_s", "end_s" (when its generation began and ended, seconds after its session's batch
-    # began: its latency is wall_s, waiting for the batch included), "loaded_layers", "head_passes" (its share of the
-    # layers and head passes the batch loaded: a batched call's loads ÷ its rows; the shares sum to the batch's)}
+    # batch size B > 1 only (else None; engine/lockstep.py, engine/batch.py): {"size": B, "path" (lockstep | threads),
+    # "slot", "session" (the decoding session: the run's setup line), "start_s", "end_s" (when its generation began and
+    # ended, seconds after its session's batch began: its latency is wall_s, waiting for the batch included),
+    # "loaded_layers", "head_passes" (its share of the layers and head passes the batch loaded: a batched call's loads
+    # ÷ the rows running it; the shares sum to the batch's), "idle_layers" (sublayers computed in its slot for nothing,
+    # ½ each: idle, masked, in lockstep), "reads", "rounds" (its shares of the batch's host reads and rounds: a read
+    # carrying n rows' values 1/n each; a prefill its own)}
     batch: dict | None = None
 
     def as_dict(self) -> dict:
@@ -187,6 +190,23 @@ def throughput(samples: list[dict]) -> float | None:
             spans[("sample", s["sample_id"], s.get("repeat", 0))] = s["wall_s"]
     seconds = sum(spans.values())
     return tokens / seconds if tokens and seconds > 0 else None
+
+
+def host_reads(samples: list[dict], rounds: list[dict]) -> dict:
+    """The host reads (every counted transfer: del_bench/transfer.py) a run made, a round and a generated token: a
+    batched run's from its rows' shares of the batch's reads and rounds (SampleRecord.batch: a read carrying n rows'
+    values counts 1/n in each), one prompt at a time from its rounds' host_syncs; a prefill counts as a round (round
+    0). None where records from before them lack them."""
+    tokens = sum(s["generated_tokens"] for s in samples)
+    batched = [s["batch"] for s in samples if s.get("batch")]
+    if batched and all("reads" in b for b in batched):
+        reads, count = sum(b["reads"] for b in batched), sum(b["rounds"] for b in batched)
+    elif not batched and rounds:
+        reads, count = sum(r.get("host_syncs", 0) for r in rounds), len(rounds)
+    else:
+        return {"host_reads_per_round": None, "host_reads_per_token": None}
+    return {"host_reads_per_round": reads / count if count else None,
+            "host_reads_per_token": reads / tokens if tokens else None}
 
 
 def batch_etpl(samples: list[dict]) -> float | None:

@@ -24,8 +24,10 @@ from tqdm import tqdm
 
 from del_bench import memory, session, tracking
 from del_bench.config import validate
+from del_bench.engine import lockstep
 from del_bench.engine.batch import Batch
 from del_bench.engine.compiled import GRAPH_KINDS
+from del_bench.engine.decode import Request, served
 from del_bench.machine_load import LoadProbe
 from del_bench.models import exit_adapters
 from del_bench.records import (
@@ -33,6 +35,7 @@ from del_bench.records import (
     RunKey,
     SampleRecord,
     batch_etpl,
+    host_reads,
     key_of,
     load_summary,
     machine_of,
@@ -137,7 +140,7 @@ def decode_all(cfg, todo, task, method, run_dir: RunDir, load=None) -> None:
     weights = memory.model_bytes(loaded.model)
     for sample, repeat in tqdm(todo, desc=f"{cfg.method.tag} on {cfg.task.name}", unit="sample"):
         decode = decode_one if sample.turns is None else decode_turns
-        record, rounds = decode(cfg, engine, ready.tokenizer, task, method, sample, repeat, loaded)
+        record, rounds = served(decode(cfg, ready.tokenizer, task, method, sample, repeat, loaded), engine)
         record.model_bytes, record.kv_cache_bytes = weights, memory.cache_bytes(engine.cache)
         # the compiled steps round otherwise than either loop (tokens equal where checked), and each kind of graph runs
         # at its own speed: kept apart like the loops (+compiled, +graphs, +fused_graphs); a peer never runs them (an
@@ -150,38 +153,39 @@ def decode_all(cfg, todo, task, method, run_dir: RunDir, load=None) -> None:
 
 
 def decode_batched(cfg, todo, ready: session.Session, run_dir: RunDir) -> None:
-    """decode_all at batch_size B > 1 (engine/batch.py): B rows decode together, each with its own copy of the method
-    (what a method carries across prompts is per slot), a slot taking the next (sample, repeat) as soon as its last
-    one ends; each sample's records are appended as it finishes, so an interrupted run resumes without losing or
-    repeating any. Peak memory is the batch's (one reset for the whole batch), each record holding it up to its end."""
+    """decode_all at batch_size B > 1: B rows decode together — in lockstep, as tensors (engine/lockstep.py), or for a
+    method lockstep does not serve on the thread scheduler (engine/batch.py; the setup line says which and why) —
+    each with its own copy of the method (what a method carries across prompts is per slot), a slot taking the next
+    (sample, repeat) as soon as its last one ends; each sample's records are appended as it finishes, so an
+    interrupted run resumes without losing or repeating any. Peak memory is the batch's (one reset for the whole
+    batch), each record holding it up to its end."""
     B, tokenizer, task, method, loaded, stack = (int(cfg.batch_size), ready.tokenizer, ready.task, ready.method,
                                                   ready.loaded, ready.stack)
     cache_len = session.longest_sequence([s for s, _ in todo], task, tokenizer, int(cfg.max_new_tokens)) + 1
     wide = stack.tune_rows(B)  # the products' layouts at a batch's width (LayerStack.products_for), untimed
-    batch = Batch(stack, B, ready.sampling, ready.eos, ready.stop, cache_len=cache_len)
+    batch, path = batch_of(stack, B, method, ready, cache_len)
     methods = [copy.deepcopy(method) for _ in range(B)]
     finished = restore_slot_states(methods, run_dir)
     t0 = time.perf_counter()
-    if cfg.warmup_tokens:  # untimed, every slot at once (the batched shapes' first calls); throwaway method copies
-        first = todo[0][0]
-        warm = tokenizer(first.prompt if first.turns is None else task.render(first, []))["input_ids"]
-        batch.run(range(B), lambda row, _: row.engine.generate(warm, copy.deepcopy(method), cfg.warmup_tokens, 0))
+    warmup = batch_warm_up(cfg, batch, ready, [s for s, _ in todo])
     session_line = len(run_dir.setup())  # this session's line in setup.jsonl
-    run_dir.append_setup({**ready.setup, "warmup": {"mode": "quick" if cfg.warmup_tokens else "off"},
-                          "warmup_s": time.perf_counter() - t0, "samples_before": finished, "batch_size": B,
-                          "wide_products": wide.as_dict()})
+    run_dir.append_setup({**ready.setup, "warmup": warmup, "warmup_s": time.perf_counter() - t0,
+                          "samples_before": finished, "batch_size": B, "wide_products": wide.as_dict(), **path})
     weights = memory.model_bytes(loaded.model)
     progress = tqdm(total=len(todo), desc=f"{cfg.method.tag} on {cfg.task.name} (B={B})", unit="sample")
 
-    def decode_row(row, job) -> None:  # in the row's thread, one row at a time (engine/batch.py)
+    def decode_row(row, job):  # a job: it yields its generations' requests to its slot (engine/lockstep.py)
         nonlocal finished
         sample, repeat = job
         decode = decode_one if sample.turns is None else decode_turns
-        record, rounds = decode(cfg, row.engine, tokenizer, task, methods[row.slot], sample, repeat, loaded, peak)
+        record, rounds = yield from decode(cfg, tokenizer, task, methods[row.slot], sample, repeat, loaded, peak)
         record.model_bytes, record.kv_cache_bytes = weights, memory.cache_bytes(batch.cache)
-        record.layer_path = stack.layer_path
-        record.batch = {"size": B, "slot": row.slot, "session": session_line, "start_s": row.start_s,
-                        "end_s": batch.elapsed(), "loaded_layers": row.loaded_layers, "head_passes": row.head_passes}
+        record.layer_path = stack.layer_path + (f"+{GRAPH_KINDS[ready.graphs.kind]}" if ready.graphs else "")
+        reads, shared_rounds = row.tally(rounds)
+        record.batch = {"size": B, "path": path["batch_path"], "slot": row.slot, "session": session_line,
+                        "start_s": row.start_s, "end_s": batch.elapsed(), "loaded_layers": row.loaded_layers,
+                        "idle_layers": getattr(row, "idle_layers", 0.0), "head_passes": row.head_passes,
+                        "reads": reads, "rounds": shared_rounds}
         finished += 1
         states = [m.state() for m in methods]
         run_dir.write_method_state({"slots": states} if any(s is not None for s in states) else None, finished)
@@ -189,8 +193,73 @@ def decode_batched(cfg, todo, ready: session.Session, run_dir: RunDir) -> None:
         progress.update()
 
     with memory.PeakMemory(loaded.device) as peak:
-        batch.run(todo, decode_row)
+        stats = batch.run(todo, decode_row)
     progress.close()
+    log.info("batch of %d (%s): %d rounds, %d host reads, %.1f layers loaded, %.1f of them idle rows'", B,
+             path["batch_path"], stats.get("rounds", 0), stats.get("reads", 0), stats["loaded_layers"],
+             stats.get("idle_layers", 0.0))
+
+
+def batch_of(stack, size: int, method, ready: session.Session, cache_len: int):
+    """The batch that decodes a run's rows — lockstep (engine/lockstep.py) where it serves the method, else the thread
+    scheduler (engine/batch.py) — and what the setup line says of it: batch_path, and why not lockstep."""
+    why = lockstep.serves(method, stack)
+    if why is None:
+        batch = lockstep.Lockstep(stack, size, ready.sampling, ready.eos, ready.stop, cache_len=cache_len,
+                                  shadow_with_acceptance=ready.engine.shadow_with_acceptance, graphs=ready.graphs)
+        return batch, {"batch_path": "lockstep"}
+    log.info("batched rows on the thread scheduler: lockstep does not serve %s", why)
+    batch = Batch(stack, size, ready.sampling, ready.eos, ready.stop, cache_len=cache_len,
+                  shadow_with_acceptance=ready.engine.shadow_with_acceptance)
+    return batch, {"batch_path": "threads", "batch_reason": why}
+
+
+def batch_warm_up(cfg, batch, ready: session.Session, samples: list) -> dict:
+    """warm_up for a batch: its passes decode every slot at once, each a throwaway copy of the method under a forked
+    RNG (quick: warmup_tokens of the first prompt; steady: each slot prefills the longest prompt, then decodes the
+    shortest past its stops to the longest sequence, until two passes agree on the batch's ms per token)."""
+    mode = warmup_mode(cfg, ready.loaded.device)
+    if mode == "off" or not samples:
+        return {"mode": "off"}
+    method, task, tokenizer = ready.method, ready.task, ready.tokenizer
+    shortest, longest, reach = warmup_prompts(task, tokenizer, samples, cfg.max_new_tokens)
+
+    def decode(prompt, tokens):
+        def job(row, _):
+            yield row.generate(prompt, copy.deepcopy(method), tokens, 0)
+        return job
+
+    cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=cuda):
+        if mode == "quick":
+            first = samples[0]
+            warm = tokenizer(first.prompt if first.turns is None else task.render(first, []))["input_ids"]
+            batch.run(range(batch.size), decode(warm, cfg.warmup_tokens))
+            return {"mode": "quick"}
+        passes: list[float] = []
+        with batch_past_stops(batch):
+            while len(passes) < max(2, cfg.warmup_passes) and not converged(passes, cfg.warmup_tolerance):
+                batch.run(range(batch.size), decode(longest, 1))
+                tokens = max(1, reach - len(shortest))
+                stats = batch.run(range(batch.size), decode(shortest, tokens))
+                passes.append(1e3 * stats["wall_s"] / (tokens * batch.size))
+    return {"mode": "steady", "prompt_tokens": [len(shortest), len(longest)], "cache_length": reach,
+            "tolerance": cfg.warmup_tolerance, "ms_per_token": passes,
+            "converged": converged(passes, cfg.warmup_tolerance)}
+
+
+@contextmanager
+def batch_past_stops(batch):
+    """decoding_past_stops for every row of a batch."""
+    engines = [row.engine for row in batch.rows]
+    saved = [(e.eos_ids, e.stop) for e in engines]
+    for e in engines:
+        e.eos_ids, e.stop = set(), None
+    try:
+        yield batch
+    finally:
+        for e, (eos, stop) in zip(engines, saved):
+            e.eos_ids, e.stop = eos, stop
 
 
 def restore_slot_states(methods: list, run_dir: RunDir) -> int:
@@ -321,13 +390,13 @@ def peak_of(loaded, batch_peak: memory.PeakMemory | None):
     return memory.PeakMemory(loaded.device) if batch_peak is None else batch_peak.so_far()
 
 
-def decode_one(cfg, engine, tokenizer, task, method, sample, repeat, loaded,
-               batch_peak: memory.PeakMemory | None = None) -> tuple[SampleRecord, list[dict]]:
-    """A single-prompt sample: one generation, its record and its round lines."""
+def decode_one(cfg, tokenizer, task, method, sample, repeat, loaded, batch_peak: memory.PeakMemory | None = None):
+    """A single-prompt sample as a job: one generation (it yields its Request: decode.served runs it on one engine, a
+    batch on a slot), then → its record and its round lines."""
     prompt_ids = list(tokenizer(sample.prompt)["input_ids"])
     # memory reset/read and the load readings outside the engine's timed region
     with peak_of(loaded, batch_peak) as peak, LoadProbe() as probe:
-        gen = engine.generate(prompt_ids, method, cfg.max_new_tokens, sample_seed(cfg.seed, sample.id, repeat))
+        gen = yield Request(prompt_ids, method, cfg.max_new_tokens, sample_seed(cfg.seed, sample.id, repeat))
     text = tokenizer.decode(gen.output_ids, skip_special_tokens=True)
     record = sample_record(sample, repeat, prompt_ids, gen, text, task, loaded.num_layers)
     record.peak_memory_bytes, record.memory_measure, record.load = peak.bytes, peak.measure, probe.load
@@ -362,11 +431,11 @@ def score_pending(task, samples, run_dir: RunDir, info: dict, chunk: int = 64) -
         run_dir.set_scores({key_of(r): {"scores": sc, **info} for r, sc in zip(part, scores)})
 
 
-def decode_turns(cfg, engine, tokenizer, task, method, sample, repeat, loaded,
-                 batch_peak: memory.PeakMemory | None = None) -> tuple[SampleRecord, list[dict]]:
-    """A multi-turn sample: each turn a fresh generation over the whole conversation rendered by the task (the
-    model's own earlier answers in it), max_new_tokens per turn. The record's totals are sums over turns; its
-    `turns` keep each turn's tokens, time and rounds; each round line gets its `turn` (rounds restart at 0)."""
+def decode_turns(cfg, tokenizer, task, method, sample, repeat, loaded, batch_peak: memory.PeakMemory | None = None):
+    """A multi-turn sample as a job (decode_one): each turn a fresh generation over the whole conversation rendered by
+    the task (the model's own earlier answers in it), max_new_tokens per turn. The record's totals are sums over
+    turns; its `turns` keep each turn's tokens, time and rounds; each round line gets its `turn` (rounds restart at
+    0)."""
     history: list[tuple[str, str]] = []
     turns: list[dict] = []
     rounds: list[dict] = []
@@ -377,7 +446,7 @@ def decode_turns(cfg, engine, tokenizer, task, method, sample, repeat, loaded,
             prompt = task.render(sample, history)
             prompt_ids = list(tokenizer(prompt)["input_ids"])
             seed = sample_seed(cfg.seed, sample.id if t == 0 else f"{sample.id}#turn{t}", repeat)
-            gen = engine.generate(prompt_ids, method, cfg.max_new_tokens, seed)
+            gen = yield Request(prompt_ids, method, cfg.max_new_tokens, seed)
             ttft = gen.ttft_s if t == 0 else ttft
             text = tokenizer.decode(gen.output_ids, skip_special_tokens=True)
             turns.append({"turn": t, "user": user, "prompt": prompt, "prompt_ids": prompt_ids,
@@ -442,6 +511,9 @@ def summarize(cfg: DictConfig, records: list[dict], rounds: list[dict], task) ->
         "etpl": _mean(r["etpl"] for r in records),  # mean over samples (paper B.4)
         "throughput": throughput(records),  # all tokens ÷ the batch's wall seconds (records.throughput)
         "batch_etpl": batch_etpl(records),  # all tokens ÷ the layers the batch loaded (records.batch_etpl)
+        "latency_s": _mean(r["wall_s"] for r in records),  # a prompt's, waiting for its batch included
+        "ttft_s": _mean(r.get("ttft_s") for r in records),
+        **host_reads(records, rounds),  # the host reads the batch (or one prompt at a time) made
         "acceptance_rate": accepted / drafted if drafted else None,  # accepted drafts / drafted tokens
         "generated_tokens": sum(r["generated_tokens"] for r in records),
         "loaded_layers": sum(r["loaded_layers"] for r in records),

@@ -13,7 +13,8 @@ to a run's setup.jsonl):
 4. the engine: ours (`Engine`), or a peer's decoder where the method decodes by itself (bench/peers.py);
 5. measured costs for a method that wants them (`Method.wants_costs`): those `run_dir` holds, else measured here;
 6. the graph-captured steps (`compile`: auto | on | off, engine/compiled.py), made and checked here (CUDA graphs on a
-   cache long enough for the longest of `samples`' prompts + max_new_tokens).
+   cache long enough for the longest of `samples`' prompts + max_new_tokens); at batch_size B > 1 the batch's own,
+   per (B, width bucket), for lockstep (`graphs`).
 
 The warm-up is not part of it: the runner warms up before its timed samples, as a step of its own (runner.warm_up).
 Entry points: runner.decode_all (every run), bench-engine's host-sync rows, bench-controller's twins; calibration and
@@ -30,7 +31,7 @@ from typing import Callable
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from del_bench.engine import compiled
+from del_bench.engine import compiled, lockstep
 from del_bench.engine.decode import Engine
 from del_bench.engine.sampling import Sampling
 from del_bench.models import exit_adapters, loading
@@ -57,6 +58,7 @@ class Session:
     engine: object  # Engine, or a peer's decoder (bench/peers.py PeerDecoder)
     costs: dict | None = None  # the measured costs the method was given (None: it wants none)
     setup: dict = field(default_factory=dict)  # what the setup chose and the seconds it took (setup.jsonl's line)
+    graphs: object = None  # a batched run's graph-captured steps (engine/compiled.Graphs.rows), or None
 
     @property
     def tokenizer(self):
@@ -154,12 +156,13 @@ def build(cfg: DictConfig, load: Load | None = None, *, task=None, method=None, 
               else Engine(stack, sampling, eos, stop=stop, shadow_with_acceptance=shadow_with_acceptance))
     if not peer and method.wants_shadow:  # where DEL's statistics reach the host (engine/shadow.py)
         setup["shadow_with_acceptance"] = engine.shadow_with_acceptance
-    if int(cfg.get("batch_size", 1)) > 1:  # the graphs serve one prompt at a time; a stack shared with a bench's
+    graphs = None
+    reach = longest_sequence(samples, task, loaded.tokenizer, int(cfg.max_new_tokens)) + 1 if samples else 1024
+    if int(cfg.get("batch_size", 1)) > 1:  # a batch's own graphs (per (B, width)); a stack shared with a bench's
         stack.compiled = None  # batch-1 row may hold some
-        setup.update(compile=compiled.compile_setting(cfg.get("compile", "auto")), compiled=False,
-                     reason="batch_size > 1 decodes on the stack's layer loop")
+        graphs, chosen = batch_graphs(cfg, stack, method, reach)
+        setup.update(chosen)
     elif not peer:  # the graph-captured steps (compile: auto | on | off): made and checked here, untimed
-        reach = longest_sequence(samples, task, loaded.tokenizer, int(cfg.max_new_tokens)) + 1 if samples else 1024
         setup.update(compiled.choose(stack, cfg.get("compile", "auto"), method, int(cfg.max_new_tokens),
                                      cache_len=reach))
     t0 = time.perf_counter()  # after the graphs: the costs are timed on the path that decodes
@@ -167,7 +170,20 @@ def build(cfg: DictConfig, load: Load | None = None, *, task=None, method=None, 
     setup["costs_s"] = time.perf_counter() - t0
     if costs is not None:
         setup.update(costs_device=costs["device"], costs_measured=measured)
-    return Session(loaded, stack, task, method, sampling, eos, stop, engine, costs, setup)
+    return Session(loaded, stack, task, method, sampling, eos, stop, engine, costs, setup, graphs)
+
+
+def batch_graphs(cfg: DictConfig, stack: LayerStack, method, reach: int) -> tuple[compiled.Graphs | None, dict]:
+    """A batched run's graph-captured steps (lockstep.choose_graphs: per (B, width bucket)), or none: a
+    method the thread scheduler decodes runs the stack's loop (compile=on or graphs then: CompileUnavailable)."""
+    setting = compiled.compile_setting(cfg.get("compile", "auto"))
+    why = lockstep.serves(method, stack)
+    if why is None:
+        return lockstep.choose_graphs(stack, setting, method, int(cfg.max_new_tokens), reach, int(cfg.batch_size))
+    if setting in ("on", "graphs"):
+        raise compiled.CompileUnavailable(f"compile={setting}: a batch of this method runs on the thread scheduler "
+                                          f"(lockstep does not serve {why}), on the stack's layer loop")
+    return None, {"compile": setting, "compiled": False, "reason": "the thread scheduler runs the stack's loop"}
 
 
 def longest_sequence(samples, task, tokenizer, max_new_tokens: int) -> int:

@@ -10,6 +10,8 @@ round made — held in tests against an independent counter of the tensor reads 
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -19,13 +21,39 @@ import torch
 _counts = threading.local()
 
 
+class Ledger:
+    """One row's transfers in a batch that decodes its rows in one thread (engine/lockstep.py): every transfer made
+    while the ledger is charged (`charged`) counts in it too — a batch's one read a round counts once in each row
+    whose values it carried, so a row's Round.host_syncs are the transfers it took part in."""
+
+    def __init__(self):
+        self.count = 0
+        self.share = 0.0  # Σ over the transfers it took part in of 1 ÷ the rows each carried: the rows' shares sum to
+        # the batch's transfers
+
+
 def reads() -> int:
     """How many device → host reads this thread has made so far (a round's count: the difference around it)."""
     return getattr(_counts, "reads", 0)
 
 
+@contextmanager
+def charged(ledgers: Iterable[Ledger]) -> Iterator[None]:
+    """Transfers inside the block also count in each of these ledgers (the rows they carry values of)."""
+    before = getattr(_counts, "ledgers", ())
+    _counts.ledgers = (*before, *ledgers)
+    try:
+        yield
+    finally:
+        _counts.ledgers = before
+
+
 def _count() -> None:
     _counts.reads = reads() + 1
+    ledgers = getattr(_counts, "ledgers", ())
+    for ledger in ledgers:
+        ledger.count += 1
+        ledger.share += 1 / len(ledgers)
 
 
 def to_list(values: torch.Tensor) -> list:
@@ -45,3 +73,14 @@ def to_numpy(values: torch.Tensor) -> np.ndarray:
     """values (any device) → a NumPy array on the host: one counted transfer."""
     _count()
     return values.cpu().numpy()
+
+
+def upload(values: list, device: torch.device) -> torch.Tensor:
+    """A batched step's host-made inputs (positions, which rows run which layers: ints) → a long tensor on device,
+    without a sync: on CUDA copied from pinned memory, asynchronously (the copy queues behind the steps before it;
+    the allocator keeps the pinned block until it ran), on a CPU the host tensor itself. Not counted: nothing waits.
+    What the host decided and the device must know each step travels this way, once a step (engine/lockstep.py)."""
+    host = torch.tensor(values, dtype=torch.long)
+    if device.type != "cuda":
+        return host if device.type == "cpu" else host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)

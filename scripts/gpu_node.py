@@ -176,6 +176,18 @@ def steps(out: Path, python: str, dry: bool, runs: Path) -> list[Step]:
                                             "--out", str(out / "half_lossless_testbed.json")]],
              "every method on the fused CUDA graphs vs generate in bf16 on the testbed",
              results=["half_lossless_testbed.json"]),
+        # batched rounds as tensors (engine/lockstep.py) on the 7B shape: Vanilla at B = 8 against B = 1, LS at B = 8
+        # against the speedup its batch's loads predict; the batch's graphs captured per (B, width bucket)
+        Step("bench_batch_7b", 240, [[*bench, "batch", "--no-del", "--root", str(runs / "bench_batch_7b"),
+                                      "--out", str(out / "bench_batch_7b.json"),
+                                      *small(["--batch-sizes", "1,8", "--limit", "8", "--max-new-tokens", "64"],
+                                             ["--batch-sizes", "1,2", "--limit", "2", "--max-new-tokens", "4",
+                                              "--set", "warmup_tokens=2"]),
+                                      "--random", *synthetic_7b, *device, "--loop", "eager",
+                                      *small(["--configs", "8:4"], ["--prompt-len", "6", "--configs", "4:2",
+                                                                     *tiny_cpu])]],
+             "bench batch on synthetic-llama2-7b: Vanilla at B = 8 vs B = 1, LS at B = 8 measured ÷ predicted",
+             results=["bench_batch_7b.json"]),
     ]
 
 
@@ -285,6 +297,12 @@ def digest(out: Path, name: str) -> list[str]:
                          f", reads/round {fmt(r.get('host_reads_per_round'))}, = generate "
                          f"{r.get('equal_generate', '-')}{graphs}")
         return lines
+    if data.get("bench") == "batch":
+        return [f"{r['row']} B={r['batch_size']}: {fmt(r.get('throughput'))} tok/s, ×B=1 {fmt(r.get('scaling'))}, "
+                f"speedup {fmt(r.get('speedup'))} (pred. {fmt(r.get('predicted_speedup'))}, meas/pred "
+                f"{fmt(r.get('measured_over_predicted'))}), TTFT {fmt(r.get('ttft_s'))} s, reads/token "
+                f"{fmt(r.get('host_reads_per_token'))}, = Vanilla {r.get('equal_vanilla', '-')}"
+                for r in data["rows"]]
     if data.get("bench") == "profile":
         ms = " ".join(f"{p['ms_per_token']:.2f}" for p in data["prompts"])
         top = data["first_extra"][0] if data.get("first_extra") else None

@@ -1,10 +1,11 @@
-"""Batched decoding (batch_size = B > 1, del_bench/engine/batch.py) is lossless per row: at B = 4, with prompts of
-different lengths and answers of different lengths (budgets, an EOS), every method's rows each decode exactly what
-that prompt decodes alone — greedy tokens equal to its batch-1 output and to `generate`'s, sampled tokens equal to its
-batch-1 output under the same seed (float64), its rounds (plans, drafts, acceptance, loads, head rows, host reads) the
-same — and in half precision equal or first departing at a near-tie of the batch-1 run's logits. A row that leaks its
-positions, cache or logits into a neighbour fails these checks (the mutants below); the same batch decoded twice gives
-the same records; and the batch's loads are counted where they run."""
+"""Batched decoding (batch_size = B > 1: del_bench/engine/lockstep.py, and engine/batch.py's thread scheduler for the
+methods lockstep does not serve) is lossless per row: at B = 4, with prompts of different lengths and answers of
+different lengths (budgets, an EOS), every method's rows each decode exactly what that prompt decodes alone — greedy
+tokens equal to its batch-1 output and to `generate`'s, sampled tokens equal to its batch-1 output under the same seed
+(float64), its rounds (plans, drafts, confidences, acceptance, loads, head rows, host reads) the same — and in half
+precision equal or first departing at a near-tie of the batch-1 run's logits. A row that leaks its positions, cache or
+logits into a neighbour, or idles over its own positions, fails these checks (the mutants below); the same batch
+decoded twice gives the same records; and the batch's loads are counted where they run."""
 
 from __future__ import annotations
 
@@ -19,8 +20,11 @@ import torch
 from del_bench import runner, session
 from del_bench.__main__ import format_table
 from del_bench.bench.peers import peer_method
+from del_bench.engine import lockstep
 from del_bench.engine.batch import Batch
+from del_bench.engine.compiled import CompileUnavailable, RowSteps
 from del_bench.engine.decode import Engine
+from del_bench.engine.lockstep import Lockstep
 from del_bench.engine.sampling import Sampling
 from del_bench.errors import ConfigError
 from del_bench.models.layer_stack import LayerStack
@@ -52,6 +56,9 @@ CASES = {  # every method, in the configurations tests/test_counted.py drives on
 }
 GREEDY = Sampling()
 SAMPLING = Sampling(do_sample=True, temperature=1.2, top_p=0.95)
+THREADED = {"swift-tree", "adadecode"}  # the methods lockstep does not serve (lockstep.serves): the thread scheduler's
+# lockstep keeps a skipping draft's next input on the device: fewer host transfers a round than batch 1's re-upload
+FEWER_SYNCS = {"swift-search", "clasp", "knapspec"}
 
 
 def method(case: str):
@@ -75,23 +82,31 @@ def alone(stack, prompts, eos, m, sampling=GREEDY):
     return [engine.generate(p, copy.deepcopy(m), n, seed=i) for i, (p, n) in enumerate(zip(prompts, BUDGETS))]
 
 
+def batch_of(stack, m, sampling=GREEDY, eos=frozenset(), size=B):
+    """The batch a run would decode with: lockstep where it serves the method, else the thread scheduler."""
+    kind = Lockstep if lockstep.serves(m, stack) is None else Batch
+    return kind(stack, size, sampling, set(eos), cache_len=CACHE_LEN)
+
+
 def batched(stack, prompts, eos, m, sampling=GREEDY, budgets=BUDGETS):
     """The prompts decoded by a batch of B slots → (each prompt's Generation, the batch's counts, its rows'
     (slot, share of loaded layers) per prompt)."""
-    batch = Batch(stack, B, sampling, eos, cache_len=CACHE_LEN)
+    batch = batch_of(stack, m, sampling, eos)
     out, shares = {}, {}
 
-    def decode(row, i):
-        out[i] = row.engine.generate(prompts[i], copy.deepcopy(m), budgets[i], seed=i)
+    def decode(row, i):  # a job: it yields its request, and is sent its generation
+        out[i] = yield row.generate(prompts[i], copy.deepcopy(m), budgets[i], seed=i)
         shares[i] = (row.slot, row.loaded_layers)
 
     stats = batch.run(range(len(prompts)), decode)
     return [out[i] for i in range(len(prompts))], stats, [shares[i] for i in range(len(prompts))]
 
 
-def rounds_of(gen) -> list[dict]:
-    """A generation's rounds without their timings (what must be the same alone and in a batch)."""
-    return [{k: v for k, v in r.as_dict().items() if not k.endswith("_s")} for r in gen.rounds]
+def rounds_of(gen, syncs: bool = True) -> list[dict]:
+    """A generation's rounds without their timings (what must be the same alone and in a batch); syncs: with their
+    host transfers."""
+    return [{k: v for k, v in r.as_dict().items() if not k.endswith("_s") and (syncs or k != "host_syncs")}
+            for r in gen.rounds]
 
 
 def close(a, b) -> bool:
@@ -110,11 +125,14 @@ def close(a, b) -> bool:
 def test_every_row_greedy_is_its_batch1_output_and_generates(setup, case):
     stack, prompts, eos, refs = setup
     m = method(case)
+    assert (lockstep.serves(m, stack) is None) == (case not in THREADED)
     single = alone(stack, prompts, eos, m)
     gens, stats, shares = batched(stack, prompts, eos, m)
+    syncs = case not in FEWER_SYNCS
     for i, (one, gen) in enumerate(zip(single, gens)):
         assert gen.output_ids == one.output_ids == refs[i], f"prompt {i}"
-        assert close(rounds_of(gen), rounds_of(one)), f"prompt {i}: its rounds differ from batch 1's"
+        assert close(rounds_of(gen, syncs), rounds_of(one, syncs)), f"prompt {i}: its rounds differ from batch 1's"
+        assert all(a.host_syncs <= b.host_syncs for a, b in zip(gen.rounds, one.rounds))
     assert any(r.drafted for g in gens for r in g.rounds) or case == "vanilla"  # drafts happened (not vacuous)
     assert {slot for slot, _ in shares} == set(range(B))  # every slot decoded, two of them a second prompt
     # the batch loads each (sub)layer once for all its rows: fewer than the rows alone, the rows' shares its total
@@ -148,11 +166,11 @@ def test_half_precision_rows_follow_the_near_tie_rule_against_batch1(case):
 
 
 # ---- mutants: a row that leaks into a neighbour fails the checks above ------------------------------------------
-def _swap_first_two_positions(original):
-    def mutant(self, i, rows):
-        if len(rows) > 1:
-            rows[0].pos, rows[1].pos = rows[1].pos, rows[0].pos
-        return original(self, i, rows)
+def _swap_first_two_rows_positions(original):
+    def mutant(self, start, end, h, positions, *args, **kwargs):
+        if len(positions) > 1:
+            positions = [positions[1], positions[0], *positions[2:]]
+        return original(self, start, end, h, positions, *args, **kwargs)
     return mutant
 
 
@@ -163,26 +181,35 @@ def _one_cache_for_all(original):
 
 
 def _rotated_logits(original):
-    def mutant(self, group):
-        out = original(self, group)
-        return out[1:] + out[:1] if len(out) > 1 and all(o.shape == out[0].shape for o in out) else out
+    def mutant(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        return out[1:] + out[:1]
     return mutant
 
 
-@pytest.mark.parametrize("leak", ["positions", "cache", "logits"])
+def _scratch_among_held_slots(original):
+    def mutant(self, start, end, h, positions, live, held, *args, **kwargs):
+        return original(self, start, end, h, positions, live, 0, *args, **kwargs)  # idle rows overwrite what they hold
+    return mutant
+
+
+@pytest.mark.parametrize("leak", ["positions", "cache", "logits", "scratch"])
 def test_a_row_leaking_into_its_neighbour_fails_the_equality(setup, leak, monkeypatch):
     from del_bench.models.kv_cache import KVCache
 
-    cls, name, factory = {"positions": (LayerStack, "attention_rows", _swap_first_two_positions),
+    cls, name, factory = {"positions": (RowSteps, "run", _swap_first_two_rows_positions),
                           "cache": (KVCache, "row", _one_cache_for_all),
-                          "logits": (Batch, "_head_step", _rotated_logits)}[leak]
+                          "logits": (Lockstep, "head", _rotated_logits),
+                          "scratch": (RowSteps, "run", _scratch_among_held_slots)}[leak]
     stack, prompts, eos, refs = setup
+    m = method("del")  # rows at their own exit layers, idling above them and once their drafts end
+    single = alone(stack, prompts, eos, m)
     monkeypatch.setattr(cls, name, factory(getattr(cls, name)))
     try:
-        gens, _, _ = batched(stack, prompts, eos, method("ls"))
+        gens, _, _ = batched(stack, prompts, eos, m)
     except RuntimeError:  # a leaked position may also break a row's cache lengths: caught either way
         return
-    assert [g.output_ids for g in gens] != refs
+    assert [rounds_of(g) for g in gens] != [rounds_of(g) for g in single]
 
 
 def test_determinism_the_same_batched_run_twice_gives_the_same_records(run_cfg, tmp_path, monkeypatch):
@@ -223,11 +250,15 @@ def test_the_batch_loads_are_what_ran(setup, case):
 
 
 def test_vanilla_rows_in_lockstep_share_every_layer(setup):
-    """Four equal rows: each step runs a layer for all four, so the batch loads a quarter of what the rows claim."""
+    """Four equal rows: each round runs every layer for all four at once, so beyond their prefills (each row's own)
+    the batch loads a quarter of what the rows claim, one head pass and one host read a round for the four."""
     stack, prompts, _, _ = setup
+    L = stack.num_layers
     gens, stats, _ = batched(stack, [prompts[0]] * B, set(), method("vanilla"), budgets=[10] * B)
-    assert stats["loaded_layers"] * B == sum(g.loaded_layers for g in gens)
-    assert stats["head_passes"] * B == sum(g.head_calls for g in gens)
+    assert (stats["loaded_layers"] - B * L) * B == sum(g.loaded_layers for g in gens) - B * L
+    assert stats["head_passes"] * B == sum(g.head_calls for g in gens) - B  # the prefills' heads are each row's
+    assert stats["idle_layers"] == 0 and stats["rounds"] == 9
+    assert stats["reads"] == 9 + 2 * B  # one a round; a prefill's two each (its prompt up, its first token back)
 
 
 def test_continuous_batching_refills_a_slot_as_its_row_ends(setup):
@@ -254,8 +285,8 @@ def test_a_batched_run_refuses_what_decodes_one_prompt_at_a_time(run_cfg):
     cfg.method = peer_method("hf_generate")  # a peer row (del_bench/bench/peers.py): transformers decodes
     with pytest.raises(ConfigError, match="one prompt at a time"):
         runner.run(cfg)
-    with pytest.raises(ConfigError, match="compile=on"):
-        runner.run(run_cfg("method=vanilla", "batch_size=2", "compile=on"))
+    with pytest.raises(CompileUnavailable, match="thread scheduler"):  # SWIFT's tree: no graphs for its batch
+        runner.run(run_cfg("method=swift", "method.tree=true", "batch_size=2", "compile=on", "limit=2"))
 
 
 def test_a_batched_run_records_its_batch(tmp_path):
@@ -357,24 +388,71 @@ def test_records_from_before_batch_size_read_as_batch_1(run_cfg, tmp_path):
     assert RunKey.from_dict(old).pairs_with(RunKey.from_dict(summary["run_key"]))
 
 
-def test_an_error_in_a_row_stops_the_batch_and_reaches_the_caller(setup):
-    """A row whose job raises (mid-batch, its neighbours blocked on their calls): the batch unwinds every row's thread
-    and raises that error where it was run; the Batch then decodes again."""
+@pytest.mark.parametrize("kind", [Lockstep, Batch])
+def test_an_error_in_a_row_stops_the_batch_and_reaches_the_caller(setup, kind):
+    """A row whose job raises (mid-batch, its neighbours mid-generation): the batch closes every job (the thread
+    scheduler: unwinds every row's thread) and raises that error where it was run; the batch then decodes again."""
     stack, prompts, eos, refs = setup
-    batch = Batch(stack, B, GREEDY, eos, cache_len=CACHE_LEN)
+    batch = kind(stack, B, GREEDY, eos, cache_len=CACHE_LEN)
     vanilla = method("vanilla")
-    threads = threading.active_count()
+    threads, closed = threading.active_count(), []
 
     def decode(row, i):
-        gen = row.engine.generate(prompts[i], copy.deepcopy(vanilla), BUDGETS[i], seed=i)
+        try:
+            yield row.generate(prompts[i], copy.deepcopy(vanilla), BUDGETS[i], seed=i)
+        except GeneratorExit:
+            closed.append(i)
+            raise
         if i == 2:
             raise ValueError("row 2 failed")
-        return gen
 
     with pytest.raises(ValueError, match="row 2 failed"):
         batch.run(range(len(prompts)), decode)
     assert threading.active_count() == threads
+    assert kind is Batch or closed  # lockstep: the neighbours' jobs closed, their contexts exited
     out = {}
-    batch.run(range(2), lambda row, i: out.setdefault(i, row.engine.generate(prompts[i], copy.deepcopy(vanilla),
-                                                                             BUDGETS[i], seed=i).output_ids))
+
+    def again(row, i):
+        out[i] = (yield row.generate(prompts[i], copy.deepcopy(vanilla), BUDGETS[i], seed=i)).output_ids
+
+    batch.run(range(2), again)
     assert [out[0], out[1]] == refs[:2]
+
+
+def test_once_the_jobs_run_out_the_running_rows_move_down_and_steps_run_them_alone(setup, monkeypatch):
+    """Continuous batching's tail: a slot that empties with no job left is filled by the highest running row (its
+    cache row copied, its view re-pointed), so the running rows are always the first ones and each step on a CPU runs
+    over them alone — its rows' tokens and rounds unchanged, and no idle work beyond what the running rows idle."""
+    stack, prompts, eos, refs = setup
+    widths, run = [], RowSteps.run
+
+    def spy(self, start, end, h, positions, *args, **kwargs):
+        widths.append(h.shape[0])
+        return run(self, start, end, h, positions, *args, **kwargs)
+
+    monkeypatch.setattr(RowSteps, "run", spy)
+    gens, stats, _ = batched(stack, prompts, eos, method("vanilla"))
+    assert [g.output_ids for g in gens] == refs
+    assert widths[0] == B and widths[-1] == 1 and sorted(widths, reverse=True) == widths  # the tail shrinks
+    assert stats["idle_layers"] == 0  # Vanilla's running rows all run every layer: nothing idles
+
+
+def test_one_host_read_a_round_for_the_whole_batch_counted_independently(setup):
+    """The batch's host reads, counted by the independent counter (bench/syncs.py: every tensor read and transfer)
+    around a Vanilla batch of four rows: one a round for all of them, two a prefill (the prompt up, its first token
+    back) — what the batch's own count and its rows' shares (records.host_reads) say."""
+    from del_bench.bench.syncs import count_syncs
+
+    stack, prompts, eos, _ = setup
+    batch = batch_of(stack, method("vanilla"), GREEDY, eos)
+    shares = []
+
+    def decode(row, i):
+        yield row.generate(prompts[i], copy.deepcopy(method("vanilla")), BUDGETS[i], seed=i)
+        shares.append(row.tally([]))
+
+    with count_syncs() as counted:
+        stats = batch.run(range(len(prompts)), decode)
+    assert counted.total == stats["reads"] == stats["rounds"] + 2 * len(prompts)
+    assert math.isclose(sum(r for r, _ in shares), stats["reads"])
+    assert math.isclose(sum(n for _, n in shares), stats["rounds"] + len(prompts))

@@ -32,6 +32,10 @@ def test_bench_batch_runs_every_row_at_every_batch_size(tmp_path, capsys):
             assert r["batch_etpl"] == r["pooled_etpl"]
         else:  # each (sub)layer loaded once for the rows that ran it together
             assert r["batch_etpl"] > r["pooled_etpl"]
+        assert 0 < r["ttft_s"] <= r["latency_s"] and r["host_reads_per_round"] >= 1, r["row"]
     assert [r["speedup"] for r in rows if r["row"] == "Vanilla"] == [1.0]  # over itself: Vanilla at B = 2
+    # a batch's round reads once for all its rows: fewer host reads a token than one prompt at a time
+    reads = {r["row"]: r["host_reads_per_token"] for r in rows}
+    assert reads["Vanilla"] < reads["Vanilla (eager)"] and reads["LS(E1-γ2)"] < reads["LS(E1-γ2) (eager)"]
     table = capsys.readouterr().out
     assert "B=2" not in table and all(r["row"] in table for r in rows)

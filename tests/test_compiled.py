@@ -18,9 +18,10 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from del_bench import runner
 from del_bench.bench.syncs import count_syncs
 from del_bench.config import ConfigError, validate
-from del_bench.engine import compiled
+from del_bench.engine import compiled, lockstep
 from del_bench.engine.compiled import Graphs, StaticSteps, StepShapes, _CudaGraphs, bucket_of, static_mask
 from del_bench.engine.decode import Engine
+from del_bench.engine.lockstep import Lockstep
 from del_bench.engine.sampling import Sampling
 from del_bench.methods.clasp import CLaSp
 from del_bench.methods.dynamic_exit import DEL
@@ -31,7 +32,9 @@ from del_bench.methods.vanilla import Vanilla
 from del_bench.models.layer_stack import LayerStack
 from del_bench.numerics import compare
 from del_bench.records import cost_units
+from tests import test_batch
 from tests.conftest import tiny_model
+from tests.test_batch import BUDGETS, close, method, rounds_of
 from tests.test_families import FAMILIES, PROMPTS, hf_greedy, tiny_family
 
 # dynamo's whole-graph capture, run as captured: graph breaks and recompiles show here as under inductor, in a fraction
@@ -363,3 +366,52 @@ def test_a_run_with_compile_on_decodes_on_the_steps_and_says_so(run_cfg):
     assert setup["compiled"] is True and setup["compile_s"] > 0 and setup["graphs"] >= 3
     assert summary["provenance"]["layer_path"] == "eager+compiled"
     assert "eager+compiled layers" in summary["run_key"]["machine"]
+
+
+# ---- a batch's steps (engine/lockstep.py): graphs per (B, width bucket) --------------------------------------------
+@pytest.mark.parametrize("setting,kind", [("on", "fused_cuda_graphs"), ("graphs", "cuda_graphs")])
+@pytest.mark.parametrize("case", ["vanilla", "ls", "del", "clasp"])
+def test_the_cuda_graph_runner_replays_a_batchs_steps(case, setting, kind):
+    """Lockstep's batched path captured (replayed on the CPU, fused and unfused): B = 4 rows of prompts and answers of
+    different lengths, each row's tokens and rounds its batch-1 ones; every chain one replay of its (B, width) graph —
+    a Vanilla round is one replay for the whole batch — with no host read inside a step; nothing declined; the rows
+    decode in the cache the graphs were captured on."""
+    model, tok = tiny_model()
+    stack = LayerStack(model)
+    prompts = [tok(p)["input_ids"] for p in test_batch.PROMPTS]
+    m = method(case)
+    engine = Engine(stack, Sampling(), set())
+    alone = [engine.generate(p, copy.deepcopy(m), n, seed=i) for i, (p, n) in enumerate(zip(prompts, BUDGETS))]
+    graphs, info = lockstep.choose_graphs(stack, setting, m, max(BUDGETS), 80, 4, capture=True, runner=Replayed,
+                                        backend=CompileCounterWithBackend(BACKEND))
+    assert info["compiled"] and info["graph_kind"] == kind and graphs.cache.k[0].shape[0] == 4
+    batch = Lockstep(stack, 4, Sampling(), set(), cache_len=80, graphs=graphs)
+    out, steps = {}, []
+
+    def decode(slot, i):
+        out[i] = yield slot.generate(prompts[i], copy.deepcopy(m), BUDGETS[i], seed=i)
+
+    rows = graphs.rows
+    graphs.rows = lambda *a, **k: steps.append(rows(*a, **k)) or steps[-1]
+    before = Replayed.replays
+    stats = batch.run(range(len(prompts)), decode)
+    for i, one in enumerate(alone):
+        assert out[i].output_ids == one.output_ids
+        syncs = case != "clasp"  # a skipping draft's next input stays on the device in a batch
+        assert close(rounds_of(out[i], syncs), rounds_of(one, syncs))
+    assert Replayed.replays - before == len(steps) and None not in steps and not graphs.declined
+    if case == "vanilla":
+        assert len(steps) == stats["rounds"]
+    assert batch.cache is graphs.cache
+
+
+def test_a_batchs_graphs_are_the_chains_its_rounds_can_call(stack_and_prompt):
+    """DEL (its exit layer chosen per round, every layer's states kept): the drafts' chain to each exit layer (and to
+    L: a row with no draft) at width 1, the verification's from each exit layer at every width up to its budget's."""
+    stack, _ = stack_and_prompt
+    L = stack.num_layers
+    graphs = Graphs(stack, backend=CompileCounterWithBackend(BACKEND), capture=True, runner=Replayed, batch=2)
+    graphs.prepare_rows(StepShapes(None, 3, collects=True), 64)
+    widths = [b for b in compiled.BUCKETS if b <= 4]
+    assert graphs.graphs == L + (L - 1) * len(widths)
+    assert graphs.cache.k[0].shape[:3] == (2, stack.n_kv_heads, compiled.CACHE_QUANTUM)

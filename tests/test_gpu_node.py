@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from del_bench.bench import batch as bench_batch
 from del_bench.bench import gpu as bench_gpu
 from del_bench.bench import half_lossless
 from del_bench.bench import harness as h
@@ -31,7 +32,7 @@ if [ -n "$STUB_FAIL" ] && [[ "$*" == *"$STUB_FAIL"* ]]; then exit 3; fi
 if [ -n "$STUB_SLEEP" ] && [[ "$*" == *"$STUB_SLEEP"* ]]; then sleep 60 & echo $! > "$STUB_PID"; wait; fi
 exit 0
 """
-NON_CUDA = ["env", "bench_gpu_7b", "profile", "half_lossless_testbed"]
+NON_CUDA = ["env", "bench_gpu_7b", "profile", "half_lossless_testbed", "bench_batch_7b"]
 
 
 def gpu_node():
@@ -76,13 +77,13 @@ def test_a_failing_step_is_reported_and_the_others_still_run(tmp_path):
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     status = {name: r["status"] for name, r in summary["steps"].items()}
     assert status == {"wheels": "skipped", "env": "passed", "bench_gpu_7b": "passed", "pytest_cuda": "skipped",
-                      "profile": "failed", "half_lossless_testbed": "passed"}
+                      "profile": "failed", "half_lossless_testbed": "passed", "bench_batch_7b": "passed"}
     assert summary["not_passed"] == ["profile"]
     assert stdout.rstrip().endswith("==== not passed: profile")
     assert all((tmp_path / "out" / f"{name}.log").is_file() for name in NON_CUDA)
     # in order, every command of every step but the CUDA-only ones (a dry run), those after the failure too
     order = [calls.index(marker) for marker in ("missing", "bench gpu --model synthetic", "bench profile",
-                                                "half-lossless --model testbed")]
+                                                "half-lossless --model testbed", "bench batch --no-del")]
     assert order == sorted(order) and "-m pytest" not in calls
     assert f"--root {tmp_path / 'out' / 'runs'}" in calls  # run records apart from the result files
 
@@ -135,9 +136,15 @@ def test_every_steps_command_is_one_its_tool_accepts(tmp_path):
                     cfg = h.compose(*args.set)
                     assert cfg.model.get("device", "cpu") == ("cpu" if dry else "cuda")
                     continue
-                parse = {"gpu": bench_gpu.parse_args, "half-lossless": half_lossless.parse_args}[command[4]]
-                args = parse(command[5:])
-                synthetic_on_cpu = dry and command[4] == "gpu"  # a synthetic model in float32 on the CPU
+                if command[4] == "batch":  # its own options, then bench gpu's model's after --random
+                    args = bench_batch.parse(command[5:])
+                    assert args.batch_sizes == ("1,2" if dry else "1,8") and args.random
+                    args = bench_gpu.parse_args(args.random)
+                    assert args.model == ("synthetic-testbed" if dry else "synthetic-llama2-7b")
+                else:
+                    parse = {"gpu": bench_gpu.parse_args, "half-lossless": half_lossless.parse_args}[command[4]]
+                    args = parse(command[5:])
+                synthetic_on_cpu = dry and command[4] in ("gpu", "batch")  # a synthetic model in float32 on the CPU
                 assert args.device == ("cpu" if dry else "cuda")
                 assert args.dtype == ("float32" if synthetic_on_cpu else "bfloat16")
             elif command[1:4] == ["-m", "del_bench", "run"]:

@@ -201,3 +201,33 @@ def test_a_batchs_width_gets_the_layouts_timed_at_it():
         with stack.products_for(rows):
             assert stack.products is expected
     assert stack.products is not wide
+
+
+@pytest.mark.skipif(not products.onednn(torch.float32, torch.device("cpu")), reason="torch without oneDNN here")
+def test_onednn_blocked_copies_for_a_batchs_rows():
+    """float32 on a CPU: oneDNN's blocked copies are a candidate at a batch's width; where they win, tune_rows keeps the
+    winning shapes' copies (their bytes in packed_bytes) and drops the others' — and a product from them is x @ Wᵀ
+    to float32's rounding, with the residual joined."""
+    model, _ = tiny_model(torch.float32)
+    stack = LayerStack(model, products="auto")
+    w, x, r = stack.layers[0].w_gate_up, torch.randn(8, stack.layers[0].w_gate_up.shape[1]), None
+    products.pack([w])
+    try:
+        torch.testing.assert_close(products.product(x, w, products.ONEDNN), x @ w.t())
+        r = torch.randn(8, w.shape[0])
+        torch.testing.assert_close(products.product(x, w, products.ONEDNN, r), r + x @ w.t())
+    finally:
+        products.unpack([w])
+    assert products.packed(w) is None
+    own = choose("auto", torch.float32, fake_timer(MIXED, []))
+    wide = products.for_rows(own, torch.float32, lambda shape, layout, rows: 0.5 if layout == products.ONEDNN and
+                             shape == "gate_up" else 1.0, 8, packed=True)
+    assert {s: lay.many for s, lay in wide.layouts.items()}["gate_up"] == products.ONEDNN
+    assert not products.onednn(torch.float64, torch.device("cpu"))  # float64 (the tests' models): never a candidate
+    stack.tune_rows(8)  # timed for real: whichever won, the copies kept are exactly the winners'
+    for shape in products.SHAPES:
+        kept = [products.packed(m) is not None for m in products.matrices(stack, shape)]
+        assert all(kept) == (stack.wide_products[shape].many == products.ONEDNN) and len(set(kept)) == 1
+    assert stack.wide_products.packed_bytes == sum(m.numel() * 4 for shape in products.SHAPES
+                                                   for m in products.matrices(stack, shape)
+                                                   if stack.wide_products[shape].many == products.ONEDNN)

@@ -1,39 +1,46 @@
 """Batched decoding: throughput and speedup by batch size (1, 2, 4, 8) for Vanilla, LS and DEL, Vanilla beside each.
 
-Every row is a run with records at a batch size B (run.yaml batch_size; del_bench/engine/batch.py), after the
+Every row is a run with records at a batch size B (run.yaml batch_size; del_bench/engine/lockstep.py), after the
 runner's untimed warm-up. Rows take the prompts a chunk at a time — every row decodes prompts [kC, (k+1)C) before any
 decodes the next chunk, C = the largest batch size, so a batched row's slots fill and a shared machine's drift hits
 every row alike. Per row, from its records: throughput (all tokens ÷ the batch's wall seconds: records.throughput),
 its speedup over Vanilla at the same batch size, its scaling over the same method at batch size 1, the row speed
-(the mean over prompts of tokens ÷ a prompt's latency, waiting for the batch included), eTPL per prompt and per batch
-(tokens ÷ the layers the batch loaded: records.batch_etpl), α, and how many outputs equal Vanilla's at batch size 1
-(greedy: all of them, or batching broke losslessness).
+(the mean over prompts of tokens ÷ a prompt's latency, waiting for the batch included), a prompt's latency and time
+to its first token (means), the batch's host reads a round and a generated token (records.host_reads: a prefill
+counts as a round), eTPL per prompt and per batch (tokens ÷ the layers the batch loaded: records.batch_etpl), α, and
+how many outputs equal Vanilla's at batch size 1 (greedy: all of them, or batching broke losslessness); and the
+speedup the batch's loads predict where each step is bound by streaming its weights once for all its rows (a GPU's
+regime): its batch eTPL over its Vanilla's (`pred.`), and measured ÷ that (`meas/pred`).
 
 On this CPU: SmolLM2 on HumanEval and the LayerSkip testbed on its held-out code prompts, LS at each model's own
 (E, γ), DEL as run on a CPU (`--del-method del_cpu`). `--random [bench gpu's options …]` (the last option: what follows
-it goes to bench gpu's parser) runs bench gpu's random model instead — Llama-2-7B-shaped in bf16 on its --device by
-default, its random byte prompts — where batch size 1 runs twice: with the graph-captured steps (compile=auto: CUDA
-graphs on CUDA) and without (compile=off); batched rows decode on the layer loop.
+it goes to bench gpu's parser) runs bench gpu's model instead — its random Llama-2-7B-shaped one in bf16 on its
+--device by default, or its `--model` (synthetic-llama2-7b: the 7B shape whose early exits agree as a trained model's
+do; a model config), its random byte prompts (`--limit` of them, `--max-new-tokens` each) — where batch size 1 runs
+twice: with the graph-captured steps (compile=auto: CUDA
+graphs on CUDA) and without (compile=off); batched rows decode in lockstep on the batch's own graphs (compile=auto:
+captured per (B, width bucket) on CUDA).
 """
 
 from __future__ import annotations
 
 import argparse
-import random
-from pathlib import Path
 
 import torch
 
 from del_bench.bench import gpu
 from del_bench.bench import harness as h
-from del_bench.models.layer_stack import LayerStack
-from del_bench.models.loading import AnyIdTokenizer, Loaded
 from del_bench.records import run_key_of, vanilla_baseline
 
 TASKS = {"smollm2-135m": "humaneval", "testbed": "code"}
 COLUMNS = ["row", ("B", "batch_size", "d", 3), ("tok/s", "throughput", ".1f", 7), "speedup",
-           ("×B=1", "scaling", "x", 6), ("row tok/s", "tokens_per_s", ".1f", 9), "eTPL",
-           ("b.eTPL", "batch_etpl", ".3f", 6), "α", ("= Vanilla", "equal_vanilla", "", 9)]
+           ("×B=1", "scaling", "x", 6), ("row tok/s", "tokens_per_s", ".1f", 9), ("lat. s", "latency_s", ".2f", 6),
+           ("TTFT s", "ttft_s", ".3f", 6), ("reads/rd", "host_reads_per_round", ".2f", 8),
+           ("reads/tok", "host_reads_per_token", ".3f", 9), "eTPL", ("b.eTPL", "batch_etpl", ".3f", 6),
+           ("pred.", "predicted_speedup", ".2f", 5), ("meas/pred", "measured_over_predicted", ".2f", 9), "α",
+           ("= Vanilla", "equal_vanilla", "", 9)]
+SUMMARY = ("batch_size", "throughput", "batch_etpl", "latency_s", "ttft_s", "host_reads_per_round",
+           "host_reads_per_token")
 
 
 def parse(argv):
@@ -41,6 +48,7 @@ def parse(argv):
     ap.add_argument("--models", default="smollm2-135m,testbed", help="comma-separated models (this CPU)")
     ap.add_argument("--batch-sizes", default="1,2,4,8")
     ap.add_argument("--del-method", default="del_cpu", help="the DEL row's method config (del: the paper's)")
+    ap.add_argument("--no-del", action="store_true", help="leave out the DEL rows")
     ap.add_argument("--random", nargs=argparse.REMAINDER, default=None, metavar="GPU_ARGS",
                     help="bench gpu's random model instead of --models (its shape, dtype, device, prompts options)")
     return ap.parse_args(argv)
@@ -50,8 +58,9 @@ def batch_rows(args, row, ls: tuple[int, int], graphs: bool) -> list[h.Row]:
     """Vanilla, LS(E, γ) and DEL at each batch size; with `graphs`, batch size 1 also without the graph-captured
     steps (the rows at compile=auto and compile=off pair with their own Vanilla: RunKey.machine tells them apart)."""
     e, g = ls
-    methods = [("Vanilla", ["method=vanilla"]), (f"LS(E{e}-γ{g})", h.ls_args("ls", e, g)),
-               ("DEL", [f"method={args.del_method}"])]
+    methods = [("Vanilla", ["method=vanilla"]), (f"LS(E{e}-γ{g})", h.ls_args("ls", e, g))]
+    if not args.no_del:
+        methods.append(("DEL", [f"method={args.del_method}"]))
     rows = []
     for B in map(int, args.batch_sizes.split(",")):
         loops = [("graphs", "compile=auto"), ("eager", "compile=off")] if graphs and B == 1 else [("", "")]
@@ -72,13 +81,14 @@ def with_batch(rows: list[h.Row]) -> list[dict]:
     its scaling over the same method at batch size 1, batch eTPL, and outputs equal to Vanilla's at batch size 1."""
     table = h.table(rows)
     for r, t in zip(rows, table):
-        t.update(batch_size=r.summary["batch_size"], throughput=r.summary["throughput"],
-                 batch_etpl=r.summary["batch_etpl"], compile=r.cfg.get("compile"))
+        t.update({key: r.summary.get(key) for key in SUMMARY}, compile=r.cfg.get("compile"))
     runs = list(zip((run_key_of(r.summary) for r in rows), table))
     first = {(t["model"], t["method_tag"], t["compile"]): t for _, t in runs if t["batch_size"] == 1}
     reference = next(t["out_dir"] for _, t in runs if t["method"] == "vanilla" and t["batch_size"] == 1)
     for key, t in runs:
         t["speedup"] = ratio(t["throughput"], vanilla_baseline(key, runs, "throughput"))
+        t["predicted_speedup"] = ratio(t["batch_etpl"], vanilla_baseline(key, runs, "batch_etpl"))
+        t["measured_over_predicted"] = ratio(t["speedup"], t["predicted_speedup"])
         alone = first.get((t["model"], t["method_tag"], t["compile"]))
         t["scaling"] = ratio(t["throughput"], alone and alone["throughput"])
         t["equal_vanilla"] = "{}/{}".format(*h.outputs_equal(t["out_dir"], reference))
@@ -103,24 +113,21 @@ def cpu_rows(args) -> list[dict]:
 
 
 def random_rows(args) -> list[dict]:
-    """bench gpu's random model (its shape, dtype, device, prompt length; LS at its first --configs point)."""
-    shape = gpu.parse_args(args.random)
+    """bench gpu's model (random at its shape, synthetic, or a model config; its dtype, device and prompt length;
+    LS at its first --configs point), --limit random prompts of --max-new-tokens each."""
+    shape = gpu.parse_args([*args.random, "--prompts", str(args.limit), "--max-new-tokens", str(args.max_new_tokens)])
     device = torch.device(shape.device)
-    model = gpu.build_model(shape, device)
-    stack = LayerStack(model, layers=shape.loop)
-    loaded = (Loaded(model, AnyIdTokenizer(), shape.layers, str(device)), stack)
-    rng = random.Random(shape.seed)
-    words = [{"id": f"random-{i}", "prompt": "".join(chr(rng.randrange(33, 127)) for _ in range(shape.prompt_len - 1))}
-             for i in range(args.limit)]
-    base = [*gpu.model_overrides(shape), *h.prompts_task(Path(args.root) / "prompts.jsonl", words),
-            f"max_new_tokens={args.max_new_tokens}", f"layers={shape.loop}", f"threads={shape.threads}", *args.set]
-    print(f"{shape.layers} layers × {shape.hidden} ({shape.heads}/{shape.kv_heads} heads, {shape.intermediate} MLP, "
-          f"{shape.vocab} vocab), {shape.dtype} on {device}; our loop: {stack.layer_path}")
+    base, load, info = gpu.setup_model(shape, device)
+    stack = info["stack"]
+    print(f"{shape.model} at {stack.num_layers} layers × {stack.embed_weight.shape[1]}, {shape.dtype} on {device}; "
+          f"our loop: {stack.layer_path}")
 
     def row(label, *overrides, suffix=""):
-        return h.row(label, args.root, args.experiment, *base, *overrides, load=lambda: loaded, suffix=suffix)
+        return h.row(label, args.root, args.experiment, *base, *args.set, *overrides, load=load, suffix=suffix)
 
-    rows = batch_rows(args, row, h.grid_of(shape.configs, "tiny-random")[0], graphs=True)
+    grid = h.grid_of(shape.configs or (f"{max(1, stack.num_layers // 4)}:6" if shape.model == "random" else None),
+                     "tiny-random" if shape.model == "random" else shape.model, whole=False)
+    rows = batch_rows(args, row, grid[0], graphs=True)
     return with_batch(h.run_rows(rows, args.limit, step=max(map(int, args.batch_sizes.split(",")))))
 
 

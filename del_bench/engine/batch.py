@@ -1,4 +1,7 @@
-"""Batched decoding (`batch_size` = B > 1): B prompts decoded together, each by the unchanged Engine, lossless per row.
+"""The thread scheduler: batched decoding (`batch_size` = B > 1) for the methods lockstep (engine/lockstep.py, the
+tensor path every other method takes) does not serve — AdaDecode, SWIFT's token tree, DEL's look-ahead stop reads, a
+model over several devices (lockstep.serves says why) — B prompts decoded together, each by the unchanged Engine,
+lossless per row.
 
 Every row (a slot) runs `Engine.generate` — its rounds, methods, sampling, accounting, shadow scoring, all as at
 B = 1 — in a Python thread of its own, on a `RowStack`: the LayerStack as that row sees it. A RowStack hands every
@@ -29,7 +32,8 @@ step is one head pass; a row's share of the batch's loads (a step's load ÷ the 
 Each row keeps its own RNG stream (its generate's seed), its own Engine (its pending token, shadow scorer, host-read
 count: del_bench/transfer.py counts per thread) and decodes in its own view of one shared KV cache
 [B, KV, max_len, hd] (KVCache.row), which grows for a longer prompt (views re-pointed, contents kept). B = 1 never
-comes here: the runner decodes one prompt at a time without threads, exactly as before.
+comes here: the runner decodes one prompt at a time without threads, exactly as before. Jobs are the same
+generators of requests as lockstep's: each row's thread runs its job, decoding each request with its Engine.
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ from typing import Any
 
 import torch
 
-from del_bench.engine.decode import Engine
+from del_bench.engine.decode import Engine, Request, served
 from del_bench.engine.sampling import Sampling
 from del_bench.models.kv_cache import KVCache, TreeMask
 from del_bench.models.layer_stack import LayerStack, RaggedRow
@@ -112,6 +116,15 @@ class Row:
 
     def begin(self, now_s: float) -> None:
         self.start_s, self.loaded_layers, self.head_passes = now_s, 0.0, 0.0
+
+    @staticmethod
+    def tally(rounds: list[dict]) -> tuple[float, float]:
+        """Its job's host reads and rounds (a row of this scheduler reads alone: its rounds' own)."""
+        return sum(r["host_syncs"] for r in rounds), len(rounds)
+
+    def generate(self, prompt_ids: list[int], method, max_new_tokens: int, seed: int) -> Request:
+        """What a job yields to have its row decode a prompt (it is sent the Generation back)."""
+        return Request(prompt_ids, method, max_new_tokens, seed)
 
 
 class RowStack:
@@ -207,9 +220,10 @@ class Batch:
         return time.perf_counter() - self._t0
 
     # ---- running jobs ------------------------------------------------------------------------------------------
-    def run(self, jobs: Iterable, decode: Callable[[Row, Any], None]) -> dict:
-        """decode(row, job) for every job, in the rows' threads: a slot takes the next job as soon as its last one
-        ends (continuous batching). Returns the batch's counts: wall_s (first job's start to the last one's end),
+    def run(self, jobs: Iterable, decode: Callable[[Row, Any], Any]) -> dict:
+        """decode(row, job) — a job: a generator of Requests (engine/lockstep.py) — for every job, in the rows'
+        threads, each request decoded by the row's Engine: a slot takes the next job as soon as its last one ends
+        (continuous batching). Returns the batch's counts: wall_s (first job's start to the last one's end),
         loaded_layers (each sublayer step ½, whatever its rows), head_passes, steps."""
         self._jobs, self._decode = iter(jobs), decode
         self._error: BaseException | None = None
@@ -253,7 +267,7 @@ class Batch:
                 if job is None:
                     break
                 row.begin(time.perf_counter() - self._t0)
-                self._decode(row, job)
+                served(self._decode(row, job), row.engine)
         except _Aborted:
             pass
         except BaseException as err:  # the batch raises it in the caller's thread

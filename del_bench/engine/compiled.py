@@ -52,6 +52,7 @@ from del_bench.methods.base import LAYER_SKIPPING
 from del_bench.models.kv_cache import KVCache
 from del_bench.models.layer_stack import LayerStack
 from del_bench.numerics import compare, gap_ulps, is_half
+from del_bench.transfer import upload
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +81,19 @@ def static_mask(positions: torch.Tensor, max_len: int, window: int | None = None
     return seen if window is None else seen & (keys > query - window)
 
 
+def grouped_attention(q, k, v, bias, scale: float) -> torch.Tensor:
+    """SDPA's math as grouped matrix products: q [B, H, T, hd] over k, v [B, KV, S, hd] with an additive mask bias
+    [B, 1, T, S] (0 where a key is seen, −inf where not) → [B, H, T, hd]; query head h reads key head h // (H / KV),
+    as repeat_kv pairs them. On this CPU at 8 rows over a few hundred keys ~0.6 of SDPA's time (its kernel's fixed
+    cost per call dominates there); its rounding is its own, held to the token rule like every kernel of the steps."""
+    B, H, T, hd = q.shape
+    KV, S = k.shape[1], k.shape[2]
+    G = H // KV
+    scores = torch.matmul(q.reshape(B, KV, G * T, hd), k.transpose(-1, -2)) * scale  # [B, KV, G·T, S]
+    probs = (scores.view(B, KV, G, T, S) + bias[:, :, None]).softmax(-1)  # [B, KV, G, T, S]
+    return torch.matmul(probs.view(B, KV, G * T, S), v).view(B, H, T, hd)
+
+
 def bucket_of(width: int, buckets=BUCKETS) -> int | None:
     """The smallest bucket ≥ width, None when width exceeds them all."""
     return next((b for b in buckets if b >= width), None)
@@ -92,15 +106,23 @@ class StaticSteps:
     def __init__(self, stack: LayerStack):
         self.stack = stack
 
-    def attention(self, w, h, positions, cos, sin, k, v) -> torch.Tensor:
+    def attention(self, w, h, positions, cos, sin, k, v, mask=None, write=None) -> torch.Tensor:
         """h + attention(norm(h)) of the layer w: its new keys and values written at each row's positions into k, v
-        [B, KV, S, hd] (the layer's static cache), then the queries over the whole cache under static_mask."""
+        [B, KV, S, hd] (the layer's static cache), then the queries over the whole cache under static_mask (or
+        `mask`, made once for a chain). write [B, T]: the slots written where they are not the positions (a batch's
+        rows that idle in this layer write only a scratch slot, RowSteps)."""
         st = self.stack
         q, k_new, v_new = st.project_qkv(w, h, cos, sin)  # q [B, H, T, hd]; k_new, v_new [B, KV, T, hd]
-        index = positions[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])  # [B, KV, T, hd]
+        at = positions if write is None else write
+        index = at[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])  # [B, KV, T, hd]
         k.scatter_(2, index, k_new)
         v.scatter_(2, index, v_new)
-        attn = st.attend_static(w, q, k, v, static_mask(positions, k.shape[2], w.window))  # [B, H, T, hd]
+        if mask is None:
+            mask = static_mask(positions, k.shape[2], w.window)
+        if mask.dtype == torch.bool:
+            attn = st.attend_static(w, q, k, v, mask)  # [B, H, T, hd]
+        else:  # an additive mask: RowSteps' eager steps on a CPU
+            attn = grouped_attention(q, k, v, mask, st.scale)
         return st.attention_out(w, attn, h)
 
     def attention_at(self, w, h, positions, k, v) -> torch.Tensor:
@@ -123,6 +145,54 @@ class StaticSteps:
             h = self.layer(w, h, positions, k, v)
         return h
 
+    # ---- a batch's rows in lockstep (engine/lockstep.py): each row its own positions, and its own sublayers ------
+    def masked_layer(self, w, h, positions, cos, sin, k, v, mask, scratch: int, attn_live, mlp_live,
+                     states: list | None = None, sublayers: bool = False, runs: tuple[bool, bool] = (True, True)
+                     ) -> torch.Tensor:
+        """One layer for B rows of which only some run each sublayer: attn_live, mlp_live [B] bool (None: every row).
+        A row that idles keeps its state and writes its keys only into the scratch slot, which no row's mask reaches
+        (RowSteps): its own positions keep what its earlier passes wrote. Every row is computed (static shapes); an
+        idle row's result is dropped by a select, not by a branch. states: the output appended (with `sublayers`,
+        the attention's too). runs: whether any row runs the attention, the MLP (host-known: one no row runs is not
+        computed)."""
+        if runs[0]:
+            write = positions if attn_live is None else torch.where(attn_live[:, None], positions, scratch)  # [B, T]
+            out = self.attention(w, h, positions, cos, sin, k, v, mask, write)
+            h = out if attn_live is None else torch.where(attn_live[:, None, None], out, h)  # [B, T, D]
+        if sublayers:
+            states.append(h)
+        if runs[1]:
+            out = self.mlp(w, h)
+            h = out if mlp_live is None else torch.where(mlp_live[:, None, None], out, h)
+        if states is not None:
+            states.append(h)
+        return h
+
+    def rows_layer(self, w, h, positions, attn_live, mlp_live, k, v, scratch: int) -> torch.Tensor:
+        """masked_layer with its rotary tables and mask made inside (the unit a compiled batched chain repeats)."""
+        cos, sin = self.stack.rope_at(positions)
+        mask = static_mask(positions, k.shape[2], w.window)
+        return self.masked_layer(w, h, positions, cos, sin, k, v, mask, scratch, attn_live, mlp_live)
+
+    def rows(self, ws, h, positions, live, ks, vs, scratch: int, states: list | None = None,
+             sublayers: bool = False, runs: list[bool] | None = None, grouped: bool = False) -> torch.Tensor:
+        """Whole layers ws for B rows (h [B, T, D], positions [B, T]), each row running the sublayers live marks: per
+        sublayer (layer j's attention at 2j, its MLP at 2j + 1) a [B] bool, or None where every row runs it (live
+        None: every row runs every one). The rotary tables and masks are made once for the chain. runs: whether any
+        row runs each sublayer (host-known: one no row runs is not computed at all). grouped: attention as
+        grouped_attention (an additive mask), not the stack's attend_static."""
+        cos, sin = self.stack.rope_at(positions)
+        masks: dict = {}
+        for j, (w, k, v) in enumerate(zip(ws, ks, vs)):
+            if w.window not in masks:
+                seen = static_mask(positions, k.shape[2], w.window)  # [B, 1, T, S]
+                masks[w.window] = torch.zeros(seen.shape, dtype=h.dtype).masked_fill_(~seen, -torch.inf) \
+                    if grouped else seen
+            attn_live, mlp_live = (None, None) if live is None else (live[2 * j], live[2 * j + 1])
+            h = self.masked_layer(w, h, positions, cos, sin, k, v, masks[w.window], scratch, attn_live, mlp_live,
+                                  states, sublayers, (True, True) if runs is None else (runs[2 * j], runs[2 * j + 1]))
+        return h
+
 
 class StepFunctions:
     """What a runner calls for a step: StaticSteps' own functions (`backend` None: the eager kernels, op by op) or
@@ -138,6 +208,7 @@ class StepFunctions:
             return fn if backend is None else torch.compile(fn, fullgraph=True, dynamic=False, backend=backend)
 
         self.layer, self.attention, self.mlp = made(steps.layer), made(steps.attention_at), made(steps.mlp)
+        self.rows_layer = made(steps.rows_layer)
 
     @staticmethod
     def of(stack: LayerStack, backend=None) -> "StepFunctions":
@@ -170,6 +241,92 @@ class StepFunctions:
                 states.append(h)
         return h
 
+    def rows(self, ws, h, positions, live, ks, vs, scratch: int, states: list | None = None) -> torch.Tensor:
+        """A batch's chain (StaticSteps.rows; live [2n, B] bool). Unfused, the rotary tables and masks are made once
+        for the chain; fused, inside each layer's kernels (rows_layer: one compiled function per (B, width))."""
+        if not self.fused:
+            return self.steps.rows(ws, h, positions, live, ks, vs, scratch, states)
+        for j, (w, k, v) in enumerate(zip(ws, ks, vs)):
+            h = self.rows_layer(w, h, positions, live[2 * j], live[2 * j + 1], k, v, scratch)
+            if states is not None:
+                states.append(h)
+        return h
+
+
+ROW_QUANTUM = 64  # RowSteps' eager steps attend over the cache's slots up to the rows' furthest, rounded up to this
+
+
+class RowSteps:
+    """A batch's steps (engine/lockstep.py): B rows through whole layers [start, end) at once on the batch's cache
+    [B, KV, S, hd] (a row of it each), each row at its own positions and running its own sublayers — an early-exit
+    row only the layers up to its exit, a skipping draft only those its skip set keeps, a row with nothing to do
+    none — as one [B, T, D] step. A row's position −1 (no position: padding beyond its width, or a row that idles)
+    and a sublayer it idles in write the scratch slot, the cache's last, beyond every real position: never inside any
+    real query's mask, and overwritten before a real position reaches it (RowSteps sizes the cache one slot past the
+    longest sequence).
+
+    Run eagerly (StaticSteps' functions: on a CPU over the cache's slots up to the rows' furthest only, and a sublayer
+    no row runs not computed) or on `graphs` (engine/compiled.Graphs: captured per (B, width bucket) on CUDA, one
+    replay a chain; a call they cannot take runs eagerly). What the host decided — positions, which rows run which
+    sublayers — goes to the device in one upload a step, without a sync (transfer.upload)."""
+
+    def __init__(self, stack: LayerStack, cache: KVCache, graphs: "Graphs | None" = None):
+        self.stack, self.cache, self.graphs = stack, cache, graphs
+        self.steps = StaticSteps(stack)
+
+    def run(self, start: int, end: int, h: torch.Tensor, positions: list[list[int]], live: list[list[bool]] | None,
+            held: int, collect: str | None = None) -> tuple[torch.Tensor, list[torch.Tensor], list[bool], int]:
+        """h [m, T, D], the first m ≤ B rows of the batch (the running ones: Lockstep keeps them first), through
+        layers [start, end); positions: each row's T slots (−1: none); live: per sublayer (2(end − start), attention
+        then MLP of each layer) which of the m rows run it (None: all of them); held: the slots any row holds or
+        writes (the scratch slot lies beyond them all: an idle row must not overwrite its own earlier positions);
+        collect: "layers" (each layer's output [m, T, D]) or "sublayers" (each sublayer's). → (the output [m, T, D],
+        the states collected, which sublayers were computed, for how many rows: m eagerly, B on the graphs, whose
+        shapes are the batch's)."""
+        runs = [True] * (2 * (end - start)) if live is None else [any(row) for row in live]
+        B, m = self.cache.k[0].shape[0], h.shape[0]
+        if self.graphs is not None:
+            full = padded_rows(h, B)  # the rows beyond m: idle, their keys to the scratch slot
+            rows = None if live is None and m == B else [[*(row if live else [True] * m), *[False] * (B - m)]
+                                                           for row in (live or [None] * len(runs))]
+            out = self.graphs.rows(start, end, full, [*positions, *[[-1] * h.shape[1]] * (B - m)], rows, self.cache,
+                                   collect)
+            if out is not None:
+                return out[0][:m], [state[:m] for state in out[1]], [True] * len(runs), B
+        out, states = self._eager(start, end, h, positions, live, runs, held, collect)
+        return out, states, runs, m
+
+    def _eager(self, start, end, h, positions, live, runs, held: int, collect) -> tuple[torch.Tensor, list]:
+        B, T, _ = h.shape
+        reach = max(held, max(p for row in positions for p in row) + 1) + 1  # every slot in use, then the scratch
+        S = min(self.cache.max_len, -(-reach // ROW_QUANTUM) * ROW_QUANTUM)
+        scratch = S - 1
+        if S < reach:
+            raise RuntimeError(f"a batched step reaches slot {reach - 1} of a cache of {S}")
+        flat = [p if p >= 0 else scratch for row in positions for p in row]
+        bits = [] if live is None else [int(x) for row in live for x in row]
+        values = upload(flat + bits, h.device)  # one upload: positions [B·T], then live [2n·B]
+        at = values[: B * T].view(B, T)
+        rows = None
+        if live is not None:
+            flags = values[B * T :].view(len(live), B) != 0  # [2n, B]
+            rows = [None if all(row) else flags[i] for i, row in enumerate(live)]
+        ks = [k[:B, :, :S] for k in self.cache.k[start:end]]  # [B, KV, S, hd] views: its rows, the slots they reach
+        vs = [v[:B, :, :S] for v in self.cache.v[start:end]]
+        states: list[torch.Tensor] | None = [] if collect else None
+        with self.stack.products_for(B * T):
+            out = self.steps.rows(self.stack.layers[start:end], h, at, rows, ks, vs, scratch, states,
+                                  sublayers=collect == "sublayers", runs=runs, grouped=self.grouped)
+        return out, states or []
+
+    @property
+    def grouped(self) -> bool:
+        """Attention as grouped_attention: on a CPU, in float32/float64 (half precision keeps SDPA's rounding), for a
+        family whose attention is SDPA's (not Gemma 2's soft cap)."""
+        st = self.stack
+        return (st.head_device.type == "cpu" and not is_half(st.dtype)
+                and type(st).attend_static is LayerStack.attend_static)
+
 
 # a step: ("layers", start, end) — whole layers [start, end) — or ("attn", i) / ("mlp", i) — one sublayer
 Step = tuple
@@ -193,11 +350,12 @@ class Graphs:
     seconds spent making graphs, `graphs` counts them."""
 
     def __init__(self, stack: LayerStack, backend="inductor", capture: bool | None = None, buckets=BUCKETS,
-                 runner: type | None = None, fuse: bool = True):
+                 runner: type | None = None, fuse: bool = True, batch: int = 1):
         """capture: CUDA graphs (default: where the model is on CUDA), else torch.compile with `backend`. fuse: the
         captured kernels are torch.compile'd ones (without capture the steps are always compiled). runner: the class
-        that captures (tests replay the CUDA-graph runner's bookkeeping on a CPU)."""
-        self.stack = stack
+        that captures (tests replay the CUDA-graph runner's bookkeeping on a CPU). batch: B > 1, a batch's steps
+        (engine/lockstep.py: `rows`, on a cache of B rows), one graph per (step, width bucket) at that B."""
+        self.stack, self.batch = stack, batch
         self.steps = StaticSteps(stack)
         self.buckets = tuple(buckets)
         self.capture = stack.head_device.type == "cuda" if capture is None else capture
@@ -283,6 +441,34 @@ class Graphs:
     def _width(self, h: torch.Tensor) -> int | None:
         return bucket_of(h.shape[1], self.buckets)
 
+    def rows(self, start: int, end: int, h: torch.Tensor, positions: list[list[int]], live: list[list[bool]] | None,
+             cache: KVCache, collect: str | None) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
+        """RowSteps.run on the graphs: a batch's chain [start, end) as one graph of its (B, width bucket) — its
+        positions and which rows run which sublayers uploaded into the graph's buffers — or None where no graph takes
+        it (a width beyond the buckets, a chain keeping every sublayer's state, a shape not prepared, another
+        cache): RowSteps runs it eagerly. → (the output [B, T, D], each layer's output where collect asks)."""
+        width = self._width(h)
+        if width is None:
+            self._decline(f"steps wider than {self.buckets[-1]} positions", expected=True)
+            return None
+        if collect == "sublayers":
+            self._decline("a chain keeping every sublayer's state (a selection's)", expected=True)
+            return None
+        if not self.runner.takes(cache):
+            return None
+        step, collects = ("rows", start, end), collect is not None
+        made = (step, width, collects) in self.runner.made
+        if not made and self.frozen:
+            self._decline("steps of a shape not prepared", expected=True)
+            return None
+        t0 = time.perf_counter()
+        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+            out = self.runner.run_rows(step, h, positions, live, width, cache, collects)
+        if not made:
+            self.stack.synchronize()
+            self.compile_s += time.perf_counter() - t0
+        return out
+
     def _run(self, plan: list[Step], h, pos: int, cache: KVCache, collect: list | None) -> torch.Tensor | None:
         width = self._width(h)
         if width is None:
@@ -328,6 +514,34 @@ class Graphs:
         self.runner.clear(cache)
         self.frozen = True
 
+    @torch.inference_mode()
+    def prepare_rows(self, shape: "StepShapes", cache_len: int) -> None:
+        """prepare for a batch of self.batch rows (engine/lockstep.py): every chain its rounds can call at every width
+        they can take (StepShapes.row_plans), on a cache of B rows and cache_len + 1 slots (the last: RowSteps'
+        scratch slot), then freeze."""
+        cache = self.runner.cache_of(cache_len + 1)
+        D, B = self.stack.embed_weight.shape[1], self.batch
+        device = self.stack.layers[0].device
+        for (_, start, end), width, collects in shape.row_plans(self.stack.num_layers, self.buckets):
+            h = torch.zeros(B, width, D, dtype=self.stack.dtype, device=device)
+            self.rows(start, end, h, [list(range(width))] * B, None, cache, "layers" if collects else None)
+        cache.crop(0)
+        self.runner.clear(cache)
+        self.frozen = True
+
+
+def _row_inputs(positions: list[list[int]], live: list[list[bool]] | None, width: int, start: int, end: int,
+                layers: int, scratch: int) -> list[int]:
+    """What a batch's step uploads into its graph's buffers: each row's positions padded to width (−1, none: the
+    scratch slot), then which rows run each of the model's 2L sublayers (0 outside the chain)."""
+    flat = [p if p >= 0 else scratch for row in positions for p in [*row, *[-1] * (width - len(row))]]
+    B = len(positions)
+    bits = [0] * (2 * layers * B)
+    for i in range(2 * start, 2 * end):
+        for b in range(B):
+            bits[i * B + b] = 1 if live is None else int(live[i - 2 * start][b])
+    return flat + bits
+
 
 class _Compiled:
     """Graphs by torch.compile(fullgraph=True), run as they are (no capture): the layer's tensors (a Layer) and its
@@ -342,13 +556,32 @@ class _Compiled:
         self._rope = None
 
     def cache_of(self, cache_len: int) -> KVCache:
-        return self.graphs.stack.new_cache(cache_len)
+        cache = self.graphs.stack.new_cache(cache_len, batch=self.graphs.batch)
+        if self.graphs.batch > 1:  # a batch's: every slot its mask covers finite (_adopt)
+            _adopt(cache, static_addresses=True)
+            self.cache = cache
+        return cache
 
     def takes(self, cache: KVCache) -> bool:
         return True
 
     def clear(self, cache: KVCache) -> None:
         pass
+
+    def run_rows(self, step: Step, h, positions, live, width: int, cache: KVCache, collects: bool):
+        stack, fns = self.graphs.stack, self.graphs.functions
+        B, T, _ = h.shape
+        _, start, end = step
+        scratch = cache.max_len - 1
+        values = upload(_row_inputs(positions, live, width, start, end, stack.num_layers, scratch), h.device)
+        at = values[: B * width].view(B, width)
+        on = (values[B * width :].view(2 * stack.num_layers, B) != 0)[2 * start : 2 * end]
+        layers = range(start, end)
+        states: list | None = [] if collects else None
+        out = fns.rows([stack.layers[i] for i in layers], padded(h, width), at, on, [cache.k[i] for i in layers],
+                       [cache.v[i] for i in layers], scratch, states)
+        self.made.add((step, width, collects))
+        return out[:, :T], [state[:, :T] for state in states or []]
 
     def run(self, plan, h, pos: int, width: int, cache: KVCache, collect) -> torch.Tensor:
         stack, fns = self.graphs.stack, self.graphs.functions
@@ -361,7 +594,7 @@ class _Compiled:
                 torch._dynamo.mark_dynamic(table, table.dim() - 2)
         T = h.shape[1]
         positions = torch.arange(pos, pos + width, device=h.device)[None]  # [1, width]
-        x = _padded(h, width)
+        x = padded(h, width)
         for step in plan:
             kind, first = step[0], step[1]
             if kind == "layers":
@@ -383,8 +616,9 @@ class _Compiled:
 class _CudaGraphs:
     """Graphs captured with torch.cuda.CUDAGraph from the steps' kernels (inductor's where the functions are compiled,
     else the eager ones). Each graph of a width reads and writes that width's static buffers in place — the rows'
-    states [1, width, D] and positions [1, width], and for a chain that keeps its states, every layer's output
-    [n, 1, width, D] — and one cache, so any sequence of steps replays with one copy in and one copy out."""
+    states [B, width, D] and positions [B, width] (B = 1, or a batch's: Graphs.batch; a batch's graphs also read
+    which rows run each sublayer, [2L, B]), and for a chain that keeps its states, every layer's output
+    [n, B, width, D] — and one cache, so any sequence of steps replays with one copy in and one copy out."""
 
     def __init__(self, graphs: Graphs):
         self.graphs = graphs
@@ -392,19 +626,20 @@ class _CudaGraphs:
         self.cache: KVCache | None = None
         self.pool = None
         self.buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.states: dict[int, torch.Tensor] = {}  # width → [L, 1, width, D]: a collecting chain's layers' outputs
+        self.states: dict[int, torch.Tensor] = {}  # width → [L, B, width, D]: a collecting chain's layers' outputs
+        self.live: torch.Tensor | None = None  # a batch's: which rows run each sublayer (_live)
 
     def cache_of(self, cache_len: int) -> KVCache:
         """The cache every graph is captured on (its addresses are baked into the graphs): one per stack and length,
         shared by the stack's Graphs (they never run at once; each prompt's prefill rewrites what it reads)."""
         if self.cache is None:
             length = -(-cache_len // CACHE_QUANTUM) * CACHE_QUANTUM
-            stack = self.graphs.stack
+            stack, B = self.graphs.stack, self.graphs.batch
             caches = stack.__dict__.setdefault("_captured_caches", {})
-            if length not in caches:
-                caches[length] = stack.new_cache(length)
-                _adopt(caches[length], static_addresses=True)
-            self.cache = caches[length]
+            if (length, B) not in caches:
+                caches[length, B] = stack.new_cache(length, batch=B)
+                _adopt(caches[length, B], static_addresses=True)
+            self.cache = caches[length, B]
             self._tables = _rope_tables(stack)  # a longer table later must not free the one the graphs read
         return self.cache
 
@@ -421,13 +656,22 @@ class _CudaGraphs:
             v.zero_()
 
     def _buffers(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This width's rows' states [B, width, D] and positions [B, width] (B: 1, or a batch's: Graphs.batch)."""
         if width not in self.buffers:
-            stack = self.graphs.stack
+            stack, B = self.graphs.stack, self.graphs.batch
             device = stack.layers[0].device
             D = stack.embed_weight.shape[1]
-            self.buffers[width] = (torch.zeros(1, width, D, dtype=stack.dtype, device=device),
-                                   torch.zeros(1, width, dtype=torch.long, device=device))
+            self.buffers[width] = (torch.zeros(B, width, D, dtype=stack.dtype, device=device),
+                                   torch.zeros(B, width, dtype=torch.long, device=device))
         return self.buffers[width]
+
+    def _live(self) -> torch.Tensor:
+        """A batch's [2L, B] bool: which rows run each sublayer (every width's graphs read it: a step uploads it)."""
+        if self.live is None:
+            stack = self.graphs.stack
+            self.live = torch.ones(2 * stack.num_layers, self.graphs.batch, dtype=torch.bool,
+                                   device=stack.layers[0].device)
+        return self.live
 
     def _states(self, width: int) -> torch.Tensor:
         if width not in self.states:
@@ -445,8 +689,10 @@ class _CudaGraphs:
         """The step on this width's buffers, its result written back into the state buffer (and a collecting
         chain's every layer's output into the states buffer: one stack kernel inside the graph)."""
         stack, fns, cache = self.graphs.stack, self.graphs.functions, self.cache
-        h, positions = self._buffers(width)
         kind, first = step[0], step[1]
+        if kind == "rows":
+            return self._rows_body(step, width, collects)
+        h, positions = self._buffers(width)
         if kind == "layers":
             layers = range(first, step[2])
             ws, ks, vs = [stack.layers[i] for i in layers], [cache.k[i] for i in layers], [cache.v[i] for i in layers]
@@ -464,6 +710,39 @@ class _CudaGraphs:
             k, v = cache.k[first], cache.v[first]
             return lambda: h.copy_(fns.attention(w, h, positions, k, v))
         return lambda: h.copy_(fns.mlp(w, h))
+
+    def _rows_body(self, step: Step, width: int, collects: bool) -> Callable[[], None]:
+        """A batch's chain on this width's row buffers (positions and the rows running each sublayer read from them,
+        as the step uploaded them), its result written back into the state buffer, a collecting chain's every
+        layer's output into the states buffer."""
+        stack, fns, cache = self.graphs.stack, self.graphs.functions, self.cache
+        (h, at), on = self._buffers(width), self._live()
+        _, start, end = step
+        layers = range(start, end)
+        ws, ks, vs = [stack.layers[i] for i in layers], [cache.k[i] for i in layers], [cache.v[i] for i in layers]
+        live, scratch = on[2 * start : 2 * end], cache.max_len - 1
+        if not collects:
+            return lambda: h.copy_(fns.rows(ws, h, at, live, ks, vs, scratch))
+        kept = self._states(width)[: len(layers)]
+
+        def chain_keeping_states():
+            states: list[torch.Tensor] = []
+            h.copy_(fns.rows(ws, h, at, live, ks, vs, scratch, states))
+            torch.stack(states, out=kept)
+        return chain_keeping_states
+
+    def run_rows(self, step: Step, h, positions, live, width: int, cache: KVCache, collects: bool):
+        B, T, _ = h.shape
+        (state, at), on = self._buffers(width), self._live()
+        _, start, end = step
+        state[:, :T].copy_(h)  # columns T.. keep the last step's (finite) states: padding, never read by a real row
+        L = self.graphs.stack.num_layers
+        values = upload(_row_inputs(positions, live, width, start, end, L, cache.max_len - 1), h.device)
+        at.copy_(values[: B * width].view(B, width))
+        on.copy_(values[B * width :].view(2 * L, B) != 0)
+        self._graph(step, width, collects).replay()
+        states = self._states(width)[: end - start, :, :T].clone().unbind(0) if collects else []
+        return state[:, :T].clone(), list(states)
 
     def _capture(self, body: Callable[[], None], width: int) -> torch.cuda.CUDAGraph:
         """Warm the body up on a side stream (cuBLAS workspaces, lazily loaded kernels, a compiled body's first
@@ -520,10 +799,16 @@ def _adopt(cache: KVCache, static_addresses: bool) -> None:
                 torch._dynamo.mark_dynamic(t, 2)  # one graph for every cache length
 
 
-def _padded(h: torch.Tensor, width: int) -> torch.Tensor:
-    """h [1, T, D] → [1, width, D] (zero rows appended)."""
-    T = h.shape[1]
-    return h if T == width else torch.cat([h, h.new_zeros(1, width - T, h.shape[2])], dim=1)
+def padded_rows(h: torch.Tensor, rows: int) -> torch.Tensor:
+    """h [m, T, D] → [rows, T, D] (zero rows appended)."""
+    m, T, D = h.shape
+    return h if m == rows else torch.cat([h, h.new_zeros(rows - m, T, D)])
+
+
+def padded(h: torch.Tensor, width: int) -> torch.Tensor:
+    """h [B, T, D] → [B, width, D] (zero rows appended)."""
+    B, T, D = h.shape
+    return h if T == width else torch.cat([h, h.new_zeros(B, width - T, D)], dim=1)
 
 
 class StepShapes:
@@ -569,6 +854,23 @@ class StepShapes:
             plans += [(plan, b, False) for b in widths
                       for plan in ([("layers", 0, L)], [("layers", i, i + 1) for i in range(L)], sublayers)]
         return plans
+
+
+    def row_plans(self, L: int, buckets) -> list[tuple[Step, int, bool]]:
+        """(step, width, collects) a batch of this shape's rows can call (engine/lockstep.py): a draft step's chain
+        runs to the deepest passing row's exit (L: a row with no draft this round), a verification from the
+        lowest drafting row's exit, at every width up to the budget + 1's bucket; a skipping draft's every layer
+        (each row's skip set masked) and its verification, with every layer's states kept too (CLaSp's selections).
+        A chain keeping every sublayer's state (KnapSpec's selections) runs eagerly."""
+        widest = bucket_of(self.budget + 1, buckets) or buckets[-1]
+        widths = [b for b in buckets if b <= widest] if self.budget else []
+        if self.skips:
+            return [(("rows", 0, L), 1, False)] + [(("rows", 0, L), b, keeps) for b in widths
+                                                   for keeps in (False, True)]
+        exits = ([self.exit_layer] if self.exit_layer else list(range(1, L))) if self.budget else []
+        keeps = self.collects
+        return ([(("rows", 0, e), 1, keeps) for e in [*exits, L]]
+                + [(("rows", e, L), b, keeps) for e in exits for b in widths])
 
 
 def unsupported(stack: LayerStack) -> str | None:
@@ -648,24 +950,34 @@ def _choose(stack: LayerStack, setting: str, method, max_new_tokens: int, cache_
       the fused C++ loop on a CPU and cost minutes to compile: `make bench-compile`).
     cache_len: the slots the run's longest prompt needs (prompt + max_new_tokens + 1): CUDA graphs are captured on
     one cache that long."""
+    stack.compiled = None
+    graphs, info = pick(stack, setting, method, max_new_tokens, cache_len, backend, capture, runner)
+    if graphs is not None:
+        stack.compiled = graphs
+    return info
+
+
+def pick(stack: LayerStack, setting: str, method, max_new_tokens: int, cache_len: int, backend="inductor",
+         capture: bool | None = None, runner: type | None = None, batch: int = 1,
+         checked: Callable | None = None) -> tuple[Graphs | None, dict]:
+    """The graphs `setting` asks for, by _choose's rules — one prompt at a time, or (batch B > 1) a batch's, checked
+    by `checked` (engine/lockstep.check_rows) — made and checked, or None, with what the setup line records."""
     setting = compile_setting(setting)
     if setting not in COMPILE_CHOICES:
         raise ValueError(f"compile={setting!r}: choose one of {', '.join(COMPILE_CHOICES)}")
-    stack.compiled = None
     info: dict = {"compile": setting, "compiled": False}
     on_cuda = stack.head_device.type == "cuda" if capture is None else capture
     if setting == "off":
-        return info
+        return None, info
     if setting == "auto" and not on_cuda:
-        info["reason"] = "auto makes graphs on CUDA only (compile=on compiles them here)"
-        return info
+        return None, {**info, "reason": "auto makes graphs on CUDA only (compile=on compiles them here)"}
     if setting == "graphs" and not on_cuda:
         raise CompileUnavailable("compile=graphs captures CUDA graphs: the model is not on CUDA")
     tries = {"on": [True], "graphs": [False], "auto": [True, False]}[setting]  # fuse, in order
     t0 = time.perf_counter()
     for fuse in tries:
         try:
-            graphs = _made(stack, method, max_new_tokens, cache_len, backend, capture, runner, fuse)
+            graphs = _made(stack, method, max_new_tokens, cache_len, backend, capture, runner, fuse, batch, checked)
         except CompileUnavailable as err:
             if setting != "auto":
                 raise
@@ -673,24 +985,28 @@ def _choose(stack: LayerStack, setting: str, method, max_new_tokens: int, cache_
             log.warning("compile=auto: %s graphs not used: %s", "fused" if fuse else "unfused", err)
             continue
         graphs.declined.clear()  # from here on: the run's own calls
-        stack.compiled = graphs
-        return {**info, "compiled": True, "graph_kind": graphs.kind, "compile_s": time.perf_counter() - t0,
-                "graphs": graphs.graphs}
-    info.update(compile_s=time.perf_counter() - t0, reason=info["fallbacks"][-1])
+        return graphs, {**info, "compiled": True, "graph_kind": graphs.kind, "compile_s": time.perf_counter() - t0,
+                        "graphs": graphs.graphs}
     log.warning("compile=auto: decoding without the graph-captured steps (records say so)")
-    return info
+    return None, {**info, "compile_s": time.perf_counter() - t0, "reason": info["fallbacks"][-1]}
 
 
 def _made(stack: LayerStack, method, max_new_tokens: int, cache_len: int, backend, capture, runner,
-          fuse: bool) -> Graphs:
-    """Graphs made for the method's shapes and checked against `generate`, or CompileUnavailable saying why not."""
+          fuse: bool, batch: int = 1, checked: Callable | None = None) -> Graphs:
+    """Graphs made for the method's shapes (a batch's: their rows' chains) and checked against `generate` (a batch's
+    by `checked`), or CompileUnavailable saying why not."""
     reason = unsupported(stack)
     if reason:
         raise CompileUnavailable(reason)
-    graphs = Graphs(stack, backend=backend, capture=capture, runner=runner, fuse=fuse)
+    graphs = Graphs(stack, backend=backend, capture=capture, runner=runner, fuse=fuse, batch=batch)
+    shape = StepShapes.of(method, max_new_tokens)
     try:
-        graphs.prepare(StepShapes.of(method, max_new_tokens), max(cache_len, 64))
-        departure = check(stack, graphs, method)
+        if batch > 1:
+            graphs.prepare_rows(shape, max(cache_len, 64))
+            departure = checked(stack, graphs, method)
+        else:
+            graphs.prepare(shape, max(cache_len, 64))
+            departure = check(stack, graphs, method)
     except Exception as err:  # a graph break (fullgraph), an unsupported op, a capture failure: all mean "not these"
         raise CompileUnavailable(f"making the graphs failed ({type(err).__name__}: {err})") from err
     if departure:

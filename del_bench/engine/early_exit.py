@@ -11,7 +11,7 @@ import torch
 
 from del_bench.engine.steps import Draft, Verified
 from del_bench.methods.base import Method
-from del_bench.transfer import to_list
+from del_bench.transfer import charged, to_list
 
 
 def draft(engine, token: torch.Tensor, pos: int, E: int, budget: int, cache, method: Method, rng) -> Draft:
@@ -102,3 +102,93 @@ def verify(engine, draft: Draft, E: int, pos: int, cache) -> Verified:
     states = torch.cat(draft.exit_states, dim=1)  # [1, d+1, D]
     h = engine.stack.norm(engine.stack.forward_layers(states, E, engine.stack.num_layers, pos, cache, collect=late))
     return Verified(h, late, engine.stack.head, gaps={} if engine.track_gaps else None)
+
+
+# ---- a batch's rows in lockstep (engine/lockstep.py) -------------------------------------------------------------
+def draft_rows(batch, slots: list) -> None:
+    """`draft` for every row of a batch at once, the same drafts, decisions and records as row by row: each draft
+    step passes every row with a token to pass through layers 1..E_r — one step to the deepest row's exit, each row
+    reading its own layer-E_r state (a shallower row idles above its exit, masked) — then the draft head over every
+    row still drafting in one product, and where the method stops on confidence one read of every row's candidate
+    and confidence. A row whose draft ended idles in the steps after. A row with no draft this round (E = L: its one
+    pass through every layer is its round) goes as deep as the deepest drafting row in the first step and through
+    the rest in the verification step (verify_rows): the same layers in the same order, and no step runs every layer
+    for one row while the others idle above their exits."""
+    L = batch.stack.num_layers
+    reach = max((s.round.plan.exit_layer for s in slots if s.round.plan.budget > 0), default=L)
+    for slot in slots:
+        r = slot.round
+        r.draft = Draft(early=[] if slot.method.wants_shadow else None, exit_layer=r.plan.exit_layer)
+        r.stop = r.plan.budget == 0
+        r.depth = r.plan.exit_layer if r.plan.budget > 0 else reach  # where its passes leave off this round
+    passing = list(slots)
+    while passing:
+        _layers_rows(batch, passing)
+        heads = [s for s in passing if not (s.round.stop or len(s.round.draft.ids) >= s.round.plan.budget)]
+        passing = _heads_rows(batch, heads) if heads else []
+
+
+def _layers_rows(batch, slots: list) -> None:
+    """draft_layers for every row of `slots`: its token [1, 1] at its position through layers 1..depth (its E)."""
+    deepest = max(s.round.depth for s in slots)
+    collect = "layers" if slots[0].round.draft.early is not None else None
+    h = batch.stack.embed(torch.cat([s.round.token.view(1, 1) for s in slots], dim=1))  # [1, n, D]
+    inputs = {s: (h[:, i : i + 1], s.round.pos) for i, s in enumerate(slots)}
+    out, states = batch.step(0, deepest, inputs, lambda s, i: (i < s.round.depth,) * 2, collect)
+    for s in slots:
+        r = s.round
+        r.draft.exit_states.append(out[s])  # [1, 1, D]: its state at its own depth (it idled above)
+        if r.draft.early is not None:
+            r.draft.early.append([state[s.index : s.index + 1] for state in states[: r.depth]])
+        r.pos += 1
+
+
+def _heads_rows(batch, slots: list) -> list:
+    """Engine.draft_token for every row of `slots` (their draft heads in one product; one read of the candidates
+    and confidences where the method stops on them) → the rows whose candidate joined their draft, to pass next."""
+    logits = batch.head(slots, [s.round.draft.exit_states[-1] for s in slots], [s.round.plan.exit_layer for s in slots])
+    picked = [s.engine.candidate_of(s.round.draft, row, s.run.rng, s.method) for s, row in zip(slots, logits)]
+    confident = slots[0].method.wants_confidence  # one method a batch
+    if confident:  # one read: each row's token and confidence (a token id is exact in float64)
+        with charged([s.ledger for s in slots]):
+            read = to_list(torch.cat([torch.cat([token.double(), top.double()[None]]) for token, top, _ in picked]))
+    passing = []
+    for j, (s, (token, _, q)) in enumerate(zip(slots, picked)):
+        r = s.round
+        if confident:
+            candidate, keep = s.engine.judge(r.draft, s.method, token, q, int(read[2 * j]), read[2 * j + 1])
+            if candidate is None:  # stopped, and the stopping candidate is dropped
+                continue
+        else:
+            candidate, keep = -1, True  # on the device until acceptance reads it
+            s.engine.keep_candidate(r.draft, token, q, candidate)
+        r.token = r.draft.ids[-1].view(1, 1)
+        r.stop = not keep or candidate in s.engine.eos_ids
+        passing.append(s)
+    return passing
+
+
+def verify_rows(batch, slots: list) -> None:
+    """`verify` for every row of a batch at once, through layers E_min+1..L in one step of width max(d_r + 1): a row
+    that drafted from its own exit layer, its d + 1 positions; a row that did not (E = L) its one position from where
+    its pass left off (draft_rows), its every layer's state (DEL's shadow tokens) the draft's and this step's; below
+    its layer a row idles."""
+    st, L = batch.stack, batch.stack.num_layers
+    joining = [s for s in slots if s.round.depth < L]
+    out, states, lowest = {}, [], L
+    if joining:
+        lowest = min(s.round.depth for s in joining)
+        collect = "layers" if joining[0].round.draft.early is not None else None
+        inputs = {s: (torch.cat(s.round.draft.exit_states, dim=1), s.round.n - 1) for s in joining}  # [1, d+1, D]
+        out, states = batch.step(lowest, L, inputs, lambda s, i: (i >= s.round.depth,) * 2, collect)
+    for s in slots:
+        r = s.round
+        T = len(r.draft.exit_states)
+        h = out.get(s, r.draft.exit_states[0])  # [1, d+1, D]; a row through every layer already: [1, 1, D]
+        late = None
+        if r.draft.early is not None:
+            late = [state[s.index : s.index + 1, :T] for state in states[r.depth - lowest :]] if s in out else []
+            if r.plan.exit_layer == L:  # no draft: its one pass's every layer is the draft's (as one pass alone)
+                r.draft.early[0] += late
+                late = []
+        r.verified = Verified(st.norm(h), late, st.head, gaps={} if s.engine.track_gaps else None)

@@ -11,7 +11,7 @@ Where the statistics come to the host (with_acceptance):
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -23,12 +23,28 @@ from del_bench.models.layer_stack import LayerStack
 from del_bench.transfer import to_device, to_numpy
 
 
+@dataclass
+class Due:
+    """Rounds scored whose statistics wait for a batch's read (ShadowScorer.hold_reads): `values` [2, L-1, ΣW]
+    on the device; `settle` hands them over once read."""
+
+    method: Method
+    evidence: tuple
+    windows: list[int]
+    shadow: Shadow
+    values: torch.Tensor
+
+
 class ShadowScorer:
     """Per prompt: the rounds whose scoring is held back, and the shadow rows scored since the last Round."""
 
-    def __init__(self, stack: LayerStack, with_acceptance: bool = False):
+    def __init__(self, stack: LayerStack, with_acceptance: bool = False, hold_reads: bool = False):
+        """hold_reads (a batched row, engine/lockstep.py): the statistics scored apart from acceptance are not read
+        here but left `due`, for the batch to read every row's in one read and `settle`."""
         self.stack = stack
         self.with_acceptance = with_acceptance
+        self.hold_reads = hold_reads
+        self.due: Due | None = None
         self.deferred: list[tuple[RoundEvidence, torch.Tensor, torch.Tensor]] = []  # (evidence, states, targets)
         self.rows = 0  # shadow rows scored since the last Round was recorded (Round.shadow_rows)
         self._ridden: tuple[Shadow, torch.Tensor | np.ndarray] | None = None  # ride's scoring, then its read
@@ -94,8 +110,18 @@ class ShadowScorer:
         self.deferred.clear()
         shadow = self.score(torch.cat(states, dim=1), torch.cat(targets), method.shadow_vocab)
         # the rounds' matches and confidences come to the host in one read, not one per round
-        on_host = to_numpy(matches_and_confidence(shadow.tokens, shadow.confidence, shadow.target))  # [2, L-1, ΣW]
-        self._hand_over(method, evidence, [t.shape[0] for t in targets], shadow, on_host)
+        on_device = matches_and_confidence(shadow.tokens, shadow.confidence, shadow.target)  # [2, L-1, ΣW]
+        windows = [t.shape[0] for t in targets]
+        if self.hold_reads:
+            self.due = Due(method, evidence, windows, shadow, on_device)
+            return
+        self._hand_over(method, evidence, windows, shadow, to_numpy(on_device))
+
+    def settle(self, values: list[float]) -> None:
+        """The statistics left `due`, as the batch's read brought them: handed to the method round by round."""
+        due, self.due = self.due, None
+        on_host = np.array(values, dtype=np.float64).reshape(due.values.shape)
+        self._hand_over(due.method, due.evidence, due.windows, due.shadow, on_host)
 
     def _hand_over(self, method: Method, evidence, windows: list[int], shadow: Shadow, on_host: np.ndarray) -> None:
         """The method's evidence round by round, in order: round i's valid window is the windows[i] columns from

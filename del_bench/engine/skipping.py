@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import time
 
+import torch
+
 from del_bench.engine.rounds import Generation
 from del_bench.engine.steps import Draft, Verified, whole
 from del_bench.methods.base import Method, SkipSet
-from del_bench.transfer import to_device, to_list
+from del_bench.transfer import charged, to_device, to_list
 
 
 def draft(engine, token: int, pos: int, skip: SkipSet, budget: int, cache, method: Method, rng) -> Draft:
@@ -96,3 +98,78 @@ def probe(engine, method: Method, n: int, gen: Generation, cache) -> dict:
     return {"opt_kind": probe.kind, "opt_matchness": matchness, **trace,
             "opt_loaded_layers": whole(probe.skip.layers(st.num_layers)), "opt_head_calls": probe.length,
             "opt_s": time.perf_counter() - t}
+
+
+# ---- a batch's rows in lockstep (engine/lockstep.py) -------------------------------------------------------------
+def draft_rows(batch, slots: list) -> None:
+    """`draft` for every row of a batch at once, the same drafts, decisions and records as row by row (no token
+    tree: the thread scheduler runs SWIFT's, lockstep.serves): each draft step passes every row still drafting
+    through every layer, each row running only the sublayers its own skip set keeps (a sublayer no row runs is not
+    computed), then the draft head over them in one product and one read of every row's candidate (and confidence).
+    The next draft's input stays on the device (the row's drafted id)."""
+    for slot in slots:
+        slot.round.draft = Draft()
+    drafting = [s for s in slots if s.round.plan.budget > 0]
+    while drafting:
+        h = batch.stack.embed(torch.cat([s.round.token.view(1, 1) for s in drafting], dim=1))  # [1, n, D]
+        inputs = {s: (h[:, i : i + 1], s.round.pos) for i, s in enumerate(drafting)}
+
+        def runs(s, i: int) -> tuple[bool, bool]:
+            skip = s.round.plan.plan.skip
+            return i not in skip.attn, i not in skip.mlp
+
+        out, _ = batch.step(0, batch.stack.num_layers, inputs, runs)
+        for s in drafting:
+            s.round.draft.exit_states.append(out[s])  # [1, 1, D]
+        drafting = _candidates_rows(batch, drafting)
+
+
+def _candidates_rows(batch, slots: list) -> list:
+    """Engine.draft_token(on_host=True) for every row (one head product, one read) → the rows drafting on."""
+    logits = batch.head(slots, [s.round.draft.exit_states[-1] for s in slots], [None] * len(slots))
+    picked = [s.engine.candidate_of(s.round.draft, row, s.run.rng, s.method) for s, row in zip(slots, logits)]
+    confident = slots[0].method.wants_confidence  # one method a batch
+    values = [torch.cat([token.double(), top.double()[None]]) if confident else token.double()
+              for token, top, _ in picked]
+    with charged([s.ledger for s in slots]):  # one read: each row's candidate (and its confidence)
+        read = to_list(torch.cat(values))
+    width = 2 if confident else 1
+    drafting = []
+    for j, (s, (token, _, q)) in enumerate(zip(slots, picked)):
+        r = s.round
+        candidate = int(read[width * j])
+        if confident:
+            candidate, keep = s.engine.judge(r.draft, s.method, token, q, candidate, read[width * j + 1])
+            if candidate is None:  # only with drop_stopped_draft
+                continue
+        else:
+            keep = True
+            s.engine.keep_candidate(r.draft, token, q, candidate)
+        r.draft.siblings.append([])
+        r.token, r.pos = r.draft.ids[-1].view(1, 1), r.pos + 1
+        if keep and candidate not in s.engine.eos_ids and len(r.draft.drafts) < r.plan.budget:
+            drafting.append(s)
+    return drafting
+
+
+def verify_rows(batch, slots: list) -> None:
+    """`verify` for every row of a batch at once: each row's pending token and drafts from their embeddings through
+    all L layers in one step of width max(d_r + 1), keeping every layer's (or sublayer's) states where a row's method
+    asks for them (Method.wants_states: its selection reads its own rows of them)."""
+    st, L = batch.stack, batch.stack.num_layers
+    keeps = {s: s.method.wants_states() for s in slots}
+    collect = "sublayers" if "sublayers" in keeps.values() else "layers" if "layers" in keeps.values() else None
+    inputs = {}
+    for s in slots:
+        r = s.round
+        ids = torch.cat([r.pending.view(-1), *(i.view(-1) for i in r.draft.ids)])[None]  # [1, d+1]
+        inputs[s] = (st.embed(ids), r.n - 1)
+    out, states = batch.step(0, L, inputs, lambda s, i: (True, True), collect)
+    for s in slots:
+        h, T, keep = inputs[s][0], inputs[s][0].shape[1], keeps[s]
+        kept = None
+        if keep is not None:
+            rows = [state[s.index : s.index + 1, :T] for state in states]
+            kept = [h, *(rows if keep == collect else rows[1::2])]  # "layers" from sublayers: every MLP's output
+        s.round.verified = Verified(st.norm(out[s]), None, st.head, gaps={} if s.engine.track_gaps else None,
+                                    states=kept)

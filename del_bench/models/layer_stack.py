@@ -41,11 +41,17 @@ from del_bench.models.layer_math import (
 from del_bench.models.loading import check_resident
 from del_bench.models.products import (
     FEW_ROWS,
+    ONEDNN,
+    SHAPES,
     X_WT,
     X_WT_COPY,
     Products,
     for_rows,
+    matrices,
+    onednn,
+    pack,
     time_products,
+    unpack,
 )
 from del_bench.models.products import choose as choose_products
 from del_bench.numerics import HALF_DTYPES
@@ -573,10 +579,21 @@ class LayerStack:
     # batch); RoPE reads each position's own table; the cache write and the attention run per row, each exactly as
     # the eager loop runs that row alone (its own positions, cache, mask) — so no row sees another's keys
     def tune_rows(self, rows: int) -> Products:
-        """Time the products' layouts at `rows` rows (products.for_rows: batched decoding's ragged steps, wider than
-        the verification batches `auto` timed) for products_for; untimed setup, before a batch decodes."""
+        """Time the products' layouts at `rows` rows (products.for_rows: batched decoding's steps, wider than the
+        verification batches `auto` timed) for products_for; untimed setup, before a batch decodes. Where oneDNN's
+        blocked copies win (float32 on a CPU) the chosen shape classes' copies are made and kept (a second copy of
+        those matrices in memory: `packed_bytes` in the setup line), the others dropped."""
+        packed = onednn(self.dtype, self.head_device) and len(self.devices) == 1
         with torch.inference_mode():
-            self.wide_products = for_rows(self.products, self.dtype, time_products(self), rows)
+            self.wide_products = for_rows(self.products, self.dtype, time_products(self), rows, packed)
+            kept = 0
+            for shape in SHAPES:
+                mats = matrices(self, shape)
+                if self.wide_products[shape].many == ONEDNN:
+                    kept += pack(mats)
+                else:
+                    unpack(mats)
+            self.wide_products.packed_bytes = kept
         return self.wide_products
 
     @contextmanager

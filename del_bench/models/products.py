@@ -7,7 +7,11 @@ Every product reads HF's own [out, in] matrix (q|k|v, o, gate|up, down: one per 
   this machine kind, where it streamed SmolLM2's matrices fastest (a verification batch of 2 cost ~1.1 single
   positions); at 1 thread the same layer products took 72.9 ms a token against x_wt's 29.8, and on an Intel host at 2
   threads our Vanilla ran at 0.76–0.86× HF generate with it;
-- x_wt_copy (the LM head at one row only): x @ Wᵀ from a contiguous [D, V] copy of the head (a second copy in memory).
+- x_wt_copy (the LM head at one row only): x @ Wᵀ from a contiguous [D, V] copy of the head (a second copy in memory);
+- onednn (a batch's rows only, float32 on a CPU with oneDNN: for_rows): x @ Wᵀ from oneDNN's blocked copy of W (a
+  second copy in memory; torch.ops.mkldnn, inductor's own CPU linear) — on this machine's Intel host at 2 threads
+  SmolLM2's gate|up and down matrices took 17.5 ms a pass at 8 rows against x_wt's 24.8 (MKL's few-row GEMM), 11.5 at
+  one row against 13.5.
 What is fastest depends on the host, the thread count, the dtype and the shape, so `auto` times the candidates on the
 model's own matrices at load, for each shape class and each row class — one row (drafting, Vanilla) and 2–5 rows
 (verification) — and keeps x_wt, HF's, unless another beats it by MARGIN: never slower than generate's layout by more
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import statistics
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -27,7 +32,9 @@ import torch
 from del_bench.numerics import HALF_DTYPES
 
 SETTINGS = ("auto", "wt_x", "x_wt")
-X_WT, WT_X, X_WT_COPY = "x_wt", "wt_x", "x_wt_copy"
+X_WT, WT_X, X_WT_COPY, ONEDNN = "x_wt", "wt_x", "x_wt_copy", "onednn"
+# id(weight) → (the weight, weakly; its oneDNN blocked copy), while a stack runs that layout (LayerStack.tune_rows)
+_PACKED: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
 LAYER_SHAPES = ("qkv", "o", "gate_up", "down")  # the Layer matrices: w_qkv, w_o, w_gate_up, w_down
 SHAPES = (*LAYER_SHAPES, "head")
 RESIDUAL_SHAPES = ("o", "down")  # joined to the residual stream: timed with it, as they run
@@ -61,6 +68,7 @@ class Products:
     layouts: dict[str, Layout]
     seconds: dict = field(default_factory=dict)
     setup_s: float = 0.0
+    packed_bytes: int = 0  # the onednn layout's blocked copies kept (LayerStack.tune_rows): a second copy in memory
 
     def __getitem__(self, shape: str) -> Layout:
         return self.layouts[shape]
@@ -79,7 +87,7 @@ class Products:
         """What a run's setup records: the setting, the choice per shape class and the timings behind it."""
         return {"setting": self.setting, "setup_s": self.setup_s,
                 "layouts": {shape: {"one": lay.one, "many": lay.many} for shape, lay in self.layouts.items()},
-                "seconds": self.seconds}
+                "seconds": self.seconds, **({"packed_bytes": self.packed_bytes} if self.packed_bytes else {})}
 
 
 def fixed(setting: str) -> Products:
@@ -92,6 +100,35 @@ def fixed(setting: str) -> Products:
 def candidates(shape: str, rows: int) -> tuple[str, ...]:
     """The layouts timed for a shape class at `rows` rows: x_wt (HF's) always first."""
     return (X_WT, WT_X, X_WT_COPY) if shape == "head" and rows == 1 else (X_WT, WT_X)
+
+
+def onednn(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the onednn layout can run here: float32 on a CPU whose torch has oneDNN."""
+    return dtype == torch.float32 and device.type == "cpu" and torch.backends.mkldnn.is_available()
+
+
+def packed(weight: torch.Tensor) -> torch.Tensor | None:
+    """The oneDNN blocked copy of weight (pack), or None."""
+    entry = _PACKED.get(id(weight))
+    return entry[1] if entry is not None and entry[0]() is weight else None
+
+
+def pack(weights: list[torch.Tensor]) -> int:
+    """Make (once) the oneDNN blocked copy of each weight that product's onednn layout reads → their bytes. A copy
+    goes with its weight (keyed by identity: a tensor's == is elementwise)."""
+    for w in weights:
+        if packed(w) is None:
+            key = id(w)
+            _PACKED[key] = (weakref.ref(w, lambda _, key=key: _PACKED.pop(key, None)),
+                            torch.ops.mkldnn._reorder_linear_weight(w, None))
+    return sum(w.numel() * w.element_size() for w in weights)
+
+
+def unpack(weights: list[torch.Tensor]) -> None:
+    """Drop the blocked copies of these weights (their layout no longer chosen)."""
+    for w in weights:
+        if packed(w) is not None:
+            del _PACKED[id(w)]
 
 
 def pick(seconds: dict[str, float], margin: float = MARGIN) -> str:
@@ -118,14 +155,17 @@ def choose(setting: str, dtype: torch.dtype, seconds: Callable[[str, str, int], 
     return Products(setting, layouts, times, time.perf_counter() - t0)
 
 
-def for_rows(own: Products, dtype: torch.dtype, seconds: Callable[[str, str, int], float], rows: int) -> Products:
+def for_rows(own: Products, dtype: torch.dtype, seconds: Callable[[str, str, int], float], rows: int,
+             packed: bool = False) -> Products:
     """own's layouts with the several-rows one chosen again at `rows` rows, as `auto` chooses (x_wt unless another
-    beats it by MARGIN): for batched decoding's ragged steps, wider than the verification batches auto timed (on this
-    CPU at 8 rows x_wt took 0.56–0.79 of wt_x's time on SmolLM2's layer matrices, but 5× wt_x's on its LM head). A
-    forced setting, and half precision, keep own."""
+    beats it by MARGIN): for batched decoding's steps, wider than the verification batches auto timed (on the AMD
+    host at 8 rows x_wt took 0.56–0.79 of wt_x's time on SmolLM2's layer matrices, but 5× wt_x's on its LM head).
+    packed: onednn is a candidate too (where it runs: `onednn`). A forced setting, and half precision, keep own."""
     if own.setting != "auto" or dtype in HALF_DTYPES:
         return own
-    times = {shape: {layout: seconds(shape, layout, rows) for layout in candidates(shape, rows)} for shape in SHAPES}
+    extra = (ONEDNN,) if packed else ()
+    times = {shape: {layout: seconds(shape, layout, rows) for layout in (*candidates(shape, rows), *extra)}
+             for shape in SHAPES}
     layouts = {shape: Layout(lay.one, pick(times[shape])) for shape, lay in own.layouts.items()}
     return Products(own.setting, layouts, {**own.seconds, f"rows_{rows}": times}, own.setup_s)
 
@@ -142,6 +182,10 @@ def product(x: torch.Tensor, weight: torch.Tensor, layout: str, residual: torch.
 
     x_wt in half precision adds the residual as its own op, as LlamaDecoderLayer does (addmm would round once where HF
     rounds the product and then the sum); in float32/float64 either layout joins it in one addmm."""
+    if layout == ONEDNN:  # float32 only (for_rows): the sum rounds as addmm's
+        if residual is None:
+            return torch.ops.mkldnn._linear_pointwise(x, packed(weight), None, "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise.binary(x, residual, packed(weight), None, "add")
     if layout == X_WT:
         if residual is not None and x.dtype not in HALF_DTYPES:
             return torch.addmm(residual, x, weight.t())
@@ -188,6 +232,13 @@ def time_products(stack, reps: int = 3, warmup: int = 1) -> Callable[[str, str, 
                 else:
                     product(x, m, layout, r)
 
-        return statistics.median(stack._seconds(one_pass, reps, warmup))
+        held = [m for m in mats if packed(m) is not None]  # the blocked copies the stack runs already: kept
+        if layout == ONEDNN:
+            pack(mats)  # made for the measurement (tune_rows keeps them where chosen)
+        try:
+            return statistics.median(stack._seconds(one_pass, reps, warmup))
+        finally:
+            if layout == ONEDNN:
+                unpack([m for m in mats if not any(m is h for h in held)])
 
     return seconds
