@@ -36,19 +36,16 @@ from del_bench.errors import RunConflict
 
 Key = tuple[str, int]  # (sample_id, repeat)
 
-# settings that may change between invocations of the same run without changing its results
-# (data_dir, calibration and rows only feed other keys — task paths, method E/γ — which are compared resolved)
-# (records_root and scale only feed out_dir and experiment_name, which says which sweep asked for the run: one run
-# serves several)
+# settings that may change between invocations of the same run without changing its results (data_dir, calibration,
+# rows, records_root and scale only feed other keys — task paths, method E/γ compared resolved; out_dir and
+# experiment_name, which says which sweep asked for the run: one run serves several)
 RESUMABLE_KEYS = ("limit", "out_dir", "logger", "threads", "warmup", "warmup_tokens", "warmup_passes",
                   "warmup_tolerance", "data_dir", "calibration", "rows", "records_root", "scale", "experiment_name",
                   "layers", "products", "compile")
 # task settings of how outputs are scored, not of what the scores are (HumanEval's sandbox and its pool)
 RESUMABLE_TASK_KEYS = ("score_workers", "sandbox")
-# model options added later, at the value that means "as before" (model.exit_adapters: null = the own head)
-ADDED_MODEL_OPTIONS = {"exit_adapters": None}
-# run options added later, at the value that means "as before" (batch_size 1: one prompt at a time)
-ADDED_RUN_OPTIONS = {"batch_size": 1}
+# options added later, at the value meaning "as before" (exit_adapters null: the own head; batch_size 1: one prompt)
+ADDED_MODEL_OPTIONS, ADDED_RUN_OPTIONS = {"exit_adapters": None}, {"batch_size": 1}
 
 # model options that only feed other keys: the LS defaults reach a run as method.exit_layer / method.gamma, compared
 # resolved, so moving them (to a newly measured best) leaves Vanilla's, DEL's and every other run resumable
@@ -663,7 +660,7 @@ class RunDir:
         return _read_jsonl(self.rounds_path)
 
     def costs(self) -> dict | None:
-        """Measured per-layer / per-head-row seconds of a calibrated run (LayerStack.measure_costs), with the
+        """Measured per-layer / per-head-row seconds of a calibrated run (engine/costs.measure_costs), with the
         `device` they were measured on (absent in costs measured before it was kept), if any."""
         return json.loads(self.costs_path.read_text()) if self.costs_path.exists() else None
 

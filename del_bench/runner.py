@@ -26,10 +26,10 @@ from del_bench import memory, session, tracking
 from del_bench.config import validate
 from del_bench.engine import lockstep
 from del_bench.engine.batch import Batch
-from del_bench.engine.compiled import GRAPH_KINDS
 from del_bench.engine.decode import Request, served
 from del_bench.machine_load import LoadProbe
 from del_bench.models import exit_adapters
+from del_bench.models.products import tune_rows
 from del_bench.records import (
     RunDir,
     RunKey,
@@ -143,10 +143,8 @@ def decode_all(cfg, todo, task, method, run_dir: RunDir, load=None) -> None:
         record, rounds = served(decode(cfg, ready.tokenizer, task, method, sample, repeat, loaded), engine)
         record.model_bytes, record.kv_cache_bytes = weights, memory.cache_bytes(engine.cache)
         # the compiled steps round otherwise than either loop (tokens equal where checked), and each kind of graph runs
-        # at its own speed: kept apart like the loops (+compiled, +graphs, +fused_graphs); a peer never runs them (an
-        # earlier row's may still be installed on a shared stack)
-        record.layer_path = stack.layer_path + (f"+{GRAPH_KINDS[stack.compiled.kind]}"
-                                                if not is_peer and stack.compiled is not None else "")
+        # at its own speed: kept apart like the loops (+compiled, +graphs, +fused_graphs); a peer never runs them
+        record.layer_path = stack.layer_path if is_peer else engine.layer_path
         finished += 1
         run_dir.write_method_state(method.state(), finished)  # first: the sample line commits it (RunDir)
         run_dir.append(record.as_dict(), rounds)
@@ -162,7 +160,7 @@ def decode_batched(cfg, todo, ready: session.Session, run_dir: RunDir) -> None:
     B, tokenizer, task, method, loaded, stack = (int(cfg.batch_size), ready.tokenizer, ready.task, ready.method,
                                                   ready.loaded, ready.stack)
     cache_len = session.longest_sequence([s for s, _ in todo], task, tokenizer, int(cfg.max_new_tokens)) + 1
-    wide = stack.tune_rows(B)  # the products' layouts at a batch's width (LayerStack.products_for), untimed
+    wide = tune_rows(stack, B)  # the products' layouts at a batch's width (products.products_for), untimed
     batch, path = batch_of(stack, B, method, ready, cache_len)
     methods = [copy.deepcopy(method) for _ in range(B)]
     finished = restore_slot_states(methods, run_dir)
@@ -180,7 +178,7 @@ def decode_batched(cfg, todo, ready: session.Session, run_dir: RunDir) -> None:
         decode = decode_one if sample.turns is None else decode_turns
         record, rounds = yield from decode(cfg, tokenizer, task, methods[row.slot], sample, repeat, loaded, peak)
         record.model_bytes, record.kv_cache_bytes = weights, memory.cache_bytes(batch.cache)
-        record.layer_path = stack.layer_path + (f"+{GRAPH_KINDS[ready.graphs.kind]}" if ready.graphs else "")
+        record.layer_path = stack.layer_path + (f"+{ready.graphs.path}" if ready.graphs else "")
         reads, shared_rounds = row.tally(rounds)
         record.batch = {"size": B, "path": path["batch_path"], "slot": row.slot, "session": session_line,
                         "start_s": row.start_s, "end_s": batch.elapsed(), "loaded_layers": row.loaded_layers,
@@ -288,7 +286,7 @@ def kernels_key(cfg, engine, model) -> tuple:
     on, the method (its tag), the layer loop and the graphs installed — each Graphs object its own captures, so a
     captured row never counts as warmed by an eager row's warm-up, nor the fused graphs by the unfused ones."""
     stack = getattr(engine, "stack", None)  # a peer decodes with transformers: no stack
-    graphs = getattr(stack, "compiled", None)
+    graphs = getattr(engine, "graphs", None)
     return (str(getattr(model, "device", "?")), str(getattr(model, "dtype", "?")), cfg.method.tag,
             getattr(stack, "layer_path", "peer"), None if graphs is None else (graphs.kind, id(graphs)))
 

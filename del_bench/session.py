@@ -32,6 +32,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from del_bench.engine import compiled, lockstep
+from del_bench.engine.costs import measure_costs
 from del_bench.engine.decode import Engine
 from del_bench.engine.sampling import Sampling
 from del_bench.models import exit_adapters, loading
@@ -158,15 +159,15 @@ def build(cfg: DictConfig, load: Load | None = None, *, task=None, method=None, 
         setup["shadow_with_acceptance"] = engine.shadow_with_acceptance
     graphs = None
     reach = longest_sequence(samples, task, loaded.tokenizer, int(cfg.max_new_tokens)) + 1 if samples else 1024
-    if int(cfg.get("batch_size", 1)) > 1:  # a batch's own graphs (per (B, width)); a stack shared with a bench's
-        stack.compiled = None  # batch-1 row may hold some
+    if int(cfg.get("batch_size", 1)) > 1:  # a batch's own graphs (per (B, width))
         graphs, chosen = batch_graphs(cfg, stack, method, reach)
         setup.update(chosen)
     elif not peer:  # the graph-captured steps (compile: auto | on | off): made and checked here, untimed
-        setup.update(compiled.choose(stack, cfg.get("compile", "auto"), method, int(cfg.max_new_tokens),
-                                     cache_len=reach))
+        engine.graphs, chosen = compiled.choose(stack, cfg.get("compile", "auto"), method, int(cfg.max_new_tokens),
+                                                cache_len=reach)
+        setup.update(chosen)
     t0 = time.perf_counter()  # after the graphs: the costs are timed on the path that decodes
-    costs, measured = measured_costs(method, stack, run_dir)
+    costs, measured = measured_costs(method, engine, run_dir) if not peer else (None, False)
     setup["costs_s"] = time.perf_counter() - t0
     if costs is not None:
         setup.update(costs_device=costs["device"], costs_measured=measured)
@@ -196,7 +197,7 @@ def longest_sequence(samples, task, tokenizer, max_new_tokens: int) -> int:
     return reach
 
 
-def measured_costs(method, stack: LayerStack, run_dir: RunDir | None) -> tuple[dict | None, bool]:
+def measured_costs(method, engine: Engine, run_dir: RunDir | None) -> tuple[dict | None, bool]:
     """(the calibrated cost model of a method that wants one, given to it (Method.set_costs), or None: it wants none;
     whether it was measured now). Measured once per run and device: the costs `run_dir` holds are reused where they
     were measured on this device (LayerStack.cost_device) and hold what the method needs (sublayer timings). Costs
@@ -204,13 +205,13 @@ def measured_costs(method, stack: LayerStack, run_dir: RunDir | None) -> tuple[d
     says so."""
     if not method.wants_costs:
         return None, False
-    costs, here = run_dir.costs() if run_dir is not None else None, stack.cost_device()
+    costs, here = run_dir.costs() if run_dir is not None else None, engine.stack.cost_device()
     if costs is not None and costs.get("device") != here:
         log.warning("%s: costs.json was measured on %s, this session runs on %s: measuring them again", run_dir.path,
                     costs.get("device") or "an unrecorded device", here)
         costs = None
     measured = costs is None or bool(method.latency_contexts and "sublayer_s" not in costs)
     if measured:
-        costs = stack.measure_costs(contexts=method.latency_contexts)
+        costs = measure_costs(engine, contexts=method.latency_contexts)
     method.set_costs(**cost_units(costs))
     return costs, measured

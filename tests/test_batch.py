@@ -22,10 +22,11 @@ from del_bench.__main__ import format_table
 from del_bench.bench.peers import peer_method
 from del_bench.engine import lockstep
 from del_bench.engine.batch import Batch
-from del_bench.engine.compiled import CompileUnavailable, RowSteps
+from del_bench.engine.compiled import CompileUnavailable
 from del_bench.engine.decode import Engine
 from del_bench.engine.lockstep import Lockstep
 from del_bench.engine.sampling import Sampling
+from del_bench.engine.static_steps import RowSteps
 from del_bench.errors import ConfigError
 from del_bench.models.layer_stack import LayerStack
 from del_bench.numerics import compare

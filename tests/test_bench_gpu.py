@@ -193,17 +193,19 @@ def test_a_row_that_may_fail_is_left_with_its_reason_and_the_others_go_on(tmp_pa
         h.run_rows([h.Row("refused", cfg("c"), load=refused)], 1)
 
 
-def test_a_peer_on_a_stack_left_with_captured_steps_is_recorded_as_the_loop_it_ran(tmp_path):
-    """Interleaved rows share one stack: a captured row leaves its steps installed (stack.compiled) for the next row;
-    a peer after it never runs them, so its records must not say '+compiled' (it would pair with the wrong Vanilla)."""
+def test_a_peer_after_a_captured_row_is_recorded_as_the_loop_it_ran(tmp_path):
+    """Interleaved rows share one stack, and a captured row's graphs stay made for it (static_steps.memo); a peer
+    after it never runs them, so its records must not say '+compiled' (it would pair with the wrong Vanilla)."""
     from del_bench.bench.peers import peer_method
+    from del_bench.engine import compiled
+    from del_bench.methods.vanilla import Vanilla
     from del_bench.session import load_model
 
     cfg = compose_run("model=tiny-random", "task=humaneval", "data=local", "max_new_tokens=2", "limit=1",
                       "warmup_tokens=0", "threads=1", "layers=eager", f"out_dir={tmp_path / 'peer'}")
     cfg.method = peer_method("hf_generate")
     loaded, stack = load_model(cfg.model, "eager")
-    stack.compiled = object()  # what a captured row before it left
+    compiled.choose(stack, "on", Vanilla(), 2, backend="eager")  # what a captured row before it made
     h.run_rows([h.Row("HF generate †", cfg, load=lambda: (loaded, stack))], 1)
     assert [s["layer_path"] for s in read_jsonl(tmp_path / "peer" / "samples.jsonl")] == ["eager"]
 

@@ -19,10 +19,13 @@ from del_bench import runner
 from del_bench.bench.syncs import count_syncs
 from del_bench.config import ConfigError, validate
 from del_bench.engine import compiled, lockstep
-from del_bench.engine.compiled import Graphs, StaticSteps, StepShapes, _CudaGraphs, bucket_of, static_mask
+from del_bench.engine.compiled import Graphs, StepShapes, bucket_of
+from del_bench.engine.costs import measure_costs
 from del_bench.engine.decode import Engine
+from del_bench.engine.graph_runners import CudaGraphRunner
 from del_bench.engine.lockstep import Lockstep
 from del_bench.engine.sampling import Sampling
+from del_bench.engine.static_steps import StaticSteps, static_mask
 from del_bench.methods.clasp import CLaSp
 from del_bench.methods.dynamic_exit import DEL
 from del_bench.methods.knapspec import KnapSpec
@@ -52,17 +55,19 @@ def stack_and_prompt():
     return LayerStack(model), tok(PROMPT)["input_ids"]
 
 
-def decode(stack, prompt, method, tokens: int = TOKENS) -> list[int]:
-    return Engine(stack, Sampling(), set()).generate(prompt, copy.deepcopy(method), tokens, seed=0).output_ids
+def decode(stack, prompt, method, tokens: int = TOKENS, graphs=None) -> list[int]:
+    engine = Engine(stack, Sampling(), set(), graphs=graphs)
+    return engine.generate(prompt, copy.deepcopy(method), tokens, seed=0).output_ids
 
 
 def set_costs(method, stack) -> None:
     if method.wants_costs:  # as the runner measures them (KnapSpec's latency model)
-        costs = stack.measure_costs(reps=1, batch_sizes=(1, 2), contexts=method.latency_contexts)
+        costs = measure_costs(Engine(stack, Sampling(), set()), reps=1, batch_sizes=(1, 2),
+                              contexts=method.latency_contexts)
         method.set_costs(**cost_units(costs))
 
 
-class Replayed(_CudaGraphs):
+class Replayed(CudaGraphRunner):
     """The CUDA-graph runner with each capture replaced by a recording: the step's body, run again on every replay
     (as a CUDA graph replays its kernels on the same buffers), under a host-read counter that must stay at zero."""
 
@@ -101,20 +106,19 @@ def test_every_method_on_the_graphs_gives_eager_tokens(stack_and_prompt, name):
     set_costs(method, stack)
     reference = decode(stack, prompt, method)
     counter = CompileCounterWithBackend(BACKEND)
-    try:
-        info = compiled.choose(stack, "on", method, TOKENS, backend=counter)
-        graphs, frames = stack.compiled, counter.frame_count
-        assert info["compiled"] and info["graph_kind"] == "compiled" and info["compile_s"] > 0
-        with stack.counting() as work:
-            gen = Engine(stack, Sampling(), set()).generate(prompt, copy.deepcopy(method), TOKENS, seed=0)
-        assert gen.output_ids == reference
-        assert work.layers == sum(r.loaded_layers for r in gen.rounds)
-        assert counter.frame_count == frames  # prepared: nothing compiles inside a timed decode
-        assert set(graphs.declined) <= {"steps wider than 32 positions", "steps of a shape not prepared",
-                                        "a padded step past the cache's last slot"}
-        assert graphs.declined.get("steps of a shape not prepared", 0) <= 1  # the prefill alone
-    finally:
-        stack.compiled = None
+    own = set(vars(stack))
+    graphs, info = compiled.choose(stack, "on", method, TOKENS, backend=counter)
+    frames = counter.frame_count
+    assert info["compiled"] and info["graph_kind"] == "compiled" and info["compile_s"] > 0
+    assert set(vars(stack)) == own  # the engine holds its graphs: nothing of them is stored on the model's stack
+    with stack.counting() as work:
+        gen = Engine(stack, Sampling(), set(), graphs=graphs).generate(prompt, copy.deepcopy(method), TOKENS, seed=0)
+    assert gen.output_ids == reference
+    assert work.layers == sum(r.loaded_layers for r in gen.rounds)
+    assert counter.frame_count == frames  # prepared: nothing compiles inside a timed decode
+    assert set(graphs.declined) <= {"steps wider than 32 positions", "steps of a shape not prepared",
+                                    "a padded step past the cache's last slot"}
+    assert graphs.declined.get("steps of a shape not prepared", 0) <= 1  # the prefill alone
 
 
 def test_one_graph_serves_every_layer_and_position(stack_and_prompt):
@@ -198,20 +202,8 @@ def test_inductor_step_gives_eager_tokens(stack_and_prompt):
     stack, prompt = stack_and_prompt
     graphs = Graphs(stack)
     graphs.prepare(StepShapes(None, 0), 64)
-    stack.compiled = graphs
-    try:
-        assert decode(stack, prompt, Vanilla()) == decode_eager(stack, prompt, Vanilla())
-    finally:
-        stack.compiled = None
+    assert decode(stack, prompt, Vanilla(), graphs=graphs) == decode(stack, prompt, Vanilla())
     assert graphs.graphs == 1 and graphs.compile_s > 0
-
-
-def decode_eager(stack, prompt, method) -> list[int]:
-    graphs, stack.compiled = stack.compiled, None
-    try:
-        return decode(stack, prompt, method)
-    finally:
-        stack.compiled = graphs
 
 
 @pytest.mark.parametrize("setting,kind", [("on", "fused_cuda_graphs"), ("graphs", "cuda_graphs")])
@@ -226,30 +218,26 @@ def test_the_cuda_graph_runner_replays_the_engines_steps(stack_and_prompt, name,
     stack, prompt = stack_and_prompt
     method = METHODS[name]
     reference = decode(stack, prompt, method)
-    try:
-        info = compiled.choose(stack, setting, method, TOKENS, cache_len=len(prompt) + TOKENS + 1, capture=True,
-                               runner=Replayed, backend=CompileCounterWithBackend(BACKEND))
-        graphs = stack.compiled
-        assert info["graph_kind"] == kind and graphs.cache.max_len == compiled.CACHE_QUANTUM
-        engine = Engine(stack, Sampling(), set())
-        chains, forward_layers = [], graphs.forward_layers
-        graphs.forward_layers = lambda *a, **k: chains.append(forward_layers(*a, **k)) or chains[-1]
-        before = Replayed.replays
-        gen = engine.generate(prompt, copy.deepcopy(method), TOKENS, seed=0)
-        del graphs.forward_layers
-        assert gen.output_ids == reference
-        if name in ("vanilla", "ls", "del"):  # early exit: each chain one replay, ≤ d + 2 a round
-            replays = Replayed.replays - before
-            assert replays == sum(out is not None for out in chains)
-            assert replays <= sum(r.drafted + 2 for r in gen.rounds if r.round > 0)
-        assert engine.cache is graphs.cache
-        long_prompt = prompt * (compiled.CACHE_QUANTUM // len(prompt) + 1)
-        with caplog.at_level(logging.WARNING):
-            assert engine.generate(long_prompt, copy.deepcopy(method), 4, seed=0).output_ids == \
-                decode_eager(stack, long_prompt, method)[:4]
-        assert engine.cache is not graphs.cache and "were captured on" in caplog.text
-    finally:
-        stack.compiled = None
+    graphs, info = compiled.choose(stack, setting, method, TOKENS, cache_len=len(prompt) + TOKENS + 1, capture=True,
+                                   runner=Replayed, backend=CompileCounterWithBackend(BACKEND))
+    assert info["graph_kind"] == kind and graphs.cache.max_len == compiled.CACHE_QUANTUM
+    engine = Engine(stack, Sampling(), set(), graphs=graphs)
+    chains, forward_layers = [], graphs.forward_layers
+    graphs.forward_layers = lambda *a, **k: chains.append(forward_layers(*a, **k)) or chains[-1]
+    before = Replayed.replays
+    gen = engine.generate(prompt, copy.deepcopy(method), TOKENS, seed=0)
+    del graphs.forward_layers
+    assert gen.output_ids == reference
+    if name in ("vanilla", "ls", "del"):  # early exit: each chain one replay, ≤ d + 2 a round
+        replays = Replayed.replays - before
+        assert replays == sum(out is not None for out in chains)
+        assert replays <= sum(r.drafted + 2 for r in gen.rounds if r.round > 0)
+    assert engine.cache is graphs.cache
+    long_prompt = prompt * (compiled.CACHE_QUANTUM // len(prompt) + 1)
+    with caplog.at_level(logging.WARNING):
+        assert engine.generate(long_prompt, copy.deepcopy(method), 4, seed=0).output_ids == \
+            decode(stack, long_prompt, method)[:4]
+    assert engine.cache is not graphs.cache and "were captured on" in caplog.text
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
@@ -261,13 +249,10 @@ def test_every_family_runs_on_the_graphs_like_generate(name):
     model = tiny_family(name)
     stack = LayerStack(model)
     method = Swift(skip_set={"attn": [1], "mlp": [2]}, d_max=2)
-    try:
-        compiled.choose(stack, "on", method, 20, backend=CompileCounterWithBackend(BACKEND))
-        prompt = PROMPTS[0]  # longer than the window
-        assert decode(stack, prompt, method, 20) == hf_greedy(model, prompt, 20)
-        assert not stack.compiled.declined.get("steps of a shape not prepared", 0) > 1  # the prefill at most
-    finally:
-        stack.compiled = None
+    graphs, _ = compiled.choose(stack, "on", method, 20, backend=CompileCounterWithBackend(BACKEND))
+    prompt = PROMPTS[0]  # longer than the window
+    assert decode(stack, prompt, method, 20, graphs) == hf_greedy(model, prompt, 20)
+    assert not graphs.declined.get("steps of a shape not prepared", 0) > 1  # the prefill at most
 
 
 @pytest.mark.slow
@@ -278,13 +263,10 @@ def test_every_family_on_inductors_steps_is_generate(name):
     model = tiny_family(name)
     stack = LayerStack(model)
     method = LayerSkip(1, 2)
-    try:
-        info = compiled.choose(stack, "on", method, 12)
-        assert info["graph_kind"] == "compiled" and stack.compiled.functions.fused
-        prompt = PROMPTS[0]
-        assert decode(stack, prompt, method, 12) == hf_greedy(model, prompt, 12)
-    finally:
-        stack.compiled = None
+    graphs, info = compiled.choose(stack, "on", method, 12)
+    assert info["graph_kind"] == "compiled" and graphs.functions.fused
+    prompt = PROMPTS[0]
+    assert decode(stack, prompt, method, 12, graphs) == hf_greedy(model, prompt, 12)
 
 
 def test_half_precision_is_held_to_the_near_tie_rule():
@@ -294,15 +276,12 @@ def test_half_precision_is_held_to_the_near_tie_rule():
     model, tok = tiny_model(torch.bfloat16)
     stack = LayerStack(model)
     method = LayerSkip(1, 3)
-    try:
-        info = compiled.choose(stack, "on", method, 16, backend=CompileCounterWithBackend(BACKEND))
-        assert info["compiled"], info
-        prompt = tok(PROMPT)["input_ids"]
-        gen = Engine(stack, Sampling(), set()).generate(prompt, copy.deepcopy(method), 16, seed=0)
-        reference, gaps = compiled.generate_reference(model, prompt, 16)
-        assert compare(gen.output_ids, reference, gaps).lossless
-    finally:
-        stack.compiled = None
+    graphs, info = compiled.choose(stack, "on", method, 16, backend=CompileCounterWithBackend(BACKEND))
+    assert info["compiled"], info
+    prompt = tok(PROMPT)["input_ids"]
+    gen = Engine(stack, Sampling(), set(), graphs=graphs).generate(prompt, copy.deepcopy(method), 16, seed=0)
+    reference, gaps = compiled.generate_reference(model, prompt, 16)
+    assert compare(gen.output_ids, reference, gaps).lossless
 
 
 def test_check_applies_the_rule_of_the_dtype(stack_and_prompt, monkeypatch):
@@ -334,10 +313,9 @@ def test_check_applies_the_rule_of_the_dtype(stack_and_prompt, monkeypatch):
 def test_compile_off_auto_off_cuda_and_bad_settings(stack_and_prompt):
     """off, and auto (the default) on a CPU: the stack's loop, nothing compiled (auto captures on CUDA only)."""
     stack, _ = stack_and_prompt
-    assert compiled.choose(stack, "off", Vanilla(), TOKENS) == {"compile": "off", "compiled": False}
-    assert stack.compiled is None
-    auto = compiled.choose(stack, "auto", Vanilla(), TOKENS)
-    assert not auto["compiled"] and "CUDA only" in auto["reason"] and stack.compiled is None
+    assert compiled.choose(stack, "off", Vanilla(), TOKENS) == (None, {"compile": "off", "compiled": False})
+    graphs, auto = compiled.choose(stack, "auto", Vanilla(), TOKENS)
+    assert graphs is None and not auto["compiled"] and "CUDA only" in auto["reason"]
     with pytest.raises(ValueError, match="compile='sometimes'"):
         compiled.choose(stack, "sometimes", Vanilla(), TOKENS)
     assert compiled.unsupported(stack) is None

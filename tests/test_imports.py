@@ -243,3 +243,65 @@ def test_upward_imports_are_found_at_any_depth():
 def test_no_import_runs_up_the_layers():
     upward = upward_imports(import_graph())
     assert not upward, "imports from a lower layer to a higher one:\n" + "\n".join(upward)
+
+
+# ---- the engine calls down into the model's stack and keeps nothing of its own there (static_steps.memo holds what the
+# graphs of one stack share); a module over MAX_LINES is split by concern
+MAX_LINES = 700
+STACK_NAMES = {"stack", "st"}  # how the engine's code names a LayerStack (also self.stack, self._stack)
+
+
+def _stack_expr(node: ast.AST) -> bool:
+    if isinstance(node, ast.Name):
+        return node.id in STACK_NAMES
+    return isinstance(node, ast.Attribute) and node.attr in {"stack", "_stack"} and isinstance(node.value, ast.Name)
+
+
+def stack_own_attributes() -> set[str]:
+    """The attributes LayerStack's own code sets on itself (self.x = … anywhere in models/)."""
+    own = set()
+    for path in (ROOT / "models").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+            for t in targets:
+                for leaf in ast.walk(t) if t is not None else ():
+                    if isinstance(leaf, ast.Attribute) and isinstance(leaf.value, ast.Name) and leaf.value.id in {
+                            "self", "stack"}:
+                        own.add(leaf.attr)
+    return own
+
+
+def engine_state_on_stack(source: str, own: set[str]) -> list[str]:
+    """Where engine code stores something on a stack: an attribute the models never set (`stack.compiled = …`),
+    `setattr(stack, …)` or `stack.__dict__`, as 'line: what'."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+            for t in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                for leaf in ast.walk(t):
+                    if isinstance(leaf, ast.Attribute) and _stack_expr(leaf.value) and leaf.attr not in own:
+                        found.append(f"{node.lineno}: sets .{leaf.attr}")
+        if isinstance(node, ast.Attribute) and node.attr == "__dict__" and _stack_expr(node.value):
+            found.append(f"{node.lineno}: reads __dict__")
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr"
+                and node.args and _stack_expr(node.args[0])):
+            found.append(f"{node.lineno}: setattr")
+    return found
+
+
+def test_the_engine_stores_nothing_on_the_models_stack():
+    own = stack_own_attributes()
+    assert {"counter", "products", "wide_products"} <= own and "compiled" not in own
+    for mutant in ("stack.compiled = graphs", "stack.__dict__.setdefault('_made', {})", "setattr(st, 'x', 1)",
+                   "self.stack._graphs = {}"):
+        assert engine_state_on_stack(mutant, own), mutant
+    assert engine_state_on_stack("counter, self.stack.counter = self.stack.counter, None", own) == []
+    found = {str(p.relative_to(ROOT.parent)): engine_state_on_stack(p.read_text(), own)
+             for p in (ROOT / "engine").rglob("*.py")}
+    assert {p: f for p, f in found.items() if f} == {}
+
+
+def test_no_module_is_over_the_line_limit():
+    long = {str(p.relative_to(ROOT.parent)): n for p in ROOT.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert long == {}, f"split these by concern (at most {MAX_LINES} lines a module): {long}"

@@ -18,7 +18,7 @@ from del_bench.errors import ConfigError
 from del_bench.methods.ls import LayerSkip
 from del_bench.models import layer_stack, products
 from del_bench.models.layer_stack import LayerStack
-from del_bench.models.products import WT_X, X_WT, X_WT_COPY, choose, product
+from del_bench.models.products import WT_X, X_WT, X_WT_COPY, choose, product, products_for, tune_rows
 from del_bench.records import RunDir
 from tests.conftest import tiny_model
 from tests.test_engine import PROMPTS, hf_greedy
@@ -179,7 +179,7 @@ def test_a_run_records_the_layouts_and_a_resume_keeps_them(run_cfg, monkeypatch)
 def test_a_batchs_width_gets_the_layouts_timed_at_it():
     """Batched decoding's ragged steps run wider than the verification batches auto timed: products.for_rows times
     every shape at the batch's width and keeps the fastest (the head and the layers may differ), the one-row layouts
-    untouched; a forced setting and half precision keep theirs. LayerStack.products_for uses them only beyond 5 rows."""
+    untouched; a forced setting and half precision keep theirs. products.products_for uses them only beyond 5 rows."""
     own = choose("auto", torch.float32, fake_timer(MIXED, []))
     calls = []
 
@@ -198,7 +198,7 @@ def test_a_batchs_width_gets_the_layouts_timed_at_it():
     stack = LayerStack(tiny_model()[0], products="auto")
     stack.wide_products = wide
     for rows, expected in ((5, stack.products), (6, wide), (16, wide)):
-        with stack.products_for(rows):
+        with products_for(stack, rows):
             assert stack.products is expected
     assert stack.products is not wide
 
@@ -224,7 +224,7 @@ def test_onednn_blocked_copies_for_a_batchs_rows():
                              shape == "gate_up" else 1.0, 8, packed=True)
     assert {s: lay.many for s, lay in wide.layouts.items()}["gate_up"] == products.ONEDNN
     assert not products.onednn(torch.float64, torch.device("cpu"))  # float64 (the tests' models): never a candidate
-    stack.tune_rows(8)  # timed for real: whichever won, the copies kept are exactly the winners'
+    tune_rows(stack, 8)  # timed for real: whichever won, the copies kept are exactly the winners'
     for shape in products.SHAPES:
         kept = [products.packed(m) is not None for m in products.matrices(stack, shape)]
         assert all(kept) == (stack.wide_products[shape].many == products.ONEDNN) and len(set(kept)) == 1

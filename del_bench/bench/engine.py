@@ -8,7 +8,7 @@ of its own loop (they pair: RunKey's machine names the loop).
 
 Columns from the records: tok/s, speedup, pred. (eTPL × L), meas/pred, ctrl (Round.policy_s ÷ decode time), ms/tok
 (decode time per emitted token, prefill excluded: rounds ≥ 1 of rounds.jsonl); c.pred, the speedup of decoding
-(prefill excluded) that this device's measured costs predict (LayerStack.measure_costs: a layer, a head row, a batch
+(prefill excluded) that this device's measured costs predict (engine/costs.measure_costs: a layer, a head row, a batch
 of T positions; a del_cpu row's costs.json, else measured after the rows), every round priced as DEL's TPL prices a
 plan (dynamic_exit.round_cost), and m/c (the measured decode speedup ÷ c.pred: 1.0 = the cost model holds on this
 device — on a GPU, where a batch of d + 1 positions costs about one, as on a CPU, where it costs more). Columns from
@@ -29,6 +29,9 @@ from hydra.utils import get_class
 from del_bench import session
 from del_bench.bench import harness as h
 from del_bench.bench.syncs import SyncReport, measure, print_syncs
+from del_bench.engine.costs import measure_costs
+from del_bench.engine.decode import Engine
+from del_bench.engine.sampling import Sampling
 from del_bench.methods.dynamic_exit import batch_factors, round_cost
 from del_bench.models.layer_math import linear
 from del_bench.models.products import layer_matrices
@@ -101,12 +104,14 @@ def cost_predicted_speedup(rounds: list[dict], num_layers: int, costs: dict) -> 
     return (num_layers + h) / (spent / emitted)
 
 
-def loop_costs(rows: list[dict], stack) -> dict:
+def loop_costs(rows: list[dict], stack, measure=None) -> dict:
     """The measured costs of one layer loop's rows: a row's own costs.json where it was measured on this device (what
-    its DEL planned on), else measured now on `stack` (untimed, after the rows)."""
+    its DEL planned on), else measured now on `stack`'s loop (`measure`, default engine/costs.measure_costs; untimed,
+    after the rows)."""
     here = stack.cost_device()
     own = (RunDir(r["out_dir"]).costs() for r in rows)
-    return next((c for c in own if c is not None and c.get("device") == here), None) or stack.measure_costs()
+    found = next((c for c in own if c is not None and c.get("device") == here), None)
+    return found or (measure or (lambda: measure_costs(Engine(stack, Sampling(), set()))))()
 
 
 def add_cost_predictions(rows: list[dict], stack, num_layers: int) -> dict:

@@ -371,11 +371,11 @@ def count_launches(stack: LayerStack, backend) -> int:
     import torch._inductor.config as inductor_config
     from torch.profiler import ProfilerActivity, profile
 
-    from del_bench.engine.compiled import StaticSteps, StepFunctions, _adopt
+    from del_bench.engine.static_steps import StaticSteps, StepFunctions, adopt
 
     device = stack.layers[0].device
     cache = stack.new_cache(64)
-    _adopt(cache, static_addresses=True)
+    adopt(cache, static_addresses=True)
     with inductor_config.patch({"cpp.enable_kernel_profile": True}):  # each C++ kernel a profiler event
         layer = StepFunctions(StaticSteps(stack), backend).layer
         h = torch.randn(1, 1, stack.embed_weight.shape[1], dtype=stack.dtype, device=device)

@@ -114,7 +114,8 @@ def main(argv: list[str]) -> int:
     graphs = {}
     for method, paper in methods(exit_layer):
         reach = max(map(len, prompts)) + args.max_new_tokens + 1
-        graphs[method.name] = compiled.choose(stack, args.compile, method, args.max_new_tokens, cache_len=reach)
+        engine.graphs, graphs[method.name] = compiled.choose(stack, args.compile, method, args.max_new_tokens,
+                                                             cache_len=reach)
         for i, (prompt, (ref, ref_gaps)) in enumerate(zip(prompts, refs)):
             gen = engine.generate(prompt, method, args.max_new_tokens, seed=0)
             if method.name == "vanilla":

@@ -7,7 +7,7 @@ Every row (a slot) runs `Engine.generate` — its rounds, methods, sampling, acc
 B = 1 — in a Python thread of its own, on a `RowStack`: the LayerStack as that row sees it. A RowStack hands every
 call to the real stack except the weight-bound ones — a pass through layers (forward_layers, forward_skipping), the
 LM head (head, logits, exit_logits) and DEL's shadow scoring (shadow_tokens) — which it posts to the `Batch` and
-waits for. The Batch runs them for all rows at once (LayerStack.attention_rows, mlp_rows, head_rows: the products
+waits for. The Batch runs them for all rows at once (ragged_rows.attention_rows, mlp_rows, head_rows: the products
 over every row's positions concatenated, RoPE, the cache write and the attention per row), so a layer's weights are
 read once for every row that runs it, whatever each row's width, positions, exit layer, skip set or token tree.
 
@@ -49,7 +49,8 @@ import torch
 from del_bench.engine.decode import Engine, Request, served
 from del_bench.engine.sampling import Sampling
 from del_bench.models.kv_cache import KVCache, TreeMask
-from del_bench.models.layer_stack import LayerStack, RaggedRow
+from del_bench.models.layer_stack import LayerStack
+from del_bench.models.ragged_rows import RaggedRow, attention_rows, head_rows, mlp_rows
 
 HEAD_RANK = {"head": 1, "shadow": 2}  # after the last layer: the head, then shadow scoring
 
@@ -141,7 +142,9 @@ class RowStack:
         return getattr(self._stack, name)
 
     def new_cache(self, max_len: int, batch: int = 1) -> KVCache:
-        """The row's view of the shared cache, grown to max_len where it is shorter."""
+        """The row's view of the shared cache, grown to max_len where it is shorter: one row (a row holds no batch)."""
+        if batch != 1:
+            raise ValueError(f"a batched row's cache is its one row of the batch's cache, not {batch} rows")
         return self._batch.grow(max_len)[self._slot]
 
     def forward_layers(self, h: torch.Tensor, start: int, end: int, pos: int, cache: KVCache,
@@ -149,13 +152,13 @@ class RowStack:
                        keep: int | None = None) -> torch.Tensor:
         if start >= end:
             return h
-        cos, sin, mask = self._stack._rope_and_mask(pos, h.shape[1], h.device, tree)
+        cos, sin, mask = self._stack.rope_and_mask(pos, h.shape[1], h.device, tree)
         return self._pass(_Pass(self._slot, RaggedRow(h, pos, cache, cos, sin, mask), start, end, collect=collect,
                                 keep=keep, tree=tree))
 
     def forward_skipping(self, h: torch.Tensor, pos: int, cache: KVCache, skip_attn: frozenset[int],
                          skip_mlp: frozenset[int], write: bool = True, collect: list | None = None) -> torch.Tensor:
-        cos, sin, mask = self._stack._rope_and_mask(pos, h.shape[1], h.device)
+        cos, sin, mask = self._stack.rope_and_mask(pos, h.shape[1], h.device)
         return self._pass(_Pass(self._slot, RaggedRow(h, pos, cache, cos, sin, mask, write), 0,
                                 self._stack.num_layers, frozenset(skip_attn), frozenset(skip_mlp), collect,
                                 per_sublayer=True))
@@ -192,8 +195,6 @@ class Batch:
 
     def __init__(self, stack: LayerStack, size: int, sampling: Sampling, eos_ids: set[int], stop=None,
                  cache_len: int = 1024, shadow_with_acceptance: bool | None = None):
-        if stack.compiled is not None:
-            raise ValueError("batched decoding runs the stack's layer loop: the graph-captured steps serve batch 1")
         self.stack, self.size = stack, size
         self.cache = stack.new_cache(cache_len, batch=size)  # [B, KV, max_len, hd] a layer
         self.views = [self.cache.row(r) for r in range(size)]
@@ -342,14 +343,14 @@ class Batch:
             return
         attention = [p for p in passes if i not in p.skip_attn]
         if attention:
-            st.attention_rows(i, [p.row for p in attention])
+            attention_rows(st, i, [p.row for p in attention])
             self._share(attention, 0.5)
         for p in passes:
             if p.per_sublayer and p.collect is not None:
                 p.collect.append(p.row.h)
         mlp = [p for p in passes if i not in p.skip_mlp]
         if mlp:
-            st.mlp_rows(i, [p.row for p in mlp])
+            mlp_rows(st, i, [p.row for p in mlp])
             self._share(mlp, 0.5)
         for p in passes:
             if p.collect is not None:  # as forward_layers / forward_skipping collect (a trimmed copy with keep)
@@ -372,7 +373,7 @@ class Batch:
         self.head_passes += 1
         for c in group:
             c.row.head_passes += 1 / len(group)
-        return self.stack.head_rows([c.payload for c in group])
+        return head_rows(self.stack, [c.payload for c in group])
 
     def _shadow_step(self, group: list[_Call]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """DEL's shadow scoring of several rows' states in one call (their rows concatenated, then split)."""

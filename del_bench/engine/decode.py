@@ -43,7 +43,7 @@ from del_bench.engine.sampling import (
 from del_bench.engine.shadow import ShadowScorer
 from del_bench.engine.steps import Draft, Verified, whole  # noqa: F401 (Draft, Verified: part of this module's API)
 from del_bench.methods.base import Method, Plan, RoundEvidence
-from del_bench.models.kv_cache import KVCache
+from del_bench.models.kv_cache import KVCache, TreeMask
 from del_bench.models.layer_math import cat_on, top_confidence
 from del_bench.models.layer_stack import LayerStack
 from del_bench.numerics import gap_from_top2, is_half, widened
@@ -119,15 +119,19 @@ class Acceptance:
 
 class Engine:
     def __init__(self, stack: LayerStack, sampling: Sampling, eos_ids: set[int], stop=None,
-                 shadow_with_acceptance: bool | None = None, cache: KVCache | None = None):
+                 shadow_with_acceptance: bool | None = None, cache: KVCache | None = None, graphs=None):
         """stop: optional callable(output_ids) → True to end generation after the latest token
         (per-task stop strings); checked token by token, so no token after the stop is kept.
         shadow_with_acceptance: DEL's shadow statistics come to the host on the round's acceptance read, scored over
         all d + 1 positions (engine/shadow.py); None: where the head is not on the CPU (a read stalls a queue there,
         and a CPU pays for the rejected positions' rows).
         cache: the KV cache to decode in (a batched row: its view of the batch's cache, engine/lockstep.py); None: one
-        allocated at the first generate."""
+        allocated at the first generate.
+        graphs: the graph-captured steps to decode on (engine/compiled.Graphs, chosen by compiled.choose), or None:
+        the stack's own layer loop (fused or eager). The engine chooses the path and calls down into it
+        (forward_layers, forward_skipping); the stack never calls up into the engine."""
         self.stack = stack
+        self.graphs = graphs
         self.sampling = sampling
         self.eos_ids = set(eos_ids)
         self.stop = stop
@@ -153,13 +157,41 @@ class Engine:
     def _fresh_cache(self, max_len: int) -> KVCache:
         # One allocation reused across prompts; stale slots are overwritten before they are read. Graph-captured
         # steps (engine/compiled.py) write the cache they were captured on: the engine decodes in it where it fits
-        captured = self.stack.compiled.cache_for(max_len) if self.stack.compiled is not None else None
+        captured = self.graphs.cache_for(max_len) if self.graphs is not None else None
         if captured is not None:
             self._cache = captured
         elif self._cache is None or self._cache.max_len < max_len:
             self._cache = self.stack.new_cache(max(max_len, 1024))
         self._cache.crop(0)
         return self._cache
+
+    def forward_layers(self, h: torch.Tensor, start: int, end: int, pos: int, cache: KVCache,
+                       collect: list | None = None, tree: TreeMask | None = None,
+                       keep: int | None = None) -> torch.Tensor:
+        """Layers [start, end) on h [1, T, D] (LayerStack.forward_layers' arguments and result) on this engine's
+        path: its graph-captured steps where they take the call (a chain at a width they were made for; no tree, no
+        trimmed collection), else the stack's loop."""
+        trimmed = collect is not None and keep is not None and keep < h.shape[1]
+        if self.graphs is not None and tree is None and not trimmed:
+            out = self.graphs.forward_layers(h, start, end, pos, cache, collect)
+            if out is not None:
+                return out
+        return self.stack.forward_layers(h, start, end, pos, cache, collect, tree, keep)
+
+    def forward_skipping(self, h: torch.Tensor, pos: int, cache: KVCache, skip_attn: frozenset[int],
+                         skip_mlp: frozenset[int], write: bool = True, collect: list | None = None) -> torch.Tensor:
+        """Every layer on h with the named sublayers skipped (LayerStack.forward_skipping's arguments and result) on
+        this engine's path: its graph-captured sublayer steps where they fit a drafting pass, else the stack's loop."""
+        if self.graphs is not None and write:
+            out = self.graphs.forward_skipping(h, pos, cache, skip_attn, skip_mlp, collect)
+            if out is not None:
+                return out
+        return self.stack.forward_skipping(h, pos, cache, skip_attn, skip_mlp, write, collect)
+
+    @property
+    def layer_path(self) -> str:
+        """What decodes: the stack's loop (fused, eager), and the graphs' kind where this engine runs them."""
+        return self.stack.layer_path + (f"+{self.graphs.path}" if self.graphs is not None else "")
 
     @property
     def rng_device(self) -> torch.device:
@@ -250,7 +282,7 @@ class Engine:
         st, L = self.stack, self.stack.num_layers
         layers = [] if method.wants_shadow else None  # each layer's last w positions [1, w, D]: the shadow window
         w = min(method.prefill_window, len(prompt_ids))
-        h = st.forward_layers(st.embed(self.ids(prompt_ids)), 0, L, 0, cache, collect=layers, keep=w)  # [1, P, D]
+        h = self.forward_layers(st.embed(self.ids(prompt_ids)), 0, L, 0, cache, collect=layers, keep=w)  # [1, P, D]
         logits = st.logits(h[:, -1:])[0, -1]  # [V]
         if self.sampling.do_sample:
             token = rng.sample(self.sampling.probs(logits))  # [1]

@@ -89,7 +89,7 @@ def draft_layers(engine, token: torch.Tensor, pos: int, E: int, cache, draft: Dr
     """Layers 1..E for one token ([1, 1] ids) at position pos (writing their KV); its layer-E state [1, 1, D]
     goes to draft.exit_states and, for shadow tokens, every layer's output to draft.early."""
     layers = None if draft.early is None else []
-    h = engine.stack.forward_layers(engine.stack.embed(token), 0, E, pos, cache, collect=layers)
+    h = engine.forward_layers(engine.stack.embed(token), 0, E, pos, cache, collect=layers)
     draft.exit_states.append(h)  # [1, 1, D]
     if draft.early is not None:
         draft.early.append(layers)  # E × [1, 1, D]
@@ -100,7 +100,7 @@ def verify(engine, draft: Draft, E: int, pos: int, cache) -> Verified:
     here: acceptance runs it (over every row at once, greedy or sampling)."""
     late: list[torch.Tensor] | None = None if draft.early is None else []  # [layer] → [1, d+1, D]
     states = torch.cat(draft.exit_states, dim=1)  # [1, d+1, D]
-    h = engine.stack.norm(engine.stack.forward_layers(states, E, engine.stack.num_layers, pos, cache, collect=late))
+    h = engine.stack.norm(engine.forward_layers(states, E, engine.stack.num_layers, pos, cache, collect=late))
     return Verified(h, late, engine.stack.head, gaps={} if engine.track_gaps else None)
 
 

@@ -93,7 +93,7 @@ def _step(engine, prompt_len, cache, gen, method, rng, deferred: _Deferred, flus
             start = owed
         if h is None:  # flush: no position owes this layer yet
             continue
-        h = st.forward_layers(h, i, i + 1, start, cache)  # positions start..end, [1, end − start + 1, D]
+        h = engine.forward_layers(h, i, i + 1, start, cache)  # positions start..end, [1, end − start + 1, D]
         loaded += 1
         layer = i + 1
         if can_exit and layer < L and layer in method.head_layers:

@@ -22,10 +22,10 @@ Jobs are generators: `decode(slot, job)` yields Requests (generate's arguments: 
 Generation back — no threads; the batch drives them at round boundaries (engine/batch.py's thread scheduler runs the
 same jobs for the methods lockstep does not serve: `serves`).
 
-The steps (compiled.RowSteps) take each row's positions and which sublayers it runs as data, so the shapes are
+The steps (static_steps.RowSteps) take each row's positions and which sublayers it runs as data, so the shapes are
 static: a row that idles in a layer (past its exit, in a sublayer its skip set skips, done drafting, or an empty slot)
 is computed and dropped, its keys written only to a scratch slot. On CUDA the steps are graphs captured per (B, width
-bucket) (compiled.Graphs.rows); on a CPU they run eagerly over the batch's products (LayerStack.products_for).
+bucket) (compiled.Graphs.rows); on a CPU they run eagerly over the batch's products (products.products_for).
 
 Accounting. Each row records what it records alone — its rounds' loaded layers (d·E + L), head rows, reads (the
 batch's reads that carried its values: transfer.Ledger). The batch's own: each sublayer a step computes is loaded
@@ -45,13 +45,14 @@ from typing import Any
 import torch
 
 from del_bench.engine import compiled, early_exit, skipping
-from del_bench.engine.compiled import RowSteps, padded
 from del_bench.engine.decode import Acceptance, Decoding, Engine, Request, RoundPlan
 from del_bench.engine.sampling import Sampling
+from del_bench.engine.static_steps import RowSteps, padded
 from del_bench.engine.steps import Draft, Verified
 from del_bench.methods.base import Method
 from del_bench.models.kv_cache import KVCache
 from del_bench.models.layer_stack import LayerStack
+from del_bench.models.products import products_for
 from del_bench.numerics import compare, is_half
 from del_bench.transfer import Ledger, charged, reads, to_list
 
@@ -360,7 +361,7 @@ class Lockstep:
         read for the whole batch, then each row's host part (emit, crop, its next pending token)."""
         hs = [s.round.verified.h for s in slots]  # [1, T_r, D] each: normed
         sizes = [h.shape[1] for h in hs]
-        with self.stack.products_for(sum(sizes)):
+        with products_for(self.stack, sum(sizes)):
             logits = self.stack.head(torch.cat(hs, dim=1))[0].split(sizes)  # [T_r, V] each
         self._head_pass(slots)
         for slot, rows in zip(slots, logits):
@@ -447,7 +448,7 @@ class Lockstep:
         """The draft head over several rows' newest states (each [1, 1, D], at its exit layer: its adapter where
         one is loaded) in one product → each row's logits [V]."""
         inputs = torch.cat([self.stack.exit_input(h, e) for h, e in zip(states, exits)], dim=1)  # [1, n, D]
-        with self.stack.products_for(len(states)):
+        with products_for(self.stack, len(states)):
             logits = self.stack.head(inputs)[0]  # [n, V]
         self._head_pass(slots)
         return list(logits.unbind(0))

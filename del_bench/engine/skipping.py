@@ -28,7 +28,7 @@ def draft(engine, token: int, pos: int, skip: SkipSet, budget: int, cache, metho
     draft = Draft()
     attn, mlp = frozenset(skip.attn), frozenset(skip.mlp)
     while len(draft.drafts) < budget:
-        h = engine.stack.forward_skipping(engine.stack.embed(engine.ids([token])), pos, cache, attn, mlp)
+        h = engine.forward_skipping(engine.stack.embed(engine.ids([token])), pos, cache, attn, mlp)
         draft.exit_states.append(h)  # [1, 1, D]
         candidate, keep = engine.draft_token(draft, method, rng, on_host=True)
         if candidate is None:  # only with drop_stopped_draft
@@ -68,9 +68,9 @@ def verify(engine, pending: int, draft: Draft, pos: int, cache, keep: str | None
     h = st.embed(engine.ids(tokens))  # [1, T, D]
     states = None if keep is None else [h]
     if keep == "sublayers" and mask is None:
-        h = st.forward_skipping(h, pos, cache, frozenset(), frozenset(), collect=states)
+        h = engine.forward_skipping(h, pos, cache, frozenset(), frozenset(), collect=states)
     else:
-        h = st.forward_layers(h, 0, st.num_layers, pos, cache, tree=mask, collect=states)  # [1, T, D]
+        h = engine.forward_layers(h, 0, st.num_layers, pos, cache, tree=mask, collect=states)  # [1, T, D]
     return Verified(st.norm(h), None, st.head, siblings=where, gaps={} if engine.track_gaps else None,
                     states=states)
 
@@ -90,7 +90,7 @@ def probe(engine, method: Method, n: int, gen: Generation, cache) -> dict:
                          f"{probe.start + probe.length + 1} generated tokens; there are {len(gen.output_ids)}")
     st = engine.stack
     pos = n - len(gen.output_ids) + probe.start  # output_ids[j] sits at position prompt + j
-    h = st.forward_skipping(st.embed(engine.ids(ids[:-1])), pos, cache, frozenset(probe.skip.attn),
+    h = engine.forward_skipping(st.embed(engine.ids(ids[:-1])), pos, cache, frozenset(probe.skip.attn),
                             frozenset(probe.skip.mlp), write=False)  # [1, length, D]
     predicted = st.logits(h)[0].argmax(-1)  # [length]
     matchness = to_list((predicted == to_device(ids[1:], predicted.device)).double().mean())

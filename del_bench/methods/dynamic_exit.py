@@ -116,7 +116,7 @@ def tpl_table(alpha, num_layers: int, d_max: int, head_cost: float = 0.0, stop_h
 
 
 def batch_factors(batch_s: list, rows: int) -> tuple[float, ...]:
-    """c(T) for T = 1..rows: the measured seconds of T positions through every layer ÷ of one (LayerStack.measure_costs'
+    """c(T) for T = 1..rows: the measured seconds of T positions through every layer ÷ of one (costs.measure_costs'
     batch_s: [[T, seconds], …]), linear in T between measured sizes and beyond the largest along the last segment's
     slope, at least 1. On a CPU a batch is not free (SmolLM2: c(2) ≈ 1.5, c(4..8) ≈ 2); on a GPU, where a layer's
     weights stream once for every row, c stays near 1 — whatever the device measured."""
@@ -247,7 +247,7 @@ class DEL(Method):
 
     def set_costs(self, layer_s: float, head_s: float, batch_s: list | None = None, **_) -> None:
         """Measured once per model/device at start-up (cost_model=measured). batch_s: [[T, seconds of T
-        positions through every layer], …] (LayerStack.measure_costs), interpolated for T = 1..d_max+1; absent
+        positions through every layer], …] (engine/costs.measure_costs), interpolated for T = 1..d_max+1; absent
         in costs measured before it existed (then a batch costs what one position does, as before)."""
         self.head_cost = head_s / layer_s
         self.batch_cost = batch_factors(batch_s, self.d_max + 1) if batch_s else ()

@@ -4,12 +4,8 @@ tree's mask, and the counter tests hold each round's accounting against."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
-
-if TYPE_CHECKING:
-    from del_bench.models.layer_stack import LayerStack
 
 
 @dataclass
@@ -31,7 +27,7 @@ class KVCache:
     During drafting the early layers run ahead of the late ones, so lengths differ per layer;
     rejection only lowers lengths (stale slots are overwritten by the next write)."""
 
-    def __init__(self, stack: "LayerStack", max_len: int, num_layers: int | None = None, batch: int = 1):
+    def __init__(self, stack, max_len: int, num_layers: int | None = None, batch: int = 1):
         """num_layers: allocate only the first layers (a latency probe of one layer at a long context). batch: rows
         (a batched run's shared cache, engine/batch.py: each row decodes in its own view, `row`)."""
         self.max_len = max_len

@@ -73,7 +73,7 @@ def _normalized(x32: torch.Tensor, eps: float) -> torch.Tensor:
 
 def attend(q, k, v, mask: torch.Tensor | None, pos: int, scale: float, gqa: bool, exact: bool = False) -> torch.Tensor:
     """SDPA of q [1, H, T, hd] (positions pos .. pos+T-1) over k, v [1, KV, pos+T, hd] → [1, H, T, hd]. With no mask
-    (_rope_and_mask) over several queries: from an empty cache, `is_causal` (T queries, T keys: top-left and
+    (LayerStack.rope_and_mask) over several queries: from an empty cache, `is_causal` (T queries, T keys: top-left and
     bottom-right alignment agree; HF's prefill makes the same call); with a cache, row by row, each row the single-query
     call a decode step makes over its own keys [0, pos+i] — the SDPA kernel's bits depend on the key length, so a
     masked batch row is not a decode step's. A token tree with `exact` (LayerStack.exact_rows) likewise, each node

@@ -15,7 +15,6 @@ import platform
 import statistics
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -40,43 +39,13 @@ from del_bench.models.layer_math import (
 )
 from del_bench.models.loading import check_resident
 from del_bench.models.products import (
-    FEW_ROWS,
-    ONEDNN,
-    SHAPES,
     X_WT,
     X_WT_COPY,
     Products,
-    for_rows,
-    matrices,
-    onednn,
-    pack,
     time_products,
-    unpack,
 )
 from del_bench.models.products import choose as choose_products
 from del_bench.numerics import HALF_DTYPES
-
-
-@dataclass
-class RaggedRow:
-    """One row of a ragged batch (LayerStack.attention_rows, engine/batch.py): its states h [1, T, D] at positions
-    pos .. pos+T−1, its own KV cache (a view of its row of the batch's cache: KVCache.row), its rotary tables and mask
-    (LayerStack._rope_and_mask: a chain or a token tree) and whether its attention writes the cache (False: SWIFT's
-    teacher-forced probe)."""
-
-    h: torch.Tensor
-    pos: int
-    cache: KVCache
-    cos: torch.Tensor
-    sin: torch.Tensor
-    mask: torch.Tensor | None
-    write: bool = True
-
-
-def _split(out: torch.Tensor, rows: list[RaggedRow]) -> None:
-    """out [1, ΣT, D], the rows' positions in order → each row's h, a view of its own positions [1, T_r, D]."""
-    for r, h in zip(rows, out.split([r.h.shape[1] for r in rows], dim=1)):
-        r.h = h
 
 
 class LayerStack:
@@ -134,10 +103,6 @@ class LayerStack:
         self.use_products(self._choose_products(products))
         self.wide_products: Products | None = None  # a batch's width (tune_rows): batched decoding's ragged steps
         self._fused_family = self._fused_family_args()
-        # engine/compiled.py's static-shape graphs (`compile`: off | auto | on), set by compiled.choose after loading:
-        # they take the chain calls of the widths they were compiled for; every other call runs the loop above. None
-        # before fused.choose, whose check runs forward_layers
-        self.compiled = None
         self.fused, self.layer_path, self.layer_setup_s = fused.choose(self, layers)
 
     def use_products(self, chosen: Products) -> None:
@@ -252,20 +217,7 @@ class LayerStack:
         weight = norm.weight.detach()
         return 1.0 + weight.float() if self.math.family.norm == "gemma" else weight
 
-    # ---- costs ------------------------------------------------------------------------------
-    def measure_costs(self, context: int = 128, reps: int = 5, batch_sizes=(1, 2, 4, 8, 16, 32),
-                      contexts=()) -> dict:
-        """Seconds for one token through one decoder layer (mean over all layers) and for one LM-head
-        row, at `context` cached positions: the calibrated cost model's units. Median of `reps`, every device
-        synchronised around each. batch_s: [[T, seconds for T positions through every layer], …] (what a
-        verification batch costs there: on a CPU several single positions' worth, on a GPU about one).
-        contexts (KnapSpec's latency model): also sublayer_s, measure_sublayers(contexts). `device`: where they were
-        measured (cost_device): costs measured elsewhere are not this stack's."""
-        costs = {"device": self.cost_device(), **self._measure_layer_costs(context, reps, batch_sizes)}
-        if contexts:
-            costs["sublayer_s"] = self.measure_sublayers(contexts)
-        return costs
-
+    # ---- costs (the engine measures its own path: engine/costs.py) -------------------------
     def cost_device(self) -> str:
         """What a measured cost depends on besides the model: the devices (a GPU's name; the CPU's and torch's threads),
         the dtype and the decoder-layer loop. A costs.json recording another is never reused
@@ -275,31 +227,9 @@ class LayerStack:
                  for d in self.devices]
         return f"{' + '.join(dict.fromkeys(names))}, {str(self.dtype).removeprefix('torch.')}, {self.layer_path} layers"
 
-    def _seconds(self, fn, reps: int, warmup: int = 1) -> list[float]:
+    def seconds(self, fn, reps: int, warmup: int = 1) -> list[float]:
         """Seconds of each of `reps` calls of fn after `warmup` untimed ones, every device synchronised around each."""
         return seconds_of(fn, reps, warmup, self.synchronize)
-
-    @torch.inference_mode()
-    def _measure_layer_costs(self, context: int, reps: int, batch_sizes) -> dict:
-        # on the path that decodes: graph-captured steps run on the cache they were captured on
-        captured = self.compiled.cache_for(context + max(batch_sizes)) if self.compiled is not None else None
-        cache = captured or self.new_cache(context + max(batch_sizes))
-        cache.crop(0)
-        self.forward_layers(self.embed(torch.zeros(1, context, dtype=torch.long)), 0, self.num_layers, 0, cache)
-        x = self.embed(torch.zeros(1, 1, dtype=torch.long))
-
-        def timed(fn) -> float:
-            return statistics.median(self._seconds(fn, reps))
-
-        layers_s = timed(lambda: self.forward_layers(x, 0, self.num_layers, context, cache))
-        batch_s = []
-        for T in batch_sizes:
-            xs = self.embed(torch.zeros(1, T, dtype=torch.long))  # [1, T, D]
-            batch_s.append([T, timed(lambda xs=xs: self.forward_layers(xs, 0, self.num_layers, context, cache))])
-        # a draft head row: with exit adapters it includes the d×d map (so DEL's head cost h counts it)
-        exit_layer = self.adapters.layers[len(self.adapters.layers) // 2] if self.adapters else self.num_layers
-        head_s = timed(lambda: self.exit_logits(x, exit_layer))
-        return {"layer_s": layers_s / self.num_layers, "head_s": head_s, "batch_s": batch_s}
 
     # ---- pieces -----------------------------------------------------------------------------
     def new_cache(self, max_len: int, batch: int = 1) -> KVCache:
@@ -386,11 +316,7 @@ class LayerStack:
         slots pos .. pos+T-1 still, but RoPE positions and the mask from the tree."""
         T = h.shape[1]
         trim = collect is not None and keep is not None and keep < T
-        if self.compiled is not None and tree is None and not trim:  # graph-captured steps, where they take it
-            out = self.compiled.forward_layers(h, start, end, pos, cache, collect)
-            if out is not None:
-                return out
-        cos, sin, mask = self._rope_and_mask(pos, T, h.device, tree)
+        cos, sin, mask = self.rope_and_mask(pos, T, h.device, tree)
         if self.fused is not None and start < end:
             if not trim:
                 return self._forward_fused(h, start, end, pos, cache, collect, cos, sin, mask)
@@ -448,11 +374,7 @@ class LayerStack:
         collect: the state after every sublayer, skipped or not, is appended ([1, T, D] each, 2·L of them: layer i's
         attention then its MLP) — with nothing skipped, the full model's sublayer states (KnapSpec's selection)."""
         T = h.shape[1]
-        if self.compiled is not None and write:  # graph-captured sublayer steps, where they fit
-            out = self.compiled.forward_skipping(h, pos, cache, skip_attn, skip_mlp, collect)
-            if out is not None:
-                return out
-        cos, sin, mask = self._rope_and_mask(pos, T, h.device)
+        cos, sin, mask = self.rope_and_mask(pos, T, h.device)
         for i in range(self.num_layers):
             if cos.device != self.layers[i].device:  # device_map: the layers moved on to another device
                 cos, sin, mask = moved(self.layers[i].device, cos, sin, mask)
@@ -465,7 +387,7 @@ class LayerStack:
             if collect is not None:
                 collect.append(h)
             if i not in skip_mlp:
-                h = self._mlp(i, h)
+                h = self.layer_mlp(i, h)
             if collect is not None:
                 collect.append(h)
         return h
@@ -476,7 +398,7 @@ class LayerStack:
         batch of independent branches (tree: TreeMask.branches) from position pos, writing nothing: each branch's
         attention sees the layer's cached prefix [0, pos) and its own earlier tokens. A layer-skip selection's
         candidate draft models (CLaSp, KnapSpec) run here, all candidates of one step in one batch."""
-        cos, sin, mask = self._rope_and_mask(pos, h.shape[1], h.device, tree)
+        cos, sin, mask = self.rope_and_mask(pos, h.shape[1], h.device, tree)
         for s in sublayers:
             i = s // 2
             if s % 2 == 0:
@@ -484,7 +406,7 @@ class LayerStack:
                     raise RuntimeError(f"layer {i} holds {cache.lengths[i]} positions; cannot attend at {pos}")
                 h = self._attention(i, h, pos, cos, sin, mask, cache, write=False)
             else:
-                h = self._mlp(i, h)
+                h = self.layer_mlp(i, h)
         return h
 
     @torch.inference_mode()
@@ -500,19 +422,19 @@ class LayerStack:
         x = self.embed(torch.zeros(1, 1, dtype=torch.long, device=self.embed_weight.device))  # [1, 1, D]
 
         def mean_s(fn) -> float:
-            return statistics.fmean(self._seconds(fn, reps, warmup))
+            return statistics.fmean(self.seconds(fn, reps, warmup))
 
         out = []
         for n in sorted(contexts):
             cache.lengths[0] = n
-            cos, sin, mask = self._rope_and_mask(n, 1, x.device)
+            cos, sin, mask = self.rope_and_mask(n, 1, x.device)
             attn = mean_s(lambda n=n, cos=cos, sin=sin, mask=mask: self._attention(0, x, n, cos, sin, mask, cache,
                                                                                    write=False))
-            mlp = mean_s(lambda: self._mlp(0, x))
+            mlp = mean_s(lambda: self.layer_mlp(0, x))
             out.append([float(n), attn, mlp])
         return out
 
-    def _rope_and_mask(self, pos: int, T: int, device, tree: TreeMask | None = None):
+    def rope_and_mask(self, pos: int, T: int, device, tree: TreeMask | None = None):
         """cos, sin [1, T, 1, hd] (broadcast over heads; sin signed, see _ensure_rope) and the attention mask
         [T, pos+T] of T new positions from pos. A chain: positions pos.., bottom-right-aligned causal mask (query i
         sees keys 0..pos+i). No mask (None) where SDPA needs none, as HF's sdpa_attention_forward passes none, so that
@@ -533,16 +455,21 @@ class LayerStack:
             mask = torch.cat([prefix, tree.ancestors.to(device)], dim=1)
         return cos[None, :, None, :], sin[None, :, None, :], mask
 
+    def rope_tables(self) -> list[torch.Tensor]:
+        """The rotary tables rope_at reads (the static-shape steps mark their length dynamic, and CUDA graphs keep
+        them alive): cos and sin [S, hd]; a family with several rotary kinds, its stacked [R, S, hd]."""
+        return [self._cos, self._sin]
+
     def rope_at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [B, T, 1, hd] at positions [B, T] given as a device tensor (no host read): the tables of
-        _rope_and_mask for a static-shape step (engine/compiled.py), each row at its own positions; the tables must
+        rope_and_mask for a static-shape step (engine/compiled.py), each row at its own positions; the tables must
         cover them (new_cache)."""
         return self._cos[positions][:, :, None, :], self._sin[positions][:, :, None, :]
 
     def _layer(self, i, h, pos, cos, sin, mask, cache: KVCache) -> torch.Tensor:
-        return self._mlp(i, self._attention(i, h, pos, cos, sin, mask, cache))
+        return self.layer_mlp(i, self._attention(i, h, pos, cos, sin, mask, cache))
 
-    def _attention_inputs(self, i, h, cos, sin, mask):
+    def attention_inputs(self, i, h, cos, sin, mask):
         """Layer i's tensors, and h, the RoPE tables and the mask on its device (only multi-device models move);
         counts the attention sublayer while counting. → (layer, h, cos, sin, mask)"""
         w = self.layers[i]
@@ -555,11 +482,11 @@ class LayerStack:
 
     def _attention(self, i, h, pos, cos, sin, mask, cache: KVCache, write: bool = True) -> torch.Tensor:
         """h + attention(norm(h)) for layer i; with write=False the new keys/values stay out of the cache."""
-        w, h, cos, sin, mask = self._attention_inputs(i, h, cos, sin, mask)
+        w, h, cos, sin, mask = self.attention_inputs(i, h, cos, sin, mask)
         q, k_new, v_new = self.project_qkv(w, h, cos, sin)
-        return self.attention_out(w, self._attend_cached(i, w, q, k_new, v_new, pos, mask, cache, write), h)
+        return self.attention_out(w, self.attend_cached(i, w, q, k_new, v_new, pos, mask, cache, write), h)
 
-    def _attend_cached(self, i, w: Layer, q, k_new, v_new, pos: int, mask, cache: KVCache,
+    def attend_cached(self, i, w: Layer, q, k_new, v_new, pos: int, mask, cache: KVCache,
                        write: bool = True) -> torch.Tensor:
         """q [1, H, T, hd] (positions pos..) over layer i's cached keys [0, pos) and its own k_new, v_new
         [1, KV, T, hd]: written into the cache first, or (write=False) joined to the cached prefix unwritten →
@@ -573,81 +500,6 @@ class LayerStack:
             k = torch.cat([cache.k[i][:, :, :pos], k_new], dim=2)
             v = torch.cat([cache.v[i][:, :, :pos], v_new], dim=2)
         return self._attend_layer(w, q, k, v, mask, pos)
-
-    # ---- a ragged batch (engine/batch.py): several rows' segments through one sublayer, or the head, at once. The
-    # weight-bound products run over all rows' positions concatenated ([1, ΣT, D]: each weight read once for the
-    # batch); RoPE reads each position's own table; the cache write and the attention run per row, each exactly as
-    # the eager loop runs that row alone (its own positions, cache, mask) — so no row sees another's keys
-    def tune_rows(self, rows: int) -> Products:
-        """Time the products' layouts at `rows` rows (products.for_rows: batched decoding's steps, wider than the
-        verification batches `auto` timed) for products_for; untimed setup, before a batch decodes. Where oneDNN's
-        blocked copies win (float32 on a CPU) the chosen shape classes' copies are made and kept (a second copy of
-        those matrices in memory: `packed_bytes` in the setup line), the others dropped."""
-        packed = onednn(self.dtype, self.head_device) and len(self.devices) == 1
-        with torch.inference_mode():
-            self.wide_products = for_rows(self.products, self.dtype, time_products(self), rows, packed)
-            kept = 0
-            for shape in SHAPES:
-                mats = matrices(self, shape)
-                if self.wide_products[shape].many == ONEDNN:
-                    kept += pack(mats)
-                else:
-                    unpack(mats)
-            self.wide_products.packed_bytes = kept
-        return self.wide_products
-
-    @contextmanager
-    def products_for(self, rows: int) -> Iterator[None]:
-        """The products' layouts for a ragged batch of `rows` positions: the stack's own (timed at one row and at
-        FEW_ROWS), or beyond those rows the layouts tune_rows timed. Only the ragged steps of batched decoding ask
-        (they run one at a time; B = 1 keeps its layouts and bits)."""
-        if rows <= max(FEW_ROWS) or self.wide_products is None:
-            yield
-            return
-        own, self.products = self.products, self.wide_products
-        try:
-            yield
-        finally:
-            self.products = own
-
-    def attention_rows(self, i: int, rows: list[RaggedRow]) -> None:
-        """Layer i's attention sublayer for every row (one load of it): each row's h becomes h + attention(norm(h));
-        a row that writes sets its cache's length of layer i."""
-        for r in rows:
-            if r.cache.lengths[i] < r.pos:
-                raise RuntimeError(f"layer {i} holds {r.cache.lengths[i]} positions; cannot attend at {r.pos}")
-        with self.products_for(sum(r.h.shape[1] for r in rows)):
-            self._attention_rows(i, rows)
-
-    def _attention_rows(self, i: int, rows: list[RaggedRow]) -> None:
-        h = torch.cat([r.h for r in rows], dim=1)  # [1, ΣT, D]
-        cos = torch.cat([r.cos for r in rows], dim=-3)  # [(R,) 1, ΣT, 1, hd]: each position's table
-        sin = torch.cat([r.sin for r in rows], dim=-3)
-        w, h, cos, sin, _ = self._attention_inputs(i, h, cos, sin, None)
-        q, k_new, v_new = self.project_qkv(w, h, cos, sin)  # q [1, H, ΣT, hd]; k_new, v_new [1, KV, ΣT, hd]
-        attn, a = [], 0
-        for r in rows:
-            b = a + r.h.shape[1]
-            mask = r.mask if not isinstance(r.mask, torch.Tensor) else r.mask.to(w.device)
-            attn.append(self._attend_cached(i, w, q[:, :, a:b], k_new[:, :, a:b], v_new[:, :, a:b], r.pos, mask,
-                                            r.cache, r.write))  # [1, H, T_r, hd]
-            if r.write:
-                r.cache.lengths[i] = r.pos + (b - a)
-            a = b
-        _split(self.attention_out(w, torch.cat(attn, dim=2), h), rows)
-
-    def mlp_rows(self, i: int, rows: list[RaggedRow]) -> None:
-        """Layer i's MLP for every row (one load of it): each row's h becomes h + MLP(norm(h))."""
-        with self.products_for(sum(r.h.shape[1] for r in rows)):
-            _split(self._mlp(i, torch.cat([r.h for r in rows], dim=1)), rows)
-
-    def head_rows(self, hs: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The LM head over several rows' normed states (each [1, T_r, D]) in one product → each row's logits
-        [1, T_r, V]."""
-        if len(hs) == 1:
-            return [self.head(hs[0])]
-        with self.products_for(sum(h.shape[-2] for h in hs)):
-            return list(self.head(torch.cat(hs, dim=-2)).split([h.shape[-2] for h in hs], dim=-2))
 
     # ---- one decoder layer's math: the eager loop above and the static-shape steps (engine/compiled.py) both run
     # these, on h [B, T, D] (the eager loop: B = 1); FamilyLayerStack overrides them with its family's variations
@@ -686,16 +538,16 @@ class LayerStack:
         gate, up = linear(x, w.w_gate_up, w.b_gate_up, layout=self.products["gate_up"]).chunk(2, dim=-1)
         return linear(F.silu(gate) * up, w.w_down, w.b_down, residual=h, layout=self.products["down"])
 
-    def _mlp_inputs(self, i, h):
+    def mlp_inputs(self, i, h):
         """Layer i's tensors and h on its device; counts the MLP sublayer while counting. → (layer, h)"""
         w = self.layers[i]
         if self.counter is not None:
             self.counter.layers += 0.5
         return w, (h if h.device == w.device else h.to(w.device))
 
-    def _mlp(self, i, h) -> torch.Tensor:
+    def layer_mlp(self, i, h) -> torch.Tensor:
         """h + MLP(norm(h)) for layer i (counted, on its device)."""
-        return self.mlp(*self._mlp_inputs(i, h))
+        return self.mlp(*self.mlp_inputs(i, h))
 
 
 
@@ -739,12 +591,15 @@ class FamilyLayerStack(LayerStack):
         self._rope_kinds_sin = torch.stack([sin[0] * sign for _, sin in tables])
         self._cos, self._sin = self._rope_kinds_cos[0], self._rope_kinds_sin[0]
 
-    def _rope_and_mask(self, pos: int, T: int, device, tree: TreeMask | None = None):
+    def rope_and_mask(self, pos: int, T: int, device, tree: TreeMask | None = None):
         """LayerStack's, with cos, sin [R, T, 1, hd]: one table per rotary kind (a layer reads cos[Layer.rope])."""
-        _, _, mask = super()._rope_and_mask(pos, T, device, tree)
+        _, _, mask = super().rope_and_mask(pos, T, device, tree)
         positions = torch.arange(pos, pos + T) if tree is None else pos + tree.depth
         positions = positions.to(self._rope_kinds_cos.device)
         return self._rope_kinds_cos[:, positions, None, :], self._rope_kinds_sin[:, positions, None, :], mask
+
+    def rope_tables(self) -> list[torch.Tensor]:
+        return [self._rope_kinds_cos, self._rope_kinds_sin]
 
     def rope_at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """LayerStack's, with cos, sin [R, B, T, 1, hd]: one table per rotary kind (a layer reads cos[Layer.rope])."""

@@ -24,7 +24,8 @@ from __future__ import annotations
 import statistics
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -33,7 +34,7 @@ from del_bench.numerics import HALF_DTYPES
 
 SETTINGS = ("auto", "wt_x", "x_wt")
 X_WT, WT_X, X_WT_COPY, ONEDNN = "x_wt", "wt_x", "x_wt_copy", "onednn"
-# id(weight) → (the weight, weakly; its oneDNN blocked copy), while a stack runs that layout (LayerStack.tune_rows)
+# id(weight) → (the weight, weakly; its oneDNN blocked copy), while a stack runs that layout (tune_rows)
 _PACKED: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
 LAYER_SHAPES = ("qkv", "o", "gate_up", "down")  # the Layer matrices: w_qkv, w_o, w_gate_up, w_down
 SHAPES = (*LAYER_SHAPES, "head")
@@ -68,7 +69,7 @@ class Products:
     layouts: dict[str, Layout]
     seconds: dict = field(default_factory=dict)
     setup_s: float = 0.0
-    packed_bytes: int = 0  # the onednn layout's blocked copies kept (LayerStack.tune_rows): a second copy in memory
+    packed_bytes: int = 0  # the onednn layout's blocked copies kept (products.tune_rows): a second copy in memory
 
     def __getitem__(self, shape: str) -> Layout:
         return self.layouts[shape]
@@ -236,9 +237,43 @@ def time_products(stack, reps: int = 3, warmup: int = 1) -> Callable[[str, str, 
         if layout == ONEDNN:
             pack(mats)  # made for the measurement (tune_rows keeps them where chosen)
         try:
-            return statistics.median(stack._seconds(one_pass, reps, warmup))
+            return statistics.median(stack.seconds(one_pass, reps, warmup))
         finally:
             if layout == ONEDNN:
                 unpack([m for m in mats if not any(m is h for h in held)])
 
     return seconds
+
+
+def tune_rows(stack, rows: int) -> Products:
+    """Time the products' layouts at `rows` rows (products.for_rows: batched decoding's steps, wider than the
+    verification batches `auto` timed) for products_for; untimed setup, before a batch decodes. Where oneDNN's
+    blocked copies win (float32 on a CPU) the chosen shape classes' copies are made and kept (a second copy of
+    those matrices in memory: `packed_bytes` in the setup line), the others dropped."""
+    packed = onednn(stack.dtype, stack.head_device) and len(stack.devices) == 1
+    with torch.inference_mode():
+        stack.wide_products = for_rows(stack.products, stack.dtype, time_products(stack), rows, packed)
+        kept = 0
+        for shape in SHAPES:
+            mats = matrices(stack, shape)
+            if stack.wide_products[shape].many == ONEDNN:
+                kept += pack(mats)
+            else:
+                unpack(mats)
+        stack.wide_products.packed_bytes = kept
+    return stack.wide_products
+
+
+@contextmanager
+def products_for(stack, rows: int) -> Iterator[None]:
+    """The products' layouts for a ragged batch of `rows` positions: the stack's own (timed at one row and at
+    FEW_ROWS), or beyond those rows the layouts tune_rows timed. Only the ragged steps of batched decoding ask
+    (they run one at a time; B = 1 keeps its layouts and bits)."""
+    if rows <= max(FEW_ROWS) or stack.wide_products is None:
+        yield
+        return
+    own, stack.products = stack.products, stack.wide_products
+    try:
+        yield
+    finally:
+        stack.products = own

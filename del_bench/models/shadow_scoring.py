@@ -4,22 +4,18 @@ over the full vocabulary, or (DEL-CPU, `shadow_vocab`=K) over the first K ids an
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING
 
 import torch
 
 from del_bench.models.layer_math import softcapped
 from del_bench.numerics import widened
 
-if TYPE_CHECKING:
-    from del_bench.models.layer_stack import LayerStack
-
 # stack → (K, [D, K]): the head's first K rows transposed, made once per K (BPE ids ≈ frequency order). x @ W_t, not
 # linear: for a few dozen rows against a cached K × D matrix the plain GEMM is ~100-200 µs faster (both models)
 _HEAD_TOP: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def shadow_tokens(stack: "LayerStack", states: torch.Tensor, targets: torch.Tensor | None = None,
+def shadow_tokens(stack, states: torch.Tensor, targets: torch.Tensor | None = None,
                   vocab: int | None = None, chunk: int = 64,
                   layers: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy token and its softmax probability for every row of states [N, D] (pre-norm hidden
@@ -47,7 +43,7 @@ def shadow_tokens(stack: "LayerStack", states: torch.Tensor, targets: torch.Tens
     return torch.cat(tokens), torch.cat(confidence)
 
 
-def restricted(stack: "LayerStack", hn, targets, vocab: int):
+def restricted(stack, hn, targets, vocab: int):
     """hn: [N, D] the head's inputs (normed, adapted). Per row: the argmax over the first `vocab` ids and the
     row's target, and its probability normalised over them. Runs every round of DEL, on a few dozen rows, so
     each op counts (~5 µs apiece on this CPU): logsumexp reuses the max, and each row's target logit is one dot
@@ -66,7 +62,7 @@ def restricted(stack: "LayerStack", hn, targets, vocab: int):
     return _add_targets(stack, hn, targets, targets >= vocab, sub_max, tokens, norm)
 
 
-def _add_targets(stack: "LayerStack", hn, targets, outside, sub_max, tokens, norm):
+def _add_targets(stack, hn, targets, outside, sub_max, tokens, norm):
     """Rows whose target lies outside the scored ids: the target's logit joins the argmax and the norm."""
     target_rows = stack.head_weight[targets]  # [N, D] the targets' head rows
     target_logit = (hn * target_rows).sum(-1)  # [N]
@@ -82,7 +78,7 @@ def _add_targets(stack: "LayerStack", hn, targets, outside, sub_max, tokens, nor
     return tokens, (top - norm).exp()
 
 
-def _head_top(stack: "LayerStack", vocab: int) -> torch.Tensor:
+def _head_top(stack, vocab: int) -> torch.Tensor:
     made = _HEAD_TOP.get(stack)
     if made is None or made[0] != vocab:
         made = _HEAD_TOP[stack] = (vocab, stack.head_weight[:vocab].t().contiguous())

@@ -1,0 +1,325 @@
+"""Static-shape steps: the engine's decode steps as pure tensor code over a static cache, so that a graph can capture
+them (engine/compiled.py) and a batch's rows can run them in lockstep (RowSteps, engine/lockstep.py).
+
+The eager loop writes the KV cache through Python-int slices and attends over keys [0, pos + T): every new position
+is a new shape, so a graph would have to be rebuilt (or guard on the position) each token. Here the shapes never
+change:
+
+- positions are a device tensor [B, T] (each row its own); the KV cache is the engine's preallocated one
+  (LayerStack.new_cache: [B, KV, max_len, hd] a layer), written with `scatter_` at each row's positions and read
+  whole under a mask [B, 1, T, max_len] (`static_mask`: key slot j is seen by the query at position p iff j ≤ p, and
+  for a windowed layer j > p − W), so stale or padded slots beyond p never are;
+- a step is a sublayer (attention: the cache write and the masked attention; MLP) or a chain of whole layers, at a
+  width T padded to the next of a few buckets (padded rows write KV past the last real position, which the next real
+  step overwrites before any query's mask reaches it).
+
+The layer math is LayerStack's own public per-layer functions — `project_qkv`, `attend_static`, `attention_out`,
+`mlp`, `rope_at` — which the eager loop runs too and FamilyLayerStack overrides, so every described family (biases,
+q/k norms, sandwich norms, windows, soft caps, per-layer rotary tables) runs here with no second copy of its math.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+
+from del_bench.models.kv_cache import KVCache
+from del_bench.models.layer_stack import LayerStack
+from del_bench.models.products import products_for
+from del_bench.numerics import is_half
+from del_bench.transfer import upload
+
+
+def static_mask(positions: torch.Tensor, max_len: int, window: int | None = None) -> torch.Tensor:
+    """[B, 1, T, max_len] bool: the query at positions[b, t] sees key slot j iff j ≤ positions[b, t] (a chain's causal
+    mask over the whole static cache) and, with a window W, j > positions[b, t] − W (the last W positions, itself
+    included: masking_utils' sliding_window_overlay)."""
+    keys = torch.arange(max_len, device=positions.device)  # [S]
+    query = positions[:, None, :, None]  # [B, 1, T, 1]
+    seen = keys <= query
+    return seen if window is None else seen & (keys > query - window)
+
+
+def grouped_attention(q, k, v, bias, scale: float) -> torch.Tensor:
+    """SDPA's math as grouped matrix products: q [B, H, T, hd] over k, v [B, KV, S, hd] with an additive mask bias
+    [B, 1, T, S] (0 where a key is seen, −inf where not) → [B, H, T, hd]; query head h reads key head h // (H / KV),
+    as repeat_kv pairs them. On this CPU at 8 rows over a few hundred keys ~0.6 of SDPA's time (its kernel's fixed
+    cost per call dominates there); its rounding is its own, held to the token rule like every kernel of the steps."""
+    B, H, T, hd = q.shape
+    KV, S = k.shape[1], k.shape[2]
+    G = H // KV
+    scores = torch.matmul(q.reshape(B, KV, G * T, hd), k.transpose(-1, -2)) * scale  # [B, KV, G·T, S]
+    probs = (scores.view(B, KV, G, T, S) + bias[:, :, None]).softmax(-1)  # [B, KV, G, T, S]
+    return torch.matmul(probs.view(B, KV, G * T, S), v).view(B, H, T, hd)
+
+
+class StaticSteps:
+    """The step functions of one LayerStack over a static cache: pure tensor code (no host read, no Python-side
+    state), so a graph can capture them. h [B, T, D], positions [B, T] (long, on the layers' device)."""
+
+    def __init__(self, stack: LayerStack):
+        self.stack = stack
+
+    def attention(self, w, h, positions, cos, sin, k, v, mask=None, write=None) -> torch.Tensor:
+        """h + attention(norm(h)) of the layer w: its new keys and values written at each row's positions into k, v
+        [B, KV, S, hd] (the layer's static cache), then the queries over the whole cache under static_mask (or
+        `mask`, made once for a chain). write [B, T]: the slots written where they are not the positions (a batch's
+        rows that idle in this layer write only a scratch slot, RowSteps)."""
+        st = self.stack
+        q, k_new, v_new = st.project_qkv(w, h, cos, sin)  # q [B, H, T, hd]; k_new, v_new [B, KV, T, hd]
+        at = positions if write is None else write
+        index = at[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])  # [B, KV, T, hd]
+        k.scatter_(2, index, k_new)
+        v.scatter_(2, index, v_new)
+        if mask is None:
+            mask = static_mask(positions, k.shape[2], w.window)
+        if mask.dtype == torch.bool:
+            attn = st.attend_static(w, q, k, v, mask)  # [B, H, T, hd]
+        else:  # an additive mask: RowSteps' eager steps on a CPU
+            attn = grouped_attention(q, k, v, mask, st.scale)
+        return st.attention_out(w, attn, h)
+
+    def attention_at(self, w, h, positions, k, v) -> torch.Tensor:
+        """attention, its rotary tables read at the positions (one sublayer as a step of its own)."""
+        cos, sin = self.stack.rope_at(positions)
+        return self.attention(w, h, positions, cos, sin, k, v)
+
+    def mlp(self, w, h) -> torch.Tensor:
+        return self.stack.mlp(w, h)
+
+    def layer(self, w, h, positions, k, v) -> torch.Tensor:
+        """One whole layer, its rotary tables read at the positions: the unit a chain repeats (compiled once per
+        width, it serves every layer: the layer's tensors are arguments)."""
+        cos, sin = self.stack.rope_at(positions)
+        return self.mlp(w, self.attention(w, h, positions, cos, sin, k, v))
+
+    def layers(self, ws, h, positions, ks, vs) -> torch.Tensor:
+        """A chain of whole layers (ws, their caches ks, vs)."""
+        for w, k, v in zip(ws, ks, vs):
+            h = self.layer(w, h, positions, k, v)
+        return h
+
+    # ---- a batch's rows in lockstep (engine/lockstep.py): each row its own positions, and its own sublayers ------
+    def masked_layer(self, w, h, positions, cos, sin, k, v, mask, scratch: int, attn_live, mlp_live,
+                     states: list | None = None, sublayers: bool = False, runs: tuple[bool, bool] = (True, True)
+                     ) -> torch.Tensor:
+        """One layer for B rows of which only some run each sublayer: attn_live, mlp_live [B] bool (None: every row).
+        A row that idles keeps its state and writes its keys only into the scratch slot, which no row's mask reaches
+        (RowSteps): its own positions keep what its earlier passes wrote. Every row is computed (static shapes); an
+        idle row's result is dropped by a select, not by a branch. states: the output appended (with `sublayers`,
+        the attention's too). runs: whether any row runs the attention, the MLP (host-known: one no row runs is not
+        computed)."""
+        if runs[0]:
+            write = positions if attn_live is None else torch.where(attn_live[:, None], positions, scratch)  # [B, T]
+            out = self.attention(w, h, positions, cos, sin, k, v, mask, write)
+            h = out if attn_live is None else torch.where(attn_live[:, None, None], out, h)  # [B, T, D]
+        if sublayers:
+            states.append(h)
+        if runs[1]:
+            out = self.mlp(w, h)
+            h = out if mlp_live is None else torch.where(mlp_live[:, None, None], out, h)
+        if states is not None:
+            states.append(h)
+        return h
+
+    def rows_layer(self, w, h, positions, attn_live, mlp_live, k, v, scratch: int) -> torch.Tensor:
+        """masked_layer with its rotary tables and mask made inside (the unit a compiled batched chain repeats)."""
+        cos, sin = self.stack.rope_at(positions)
+        mask = static_mask(positions, k.shape[2], w.window)
+        return self.masked_layer(w, h, positions, cos, sin, k, v, mask, scratch, attn_live, mlp_live)
+
+    def rows(self, ws, h, positions, live, ks, vs, scratch: int, states: list | None = None,
+             sublayers: bool = False, runs: list[bool] | None = None, grouped: bool = False) -> torch.Tensor:
+        """Whole layers ws for B rows (h [B, T, D], positions [B, T]), each row running the sublayers live marks: per
+        sublayer (layer j's attention at 2j, its MLP at 2j + 1) a [B] bool, or None where every row runs it (live
+        None: every row runs every one). The rotary tables and masks are made once for the chain. runs: whether any
+        row runs each sublayer (host-known: one no row runs is not computed at all). grouped: attention as
+        grouped_attention (an additive mask), not the stack's attend_static."""
+        cos, sin = self.stack.rope_at(positions)
+        masks: dict = {}
+        for j, (w, k, v) in enumerate(zip(ws, ks, vs)):
+            if w.window not in masks:
+                seen = static_mask(positions, k.shape[2], w.window)  # [B, 1, T, S]
+                masks[w.window] = torch.zeros(seen.shape, dtype=h.dtype).masked_fill_(~seen, -torch.inf) \
+                    if grouped else seen
+            attn_live, mlp_live = (None, None) if live is None else (live[2 * j], live[2 * j + 1])
+            h = self.masked_layer(w, h, positions, cos, sin, k, v, masks[w.window], scratch, attn_live, mlp_live,
+                                  states, sublayers, (True, True) if runs is None else (runs[2 * j], runs[2 * j + 1]))
+        return h
+
+
+class StepFunctions:
+    """What a runner calls for a step: StaticSteps' own functions (`backend` None: the eager kernels, op by op) or
+    the same functions compiled by torch.compile (`backend`: inductor fuses each layer's norms, RoPE, cache writes,
+    mask and residual adds into a few kernels beside the matrix products and the attention). One compiled function
+    per step kind, guarded on shapes only, so a width's graph serves every layer (the layer's tensors are arguments):
+    compile time grows with the widths, not the layers."""
+
+    def __init__(self, steps: StaticSteps, backend=None):
+        self.steps, self.backend = steps, backend
+
+        def made(fn):
+            return fn if backend is None else torch.compile(fn, fullgraph=True, dynamic=False, backend=backend)
+
+        self.layer, self.attention, self.mlp = made(steps.layer), made(steps.attention_at), made(steps.mlp)
+        self.rows_layer = made(steps.rows_layer)
+
+    @staticmethod
+    def of(stack: LayerStack, backend=None) -> "StepFunctions":
+        """One set of functions per stack and backend: every Graphs of a stack (one per method a bench runs) shares
+        its compiled functions, so each (function, width) compiles once per stack, not once per method."""
+        made = memo(stack).setdefault("step_functions", {})
+        if backend not in made:
+            made[backend] = StepFunctions(StaticSteps(stack), backend)
+        return made[backend]
+
+    @property
+    def fused(self) -> bool:
+        return self.backend is not None
+
+    def chain(self, ws, h, positions, ks, vs, states: list | None = None) -> torch.Tensor:
+        """Whole layers ws (their caches ks, vs) in order, each output appended to `states` when given. Unfused, the
+        rotary tables are read once for the chain; fused, inside each layer's kernels."""
+        if self.fused:
+            def layer(w, x, k, v):
+                return self.layer(w, x, positions, k, v)
+        else:
+            steps = self.steps
+            cos, sin = steps.stack.rope_at(positions)
+
+            def layer(w, x, k, v):
+                return steps.mlp(w, steps.attention(w, x, positions, cos, sin, k, v))
+        for w, k, v in zip(ws, ks, vs):
+            h = layer(w, h, k, v)
+            if states is not None:
+                states.append(h)
+        return h
+
+    def rows(self, ws, h, positions, live, ks, vs, scratch: int, states: list | None = None) -> torch.Tensor:
+        """A batch's chain (StaticSteps.rows; live [2n, B] bool). Unfused, the rotary tables and masks are made once
+        for the chain; fused, inside each layer's kernels (rows_layer: one compiled function per (B, width))."""
+        if not self.fused:
+            return self.steps.rows(ws, h, positions, live, ks, vs, scratch, states)
+        for j, (w, k, v) in enumerate(zip(ws, ks, vs)):
+            h = self.rows_layer(w, h, positions, live[2 * j], live[2 * j + 1], k, v, scratch)
+            if states is not None:
+                states.append(h)
+        return h
+
+
+ROW_QUANTUM = 64  # RowSteps' eager steps attend over the cache's slots up to the rows' furthest, rounded up to this
+
+
+class RowSteps:
+    """A batch's steps (engine/lockstep.py): B rows through whole layers [start, end) at once on the batch's cache
+    [B, KV, S, hd] (a row of it each), each row at its own positions and running its own sublayers — an early-exit
+    row only the layers up to its exit, a skipping draft only those its skip set keeps, a row with nothing to do
+    none — as one [B, T, D] step. A row's position −1 (no position: padding beyond its width, or a row that idles)
+    and a sublayer it idles in write the scratch slot, the cache's last, beyond every real position: never inside any
+    real query's mask, and overwritten before a real position reaches it (RowSteps sizes the cache one slot past the
+    longest sequence).
+
+    Run eagerly (StaticSteps' functions: on a CPU over the cache's slots up to the rows' furthest only, and a sublayer
+    no row runs not computed) or on `graphs` (engine/compiled.Graphs: captured per (B, width bucket) on CUDA, one
+    replay a chain; a call they cannot take runs eagerly). What the host decided — positions, which rows run which
+    sublayers — goes to the device in one upload a step, without a sync (transfer.upload)."""
+
+    def __init__(self, stack: LayerStack, cache: KVCache, graphs=None):
+        self.stack, self.cache, self.graphs = stack, cache, graphs
+        self.steps = StaticSteps(stack)
+
+    def run(self, start: int, end: int, h: torch.Tensor, positions: list[list[int]], live: list[list[bool]] | None,
+            held: int, collect: str | None = None) -> tuple[torch.Tensor, list[torch.Tensor], list[bool], int]:
+        """h [m, T, D], the first m ≤ B rows of the batch (the running ones: Lockstep keeps them first), through
+        layers [start, end); positions: each row's T slots (−1: none); live: per sublayer (2(end − start), attention
+        then MLP of each layer) which of the m rows run it (None: all of them); held: the slots any row holds or
+        writes (the scratch slot lies beyond them all: an idle row must not overwrite its own earlier positions);
+        collect: "layers" (each layer's output [m, T, D]) or "sublayers" (each sublayer's). → (the output [m, T, D],
+        the states collected, which sublayers were computed, for how many rows: m eagerly, B on the graphs, whose
+        shapes are the batch's)."""
+        runs = [True] * (2 * (end - start)) if live is None else [any(row) for row in live]
+        B, m = self.cache.k[0].shape[0], h.shape[0]
+        if self.graphs is not None:
+            full = padded_rows(h, B)  # the rows beyond m: idle, their keys to the scratch slot
+            rows = None if live is None and m == B else [[*(row if live else [True] * m), *[False] * (B - m)]
+                                                           for row in (live or [None] * len(runs))]
+            out = self.graphs.rows(start, end, full, [*positions, *[[-1] * h.shape[1]] * (B - m)], rows, self.cache,
+                                   collect)
+            if out is not None:
+                return out[0][:m], [state[:m] for state in out[1]], [True] * len(runs), B
+        out, states = self._eager(start, end, h, positions, live, runs, held, collect)
+        return out, states, runs, m
+
+    def _eager(self, start, end, h, positions, live, runs, held: int, collect) -> tuple[torch.Tensor, list]:
+        B, T, _ = h.shape
+        reach = max(held, max(p for row in positions for p in row) + 1) + 1  # every slot in use, then the scratch
+        S = min(self.cache.max_len, -(-reach // ROW_QUANTUM) * ROW_QUANTUM)
+        scratch = S - 1
+        if S < reach:
+            raise RuntimeError(f"a batched step reaches slot {reach - 1} of a cache of {S}")
+        flat = [p if p >= 0 else scratch for row in positions for p in row]
+        bits = [] if live is None else [int(x) for row in live for x in row]
+        values = upload(flat + bits, h.device)  # one upload: positions [B·T], then live [2n·B]
+        at = values[: B * T].view(B, T)
+        rows = None
+        if live is not None:
+            flags = values[B * T :].view(len(live), B) != 0  # [2n, B]
+            rows = [None if all(row) else flags[i] for i, row in enumerate(live)]
+        ks = [k[:B, :, :S] for k in self.cache.k[start:end]]  # [B, KV, S, hd] views: its rows, the slots they reach
+        vs = [v[:B, :, :S] for v in self.cache.v[start:end]]
+        states: list[torch.Tensor] | None = [] if collect else None
+        with products_for(self.stack, B * T):
+            out = self.steps.rows(self.stack.layers[start:end], h, at, rows, ks, vs, scratch, states,
+                                  sublayers=collect == "sublayers", runs=runs, grouped=self.grouped)
+        return out, states or []
+
+    @property
+    def grouped(self) -> bool:
+        """Attention as grouped_attention: on a CPU, in float32/float64 (half precision keeps SDPA's rounding), for a
+        family whose attention is SDPA's (not Gemma 2's soft cap)."""
+        st = self.stack
+        return (st.head_device.type == "cpu" and not is_half(st.dtype)
+                and type(st).attend_static is LayerStack.attend_static)
+
+
+MEMO_STACKS = 4  # stacks whose graphs, caches and step functions are kept (memo)
+_MEMO: OrderedDict[int, tuple[LayerStack, dict]] = OrderedDict()
+
+
+def memo(stack: LayerStack) -> dict:
+    """What the graphs of one stack share — compiled step functions, the caches CUDA graphs are captured on, the graphs
+    chosen per method configuration — kept here, not on the model's stack, for the last MEMO_STACKS stacks used (a
+    bench interleaves one or two models; tests build many small ones): each entry holds its stack, whose weights the
+    graphs read anyway."""
+    entry = _MEMO.pop(id(stack), None)
+    if entry is None or entry[0] is not stack:
+        entry = (stack, {})
+    _MEMO[id(stack)] = entry
+    while len(_MEMO) > MEMO_STACKS:
+        _MEMO.popitem(last=False)
+    return entry[1]
+
+
+def adopt(cache: KVCache, static_addresses: bool) -> None:
+    """A cache's first use by the graphs. Its slots never written (new_cache allocates with torch.empty) are zeroed: a
+    masked key gets weight 0, but 0 · NaN is NaN, so garbage there would reach every output through the attention's
+    product with V. Slots once written (prefill, a cropped draft, a padded row) hold finite values."""
+    for k, v, length in zip(cache.k, cache.v, cache.lengths):
+        k[:, :, length:].zero_()
+        v[:, :, length:].zero_()
+        if not static_addresses:
+            for t in (k, v):
+                torch._dynamo.mark_dynamic(t, 2)  # one graph for every cache length
+
+
+def padded_rows(h: torch.Tensor, rows: int) -> torch.Tensor:
+    """h [m, T, D] → [rows, T, D] (zero rows appended)."""
+    m, T, D = h.shape
+    return h if m == rows else torch.cat([h, h.new_zeros(rows - m, T, D)])
+
+
+def padded(h: torch.Tensor, width: int) -> torch.Tensor:
+    """h [B, T, D] → [B, width, D] (zero rows appended)."""
+    B, T, D = h.shape
+    return h if T == width else torch.cat([h, h.new_zeros(B, width - T, D)], dim=1)
