@@ -9,12 +9,13 @@ from dataclasses import MISSING, dataclass
 from pathlib import Path
 from typing import Literal
 
-from hydra.utils import get_class
+from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from del_bench import calibration_store
 from del_bench.engine import compiled
 from del_bench.engine.compiled import compile_setting
+from del_bench.engine.lockstep import serves_method
 from del_bench.engine.sampling import Sampling
 from del_bench.errors import ConfigError
 from del_bench.methods.base import MethodConfig
@@ -374,4 +375,10 @@ def batch_problems(cfg: DictConfig) -> list[str]:
     if getattr(get_class(cfg.method._target_), "decoder", None) is not None:
         return [f"method={cfg.method.name} is transformers' own decoding (a peer row), which decodes one prompt at a "
                 "time: use batch_size=1"]
+    setting = compile_setting(cfg.get("compile", "auto"))
+    if setting in ("on", "graphs"):
+        why = serves_method(instantiate(cfg.method))
+        if why is not None:
+            return [f"compile={setting}: a batch of method={cfg.method.name} runs on the thread scheduler (lockstep "
+                    f"does not serve {why}), on the stack's layer loop: use compile=auto or off, or batch_size=1"]
     return []

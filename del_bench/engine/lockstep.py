@@ -65,14 +65,22 @@ def serves(method: Method, stack: LayerStack) -> str | None:
     each row's deferred positions at the layer they owe (a row's control flow per layer, not per round); SWIFT's
     token tree (its siblings drawn on the host, a tree mask per row, acceptance read row by row); look-ahead stop
     reads (a row's drafting K candidates past its stop); a model spread over several devices."""
+    why = serves_method(method)
+    if why is not None:
+        return why
+    if len({lay.device for lay in stack.layers} | {stack.head_device}) > 1:
+        return "the model spans several devices (device_map)"
+    return None
+
+
+def serves_method(method: Method) -> str | None:
+    """serves' reasons of the method alone (config.validate asks it before a model loads)."""
     if method.schedule != "rounds":
         return "its schedule is not draft/verify rounds (AdaDecode's layer-parallel steps)"
     if getattr(method, "tree", False):
         return "SWIFT's token tree (siblings drawn on the host, a tree mask and acceptance row by row)"
     if method.wants_confidence and method.lookahead > 1:
         return "the look-ahead stop reads (K candidates drafted past a row's stop)"
-    if len({lay.device for lay in stack.layers} | {stack.head_device}) > 1:
-        return "the model spans several devices (device_map)"
     return None
 
 
