@@ -53,7 +53,7 @@ def restricted(stack, hn, targets, vocab: int):
     sub = hn @ _head_top(stack, vocab)  # [N, K]
     if stack.head_bias is not None:
         sub = sub + stack.head_bias[:vocab]
-    if stack.math.final_softcap is not None:  # Gemma: the logits _head gives (per round, not per op)
+    if stack.math.final_softcap is not None:  # Gemma: the logits head_logits gives (per round, not per op)
         sub = softcapped(sub, stack.math.final_softcap)
     sub = widened(sub)
     sub_max, tokens = sub.max(-1)  # [N]
