@@ -40,7 +40,8 @@ MODELS = ("smollm2-135m", "testbed")
 # what each experiment's local sweep is (configs/experiment/*.yaml): calibration first (fig1a reads its best points)
 EXPERIMENTS = ("fig1a_calibrate", "table1", "table2", "table3", "table4", "table5", "table6", "fig1a", "fig3", "fig3b",
                "fig4")
-BENCHES = ("bench-del", "bench-testbed", "bench-controller", "bench-peer", "bench-sandbox", "bench-synthetic")
+BENCHES = ("bench-del", "bench-testbed", "bench-controller", "bench-peer", "bench-sandbox", "bench-synthetic",
+           "bench-batch")
 
 
 @dataclass
