@@ -121,7 +121,7 @@ def run_step(step: Step, root: Path, retries: int) -> list[str]:
 
 def clear_old(root: Path, commit: str) -> None:
     """Remove records another commit measured (git keeps them), `gpu/` apart."""
-    for summary in root.rglob("summary.json"):
+    for summary in list(root.rglob("summary.json")):  # listed first: rglob walks lazily into what is removed
         provenance = json.loads(summary.read_text()).get("provenance") or {}
         if provenance.get("git_commit") != commit and "gpu" not in summary.relative_to(root).parts[:1]:
             shutil.rmtree(summary.parent, ignore_errors=True)

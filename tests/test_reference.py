@@ -4,6 +4,7 @@ runs it cannot keep â€” busy, unsteady, drifted (with their Vanilla partners) â€
 
 from __future__ import annotations
 
+import json
 import re
 import runpy
 from pathlib import Path
@@ -51,3 +52,18 @@ def test_the_runs_not_kept_are_busy_unsteady_or_drifted_with_their_partners(monk
     monkeypatch.setitem(reference["bad_runs"].__globals__, "load_runs", lambda roots: df)
     step = reference["Step"]("table3:m", [], "table3_local", "m")
     assert reference["bad_runs"](Path("."), step) == ["dv", "fs", "ls", "vanilla"]  # ls drifted: its partner too
+
+
+def test_records_of_other_commits_are_removed_the_gpu_ones_kept(tmp_path):
+    def run(path: str, commit: str) -> Path:
+        (tmp_path / path).mkdir(parents=True)
+        (tmp_path / path / "summary.json").write_text(json.dumps({"provenance": {"git_commit": commit}}))
+        return tmp_path / path
+
+    old = [run("local/m/t/ls/greedy", "old"), run("local/m/t/vanilla/greedy", "old"), run("local/m/u/ls", "old")]
+    kept = [run("local/m/t/del/greedy", "new"), run("gpu/bench_runs/x", "old")]
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "bench" / "del.json").write_text(json.dumps({"provenance": {"git_commit": "old"}}))
+    reference["clear_old"](tmp_path, "new")
+    assert [p.exists() for p in old] == [False] * 3 and all(p.exists() for p in kept)
+    assert not (tmp_path / "bench" / "del.json").exists()
