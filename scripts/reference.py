@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -44,6 +45,16 @@ BENCHES = ("bench-del", "bench-testbed", "bench-controller", "bench-peer", "benc
            "bench-batch")
 
 
+def table1_local() -> tuple[list[str], int, int]:
+    """Table 1's tasks and, at scale=local, its prompts and new tokens (configs/experiment/table1.yaml): what its peer
+    rows are measured on, so that they pair with its Vanilla."""
+    text = (REPO / "configs" / "experiment" / "table1.yaml").read_text()
+    tasks = re.search(r"^\s+task: (\S+)", text, re.M).group(1).split(",")
+    local = [int(re.search(rf"^{key}: \$\{{at_scale:[^,]+,(\d+)\}}", text, re.M).group(1))
+             for key in ("limit", "max_new_tokens")]
+    return tasks, *local
+
+
 @dataclass
 class Step:
     name: str
@@ -62,6 +73,12 @@ def steps(root: str, python: str = sys.executable) -> list[Step]:
             command = "calibrate" if name.endswith("_calibrate") else "run"
             out.append(Step(f"{name}:{model}", [*run, command, "-m", f"experiment={name}", "scale=local",
                                                 f"model={model}", f"records_root={root}"], f"{name}_local", model))
+        for task in table1_local()[0]:  # Table 1's peer rows (†): transformers' own decoding, per task, by bench peer
+            peers = f"{root}/local/{model}/{task}/peers"
+            out.append(Step(f"table1-peers:{model}:{task}", [
+                *run, "bench", "peer", "--model", model, "--task", task, "--limit", str(table1_local()[1]),
+                "--max-new-tokens", str(table1_local()[2]), "--experiment", "table1_local", "--root", peers,
+                "--out", f"{peers}/peer.json"], "table1_local", model))
     out.append(Step("specbench:smollm2-135m", [*run, "run", "-m", "experiment=specbench", "scale=local",
                                                f"records_root={root}"], "specbench_local", "smollm2-135m"))
     for target in BENCHES:

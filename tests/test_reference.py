@@ -27,7 +27,14 @@ def test_the_steps_are_every_experiment_on_both_models_and_the_benches():
     assert names.index("fig1a_calibrate:testbed") < names.index("fig1a:testbed")  # fig1a reads the calibration
     targets = set(re.findall(r"^([a-z-]+):", (REPO / "Makefile").read_text(), re.M))
     assert {s.argv[1] for s in plan if s.benches} <= targets
-    assert all("records_root=results/reference" in s.argv for s in plan if not s.benches)
+    assert all("records_root=results/reference" in s.argv for s in plan if not s.benches and s.argv[3] != "bench")
+    tasks, limit, tokens = reference["table1_local"]()
+    assert tasks == ["aqua_rat", "cnndm_lm", "cnndm_sum", "xsum"] and (limit, tokens) == (2, 48)
+    for model in reference["MODELS"]:  # Table 1's peer rows (†), on its prompts, tagged so that Table 1 reads them
+        for task in tasks:
+            peer = next(s for s in plan if s.name == f"table1-peers:{model}:{task}")
+            assert peer.argv[3:5] == ["bench", "peer"] and "table1_local" in peer.argv
+            assert f"results/reference/local/{model}/{task}/peers" in peer.argv
 
 
 def test_a_dirty_tree_is_refused(monkeypatch, capsys):
