@@ -52,11 +52,14 @@ def compile_setting(value) -> str:
     """The `compile` setting as written: YAML reads a bare off / on as a boolean."""
     return {False: "off", True: "on"}.get(value, value) if isinstance(value, bool) else value
 
+
 def bucket_of(width: int, buckets=BUCKETS) -> int | None:
     """The smallest bucket ≥ width, None when width exceeds them all."""
     return next((b for b in buckets if b >= width), None)
 
+
 GRAPH_KINDS = {"fused_cuda_graphs": "fused_graphs", "cuda_graphs": "graphs", "compiled": "compiled"}  # → layer_path
+
 
 class Graphs:
     """The static steps of one LayerStack, run as graphs: captured CUDA graphs (`capture=True`, CUDA only) of the
@@ -252,10 +255,12 @@ class Graphs:
         self.runner.clear(cache)
         self.frozen = True
 
+
 def cache_layers(plan: list[Step]) -> list[int]:
     """The layers whose cache a plan's steps attend over (whole layers, attention sublayers)."""
     return [i for step in plan if step[0] != "mlp"
             for i in (range(step[1], step[2]) if step[0] == "layers" else (step[1],))]
+
 
 class StepShapes:
     """Which graphs a method can call, from what it declares (Method.static_shape, Method.family): a fixed exit

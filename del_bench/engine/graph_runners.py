@@ -26,6 +26,8 @@ CACHE_QUANTUM = 256  # the captured cache's length is the run's longest need rou
 
 # a step: ("layers", start, end) — whole layers [start, end) — or ("attn", i) / ("mlp", i) — one sublayer
 Step = tuple
+
+
 def collects_in_graph(step: Step, collect: list | None) -> bool:
     """Whether a step keeps its layers' states itself: a chain of several whole layers asked for them (DEL's passes)
     writes every layer's output into a static buffer inside its one graph. A single layer or sublayer step's output
@@ -34,7 +36,7 @@ def collects_in_graph(step: Step, collect: list | None) -> bool:
 
 
 def row_inputs(positions: list[list[int]], live: list[list[bool]] | None, width: int, start: int, end: int,
-                layers: int, scratch: int) -> list[int]:
+               layers: int, scratch: int) -> list[int]:
     """What a batch's step uploads into its graph's buffers: each row's positions padded to width (−1, none: the
     scratch slot), then which rows run each of the model's 2L sublayers (0 outside the chain)."""
     flat = [p if p >= 0 else scratch for row in positions for p in [*row, *[-1] * (width - len(row))]]

@@ -550,7 +550,6 @@ class LayerStack:
         return self.mlp(*self.mlp_inputs(i, h))
 
 
-
 class FamilyLayerStack(LayerStack):
     """A LayerStack of a family whose layer math is not Llama's (families.py; LayerStack.__new__ chooses it): each
     method below is Llama's plus what the family's LayerMath switches on, per layer where it varies (the q/k norms,

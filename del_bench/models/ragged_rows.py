@@ -45,6 +45,7 @@ def attention_rows(stack, i: int, rows: list[RaggedRow]) -> None:
     with products_for(stack, sum(r.h.shape[1] for r in rows)):
         _attention_rows(stack, i, rows)
 
+
 def _attention_rows(stack, i: int, rows: list[RaggedRow]) -> None:
     h = torch.cat([r.h for r in rows], dim=1)  # [1, ΣT, D]
     cos = torch.cat([r.cos for r in rows], dim=-3)  # [(R,) 1, ΣT, 1, hd]: each position's table
@@ -62,10 +63,12 @@ def _attention_rows(stack, i: int, rows: list[RaggedRow]) -> None:
         a = b
     split(stack.attention_out(w, torch.cat(attn, dim=2), h), rows)
 
+
 def mlp_rows(stack, i: int, rows: list[RaggedRow]) -> None:
     """Layer i's MLP for every row (one load of it): each row's h becomes h + MLP(norm(h))."""
     with products_for(stack, sum(r.h.shape[1] for r in rows)):
         split(stack.layer_mlp(i, torch.cat([r.h for r in rows], dim=1)), rows)
+
 
 def head_rows(stack, hs: list[torch.Tensor]) -> list[torch.Tensor]:
     """The LM head over several rows' normed states (each [1, T_r, D]) in one product → each row's logits
