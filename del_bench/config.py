@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from del_bench import calibration_store
 from del_bench.engine import compiled
 from del_bench.engine.compiled import compile_setting
-from del_bench.engine.lockstep import serves_method
+from del_bench.engine.lockstep import compile_refused, serves_method
 from del_bench.engine.sampling import Sampling
 from del_bench.errors import ConfigError
 from del_bench.methods.base import MethodConfig
@@ -379,6 +379,5 @@ def batch_problems(cfg: DictConfig) -> list[str]:
     if setting in ("on", "graphs"):
         why = serves_method(instantiate(cfg.method))
         if why is not None:
-            return [f"compile={setting}: a batch of method={cfg.method.name} runs on the thread scheduler (lockstep "
-                    f"does not serve {why}), on the stack's layer loop: use compile=auto or off, or batch_size=1"]
+            return [compile_refused(setting, cfg.method.name, why)]
     return []

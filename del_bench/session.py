@@ -167,7 +167,7 @@ def build(cfg: DictConfig, load: Load | None = None, *, task=None, method=None, 
                                                 cache_len=reach)
         setup.update(chosen)
     t0 = time.perf_counter()  # after the graphs: the costs are timed on the path that decodes
-    costs, measured = measured_costs(method, engine, run_dir) if not peer else (None, False)
+    costs, measured = measured_costs(method, engine, run_dir)  # a peer wants none: nothing measured
     setup["costs_s"] = time.perf_counter() - t0
     if costs is not None:
         setup.update(costs_device=costs["device"], costs_measured=measured)
@@ -182,8 +182,7 @@ def batch_graphs(cfg: DictConfig, stack: LayerStack, method, reach: int) -> tupl
     if why is None:
         return lockstep.choose_graphs(stack, setting, method, int(cfg.max_new_tokens), reach, int(cfg.batch_size))
     if setting in ("on", "graphs"):
-        raise compiled.CompileUnavailable(f"compile={setting}: a batch of this method runs on the thread scheduler "
-                                          f"(lockstep does not serve {why}), on the stack's layer loop")
+        raise compiled.CompileUnavailable(lockstep.compile_refused(setting, cfg.method.name, why))
     return None, {"compile": setting, "compiled": False, "reason": "the thread scheduler runs the stack's loop"}
 
 

@@ -84,6 +84,13 @@ def serves_method(method: Method) -> str | None:
     return None
 
 
+def compile_refused(setting: str, method: str, why: str) -> str:
+    """Why compile=on|graphs is refused for a batch of `method` (config.validate before a model loads; the session
+    where the stack is why: several devices)."""
+    return (f"compile={setting}: a batch of method={method} runs on the thread scheduler (lockstep does not serve "
+            f"{why}), on the stack's layer loop: use compile=auto or off, or batch_size=1")
+
+
 def choose_graphs(stack: LayerStack, setting: str, method, max_new_tokens: int, cache_len: int, batch: int,
                   backend: str = "inductor", capture: bool | None = None, runner: type | None = None
                   ) -> tuple[compiled.Graphs | None, dict]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from del_bench.records import DRIFT_LIMIT, PEER_MARK, PEER_NOTE, STEADY_SLOWDOWN
 
@@ -88,8 +89,7 @@ UNSTEADY_MARK = " ¶"
 UNSTEADY_NOTE = ("¶ = not timed at steady state: a warm-up that did not converge, or one of the first two timed "
                  f"samples slower than {STEADY_SLOWDOWN:g}× the later ones' median per loaded layer, in the run or its "
                  "Vanilla partner (records.steady_state); its speed or speedup is not to be trusted. "
-                 "`report --exclude-unsteady` "
-                 "leaves such runs out.")
+                 "`report --exclude-unsteady` leaves such runs out.")
 
 
 DRIFT_MARK = " §"
@@ -190,10 +190,8 @@ def to_latex(table: Table) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_table(table: Table, out_dir) -> list:
+def write_table(table: Table, out_dir) -> list[Path]:
     """table.name + .md and .tex under out_dir (made if missing): the files written."""
-    from pathlib import Path
-
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
