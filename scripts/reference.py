@@ -6,21 +6,24 @@ both local models, and the benches the README cites — into results/reference, 
 
 - Refuses to start when the code differs from its commit (runner.git_dirty: records under results/ do not count):
   every run must say which code measured it.
-- Records of another commit under the root are removed first (git keeps them; `--keep-old` keeps them, and they are
-  then re-used as finished runs), except `gpu/`, which no CPU can re-measure.
+- Records measured by other code are removed first (git keeps them; `--keep-old` keeps them, and they are then
+  re-used as finished runs), except `gpu/`, which no CPU can re-measure. Code is the commit's tree with results/ left
+  out: a results-only commit (the reference itself, committed apart from code) keeps the records it made.
 - Runs the steps in order (STEPS: `calibrate`/`run -m experiment=… scale=local` per model, then the benches through
   their make targets with RECORDS=ROOT), each resumable: a finished run is skipped, a partial one resumed.
 - After each step, the runs it made that were timed on a busy machine, not at steady state, or whose speedup pairs
   two states of the machine (§: records.drifted, against their Vanilla partners) are removed with those partners
   and the step runs again, at most --retries times; then it stops and names them (exit 1).
 - Prints each step's progress and an estimate of the time left (the mean time of the steps done × the steps left); a
-  progress file (ROOT/.reference.json) keeps the steps done at this commit and their seconds, so a rerun goes on where
+  progress file (ROOT/.reference.json) keeps the steps done by this code and their seconds, so a rerun goes on where
   an interrupted one stopped.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import hashlib
 import json
 import re
 import shutil
@@ -136,14 +139,26 @@ def run_step(step: Step, root: Path, retries: int) -> list[str]:
     return bad
 
 
-def clear_old(root: Path, commit: str) -> None:
-    """Remove records another commit measured (git keeps them), `gpu/` apart."""
+@functools.cache
+def code_of(commit: str, repo: Path = REPO) -> str:
+    """The code a commit holds: a digest of its tree without results/ ("" where git does not know the commit). Two
+    commits that differ only in results/ hold the same code."""
+    entries = [line for line in git(repo, "ls-tree", commit).splitlines() if line.split("\t")[-1] != "results"]
+    return hashlib.sha1("\n".join(entries).encode()).hexdigest() if entries else ""
+
+
+def measured_by_other_code(provenance: dict, code: str) -> bool:
+    return code_of(provenance.get("git_commit") or "") != code
+
+
+def clear_old(root: Path, code: str) -> None:
+    """Remove records that other code measured (git keeps them), `gpu/` apart."""
     for summary in list(root.rglob("summary.json")):  # listed first: rglob walks lazily into what is removed
         provenance = json.loads(summary.read_text()).get("provenance") or {}
-        if provenance.get("git_commit") != commit and "gpu" not in summary.relative_to(root).parts[:1]:
+        if measured_by_other_code(provenance, code) and "gpu" not in summary.relative_to(root).parts[:1]:
             shutil.rmtree(summary.parent, ignore_errors=True)
     for result in (root / "bench").glob("*.json"):
-        if (json.loads(result.read_text()).get("provenance") or {}).get("git_commit") != commit:
+        if measured_by_other_code(json.loads(result.read_text()).get("provenance") or {}, code):
             result.unlink()
 
 
@@ -154,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--retries", type=int, default=2, help="re-measures of a step whose runs cannot be kept")
     ap.add_argument("--steps", default=None, help="comma-separated step names: only these")
     ap.add_argument("--list", action="store_true", help="print the steps, run nothing")
-    ap.add_argument("--keep-old", action="store_true", help="keep records of other commits (re-used as finished)")
+    ap.add_argument("--keep-old", action="store_true", help="keep records other code measured (re-used as finished)")
     args = ap.parse_args(argv)
     plan = steps(args.root)
     if args.steps:
@@ -171,13 +186,14 @@ def main(argv: list[str] | None = None) -> int:
               "says which code measured it", file=sys.stderr)
         return 2
     commit = git(REPO, "rev-parse", "HEAD")
+    code = code_of(commit)
     root = REPO / args.root
     progress_file = root / ".reference.json"
     progress = json.loads(progress_file.read_text()) if progress_file.is_file() else {}
-    if progress.get("commit") != commit:
-        progress = {"commit": commit, "done": {}}
+    if progress.get("code") != code:
+        progress = {"commit": commit, "code": code, "done": {}}
         if not args.keep_old:
-            clear_old(root, commit)
+            clear_old(root, code)
     t0 = time.monotonic()
     for i, step in enumerate(plan, 1):
         if step.name in progress["done"]:
@@ -193,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         root.mkdir(parents=True, exist_ok=True)
         progress_file.write_text(json.dumps(progress, indent=1) + "\n")
     print(f"reference done in {(time.monotonic() - t0) / 3600:.2f} h this invocation "
-          f"({sum(progress['done'].values()) / 3600:.2f} h over all of this commit's invocations); now: make tables "
+          f"({sum(progress['done'].values()) / 3600:.2f} h over all of this code's invocations); now: make tables "
           "figures, and commit results/ apart from code")
     return 0
 

@@ -1,12 +1,14 @@
 """scripts/reference.py (make reference) without decoding: its steps are the experiments the tables read on both
 local models and the README's benches, each a make target or experiment that exists; it refuses a dirty tree; the
-runs it cannot keep — busy, unsteady, drifted (with their Vanilla partners) — are the ones it re-measures."""
+runs it cannot keep — busy, unsteady, drifted (with their Vanilla partners) — are the ones it re-measures; the
+records it removes first are those other code measured (a results-only commit holds the same code)."""
 
 from __future__ import annotations
 
 import json
 import re
 import runpy
+import subprocess
 from pathlib import Path
 
 import pandas as pd
@@ -61,16 +63,39 @@ def test_the_runs_not_kept_are_busy_unsteady_or_drifted_with_their_partners(monk
     assert reference["bad_runs"](Path("."), step) == ["dv", "fs", "ls", "vanilla"]  # ls drifted: its partner too
 
 
-def test_records_of_other_commits_are_removed_the_gpu_ones_kept(tmp_path):
+def test_records_other_code_measured_are_removed_the_gpu_ones_kept(tmp_path, monkeypatch):
+    monkeypatch.setitem(reference["clear_old"].__globals__, "code_of", {"old": "A", "new": "B", "data": "B"}.get)
+
     def run(path: str, commit: str) -> Path:
         (tmp_path / path).mkdir(parents=True)
         (tmp_path / path / "summary.json").write_text(json.dumps({"provenance": {"git_commit": commit}}))
         return tmp_path / path
 
     old = [run("local/m/t/ls/greedy", "old"), run("local/m/t/vanilla/greedy", "old"), run("local/m/u/ls", "old")]
-    kept = [run("local/m/t/del/greedy", "new"), run("gpu/bench_runs/x", "old")]
+    kept = [run("local/m/t/del/greedy", "new"), run("local/m/t/fs/greedy", "data"), run("gpu/bench_runs/x", "old")]
     (tmp_path / "bench").mkdir()
     (tmp_path / "bench" / "del.json").write_text(json.dumps({"provenance": {"git_commit": "old"}}))
-    reference["clear_old"](tmp_path, "new")
+    (tmp_path / "bench" / "ls.json").write_text(json.dumps({"provenance": {"git_commit": "data"}}))
+    reference["clear_old"](tmp_path, "B")
     assert [p.exists() for p in old] == [False] * 3 and all(p.exists() for p in kept)
-    assert not (tmp_path / "bench" / "del.json").exists()
+    assert not (tmp_path / "bench" / "del.json").exists() and (tmp_path / "bench" / "ls.json").exists()
+
+
+def test_a_results_only_commit_holds_the_same_code(tmp_path):
+    def commit(path: str, text: str) -> str:
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text(text)
+        git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t"]
+        subprocess.run([*git, "add", "-A"], check=True)
+        subprocess.run([*git, "commit", "-qm", path], check=True)
+        return subprocess.run([*git, "rev-parse", "HEAD"], check=True, capture_output=True, text=True).stdout.strip()
+
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    code = commit("del_bench/engine.py", "x = 1\n")
+    data = commit("results/reference/run/summary.json", "{}\n")
+    more_data = commit("results/tables/table1.md", "| |\n")
+    changed = commit("del_bench/engine.py", "x = 2\n")
+    code_of = reference["code_of"]
+    assert code_of(code, tmp_path) == code_of(data, tmp_path) == code_of(more_data, tmp_path) != ""
+    assert code_of(changed, tmp_path) != code_of(data, tmp_path)
+    assert code_of("0" * 40, tmp_path) == ""  # a commit this clone does not have: other code
