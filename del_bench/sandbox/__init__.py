@@ -89,11 +89,11 @@ One module a concern, all under del_bench/sandbox/ (`Sandbox` and the names belo
 from __future__ import annotations
 
 from del_bench.sandbox.base import GRACE_S, JUDGE_GRACE_S, Limits, SandboxError
-from del_bench.sandbox.box import MODES, PROBE, Sandbox, bwrap_works
+from del_bench.sandbox.box import MODES, PROBE, Sandbox, bwrap_works, same_version_pythons
 from del_bench.sandbox.bwrap import find_bwrap
 from del_bench.sandbox.judge import CandidateError
 from del_bench.sandbox.plain import decode, encode
 from del_bench.sandbox.seccomp import seccomp_filter
 
 __all__ = ["Sandbox", "SandboxError", "CandidateError", "Limits", "MODES", "PROBE", "GRACE_S", "JUDGE_GRACE_S",
-           "find_bwrap", "bwrap_works", "encode", "decode", "seccomp_filter"]
+           "find_bwrap", "bwrap_works", "same_version_pythons", "encode", "decode", "seccomp_filter"]

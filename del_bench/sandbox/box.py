@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -270,6 +271,13 @@ def _user_tasks(uid: int) -> int:
 PROBE = {"task_id": "probe/0", "prompt": "def f():\n", "test": "def check(c):\n    assert c() == 1\n",
          "entry_point": "f"}
 PROBE_COMPLETION = "    import typing\n    return 1\n"  # a module imported after the worker's set-up
+
+
+def same_version_pythons() -> list[str]:
+    """This interpreter, then the system's of the same version: this one may live where other users cannot read (under
+    /root), and the fallback as root runs programs as a private uid, which needs one it can (`task.sandbox.python`)."""
+    system = shutil.which(f"python{sys.version_info.major}.{sys.version_info.minor}", path="/usr/bin:/bin")
+    return [sys.executable] + ([system] if system and system != sys.executable else [])
 
 
 def bwrap_works(bwrap: str | None = None) -> bool:
