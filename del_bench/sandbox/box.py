@@ -275,7 +275,8 @@ PROBE_COMPLETION = "    import typing\n    return 1\n"  # a module imported afte
 
 def same_version_pythons() -> list[str]:
     """This interpreter, then the system's of the same version: this one may live where other users cannot read (under
-    /root), and the fallback as root runs programs as a private uid, which needs one it can (`task.sandbox.python`)."""
+    /root), and the fallback as root runs programs as a private uid (a harness run as another user likewise), which
+    needs one it can (`task.sandbox.python`)."""
     system = shutil.which(f"python{sys.version_info.major}.{sys.version_info.minor}", path="/usr/bin:/bin")
     return [sys.executable] + ([system] if system and system != sys.executable else [])
 
