@@ -70,17 +70,18 @@ class Step:
 def steps(root: str, python: str = sys.executable) -> list[Step]:
     """The reference's steps, in order."""
     run = [python, "-m", "del_bench"]
+    tasks, limit, max_new_tokens = table1_local()
     out = []
     for model in MODELS:
         for name in EXPERIMENTS:
             command = "calibrate" if name.endswith("_calibrate") else "run"
             out.append(Step(f"{name}:{model}", [*run, command, "-m", f"experiment={name}", "scale=local",
                                                 f"model={model}", f"records_root={root}"], f"{name}_local", model))
-        for task in table1_local()[0]:  # Table 1's peer rows (†): transformers' own decoding, per task, by bench peer
+        for task in tasks:  # Table 1's peer rows (†): transformers' own decoding, per task, by bench peer
             peers = f"{root}/local/{model}/{task}/peers"
             out.append(Step(f"table1-peers:{model}:{task}", [
-                *run, "bench", "peer", "--model", model, "--task", task, "--limit", str(table1_local()[1]),
-                "--max-new-tokens", str(table1_local()[2]), "--experiment", "table1_local", "--root", peers,
+                *run, "bench", "peer", "--model", model, "--task", task, "--limit", str(limit),
+                "--max-new-tokens", str(max_new_tokens), "--experiment", "table1_local", "--root", peers,
                 "--out", f"{peers}/peer.json"], "table1_local", model))
     out.append(Step("specbench:smollm2-135m", [*run, "run", "-m", "experiment=specbench", "scale=local",
                                                f"records_root={root}"], "specbench_local", "smollm2-135m"))

@@ -111,7 +111,9 @@ def loop_costs(rows: list[dict], stack, measure=None) -> dict:
     here = stack.cost_device()
     own = (RunDir(r["out_dir"]).costs() for r in rows)
     found = next((c for c in own if c is not None and c.get("device") == here), None)
-    return found or (measure or (lambda: measure_costs(Engine(stack, Sampling(), set()))))()
+    if found is not None:
+        return found
+    return measure() if measure is not None else measure_costs(Engine(stack, Sampling(), set()))
 
 
 def add_cost_predictions(rows: list[dict], stack, num_layers: int) -> dict:

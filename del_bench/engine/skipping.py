@@ -91,7 +91,7 @@ def probe(engine, method: Method, n: int, gen: Generation, cache) -> dict:
     st = engine.stack
     pos = n - len(gen.output_ids) + probe.start  # output_ids[j] sits at position prompt + j
     h = engine.forward_skipping(st.embed(engine.ids(ids[:-1])), pos, cache, frozenset(probe.skip.attn),
-                            frozenset(probe.skip.mlp), write=False)  # [1, length, D]
+                                frozenset(probe.skip.mlp), write=False)  # [1, length, D]
     predicted = st.logits(h)[0].argmax(-1)  # [length]
     matchness = to_list((predicted == to_device(ids[1:], predicted.device)).double().mean())
     trace = method.scored(probe, matchness)
