@@ -14,7 +14,7 @@ export HF_DATASETS_OFFLINE ?= 1
 export TRANSFORMERS_NO_ADVISORY_WARNINGS ?= 1
 
 .DEFAULT_GOAL := help
-.PHONY: help setup constraints reference bench bench-gpu bench-synthetic gpu-wheels gpu-check demo test lint tables figures bench-peer bench-profile bench-parts bench-engine bench-compile bench-controller bench-memory bench-del bench-testbed bench-swift bench-adapters bench-half-lossless bench-sandbox bench-batch exits smoke-tasks testbed clean
+.PHONY: help setup constraints reference bench bench-ab bench-gpu bench-synthetic gpu-wheels gpu-check demo test lint tables figures bench-peer bench-profile bench-parts bench-engine bench-compile bench-controller bench-memory bench-del bench-testbed bench-swift bench-adapters bench-half-lossless bench-sandbox bench-batch exits smoke-tasks testbed clean
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -146,6 +146,10 @@ bench-adapters: setup ## own head vs exit adapters (make exits first): Vanilla, 
 
 bench-batch: setup ## batched decoding: throughput and speedup by batch size (1, 2, 4, 8) for Vanilla, LS and DEL-CPU on SmolLM2 and the testbed (~30 min) → $(RECORDS)/bench/batch.json
 	$(PY) -m del_bench bench batch --root $(RECORDS)/bench/batch_runs --out $(RECORDS)/bench/batch.json
+
+# BASE=<commit>: this checkout's decode speed against that commit's, interleaved run by run (a quiet machine)
+bench-ab: setup ## batch 1 against another commit, interleaved (BASE=commit; ~40 min) → $(RECORDS)/bench/ab.json
+	$(PY) -m del_bench bench ab --base $(BASE) --out $(RECORDS)/bench/ab.json
 
 bench-half-lossless: setup ## lossless in bf16: every method's greedy output on the testbed vs generate's and our Vanilla's → $(RECORDS)/bench/half_lossless.json
 	$(PY) -m del_bench bench half-lossless --out $(RECORDS)/bench/half_lossless.json

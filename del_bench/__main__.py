@@ -163,7 +163,6 @@ def format_table(summaries: list[dict], keys: list | None = None) -> str:
     where two labels coincide; a batched run's label says B=…); then notes: runs timed on a busy machine (`*`,
     records.overloaded), runs not timed at steady state (`~`, records.steady_state), batched runs' throughput over the
     batch, and runs that drafted nothing (why their α is '-'). A speedup carries its Vanilla partners' marks too."""
-    import del_bench.bench.peers  # noqa: F401 -- peers' runs labelled as their classes say (records.method_entry)
     from del_bench.records import (
         DRIFT_LIMIT,
         PEER_MARK,

@@ -27,6 +27,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from del_bench import calibration_store, session
+from del_bench.averages import ratio
 from del_bench.config import CONFIG_DIR, validate
 from del_bench.errors import CalibrationError, ConfigError
 from del_bench.jobs import run_once
@@ -114,7 +115,7 @@ def best_entry(cfg: DictConfig, points, results: dict) -> dict:
         s = results[name]
         grid.append({"exit_layer": int(point.method.exit_layer), "gamma": int(point.method.gamma),
                      "tokens_per_s": s["tokens_per_s"], "etpl": s["etpl"], "acceptance_rate": s["acceptance_rate"],
-                     "speedup": _ratio(s["tokens_per_s"], vanilla_baseline(run_key_of(s), vanillas)),
+                     "speedup": ratio(s["tokens_per_s"], vanilla_baseline(run_key_of(s), vanillas)),
                      "out_dir": str(point.out_dir)})
     best = max(grid, key=lambda p: p["tokens_per_s"] or 0.0)  # ties: the first in grid order
     exits, gammas = grid_of(cfg)
@@ -131,5 +132,3 @@ def best_entry(cfg: DictConfig, points, results: dict) -> dict:
     }
 
 
-def _ratio(a, b):
-    return a / b if a and b else None

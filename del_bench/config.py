@@ -13,14 +13,12 @@ from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from del_bench import calibration_store
-from del_bench.engine import compiled
+from del_bench.engine import compiled, path_choice
 from del_bench.engine.compiled import compile_setting
-from del_bench.engine.lockstep import compile_refused, serves_method
 from del_bench.engine.sampling import Sampling
 from del_bench.errors import ConfigError
 from del_bench.methods.base import MethodConfig
 from del_bench.models import exit_adapters
-from del_bench.models.fused import LAYER_PATHS
 from del_bench.models.loading import ModelConfig, local_layers, local_name, weights_digest
 from del_bench.models.products import SETTINGS as PRODUCT_SETTINGS
 from del_bench.records import decoding_tag
@@ -296,7 +294,8 @@ class RunConfig:
     warmup_tokens: int = key(16, "quick: tokens of its one generation (0: no warm-up)", ge=0)
     warmup_passes: int = key(5, "steady: the most passes", ge=2)
     warmup_tolerance: float = key(0.1, "steady: two passes agree within this fraction of ms/token", gt=0, lt=1)
-    layers: Literal[LAYER_PATHS] = key("auto", "the decoder-layer loop (auto: fused where it matches eager here)")
+    layers: Literal[path_choice.LAYER_SETTINGS] = key(
+        "auto", "the decoder-layer loop (auto: fused where it matches eager here)")
     products: Literal[PRODUCT_SETTINGS] = key("auto", "the matrix products' layout (auto: the fastest timed at load)")
     # read from engine/compiled.py as the check runs: a choice added there is a choice here
     compile: Literal[compiled.COMPILE_CHOICES] = key(
@@ -362,22 +361,7 @@ def validate(cfg: DictConfig) -> None:
     if not problems and cfg.task.get("generation"):
         problems = check(Sampling, cfg.task.generation, "task.generation")
     if not problems:
-        problems = batch_problems(cfg)
+        problems = path_choice.problems(cfg, get_class(cfg.method._target_), lambda: instantiate(cfg.method))
     if problems:
         many = f"{len(problems)} problems in the config:\n  " if len(problems) > 1 else ""
         raise ConfigError(many + "\n  ".join(problems))
-
-
-def batch_problems(cfg: DictConfig) -> list[str]:
-    """batch_size above 1 (engine/lockstep.py, engine/batch.py): our engine decodes."""
-    if cfg.get("batch_size", 1) == 1:
-        return []
-    if getattr(get_class(cfg.method._target_), "decoder", None) is not None:
-        return [f"method={cfg.method.name} is transformers' own decoding (a peer row), which decodes one prompt at a "
-                "time: use batch_size=1"]
-    setting = compile_setting(cfg.get("compile", "auto"))
-    if setting in ("on", "graphs"):
-        why = serves_method(instantiate(cfg.method))
-        if why is not None:
-            return [compile_refused(setting, cfg.method.name, why)]
-    return []

@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 from hydra.utils import instantiate
 
+from del_bench.averages import mean
 from del_bench.config import load_choice
 from del_bench.lm_eval_backend import document_scores, read_results
 from del_bench.metrics.text import cut_at
@@ -87,8 +89,8 @@ def check_results(results: dict, ours: list[str] = ()) -> list[Check]:
         for lm_key, our_key in metrics:
             disagree = [i for i, m in zip(ids, mine) if float(m[our_key]) != theirs[i][lm_key]]
             checks.append(Check(task, model, method, f"{lm_key} = {our_key}", len(ids),
-                                _mean(theirs[i][lm_key] for i in ids), _mean(m[our_key] for m in mine), disagree,
-                                own.get(our_key, "")))
+                                mean((theirs[i][lm_key] for i in ids), math.nan),
+                                mean((m[our_key] for m in mine), math.nan), disagree, own.get(our_key, "")))
     return checks
 
 
@@ -104,14 +106,9 @@ def _own_runs(run_dirs: list[str], task: str, outputs: dict[str, str], until: li
             continue
         equal = sum(cut_at(r["output_text"], until) == outputs[r["sample_id"]] for r in records)
         metrics = {k for r in records for k in (r.get("scores") or {})}
-        return {k: f"{_mean(r['scores'][k] for r in records):.3f} over {len(records)} ({equal} of {len(records)} "
-                   "outputs = lm-eval's)" for k in metrics}
+        return {k: f"{mean((r['scores'][k] for r in records), math.nan):.3f} over {len(records)} ({equal} of "
+                   f"{len(records)} outputs = lm-eval's)" for k in metrics}
     return {}
-
-
-def _mean(values) -> float:
-    values = [float(v) for v in values]
-    return sum(values) / len(values) if values else float("nan")
 
 
 def table(checks: list[Check]) -> str:

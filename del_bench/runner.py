@@ -8,13 +8,12 @@ import json
 import logging
 import os
 import platform
-import statistics
 import subprocess
 import time
 import weakref
 import zlib
 from collections import Counter
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -23,13 +22,12 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from del_bench import memory, session, tracking
+from del_bench.averages import mean
 from del_bench.config import validate
-from del_bench.engine import lockstep
 from del_bench.engine.batch import Batch
-from del_bench.engine.decode import Request, served
+from del_bench.engine.decode import Engine, Request
 from del_bench.machine_load import LoadProbe
 from del_bench.models import exit_adapters
-from del_bench.models.products import tune_rows
 from del_bench.records import (
     RunDir,
     RunKey,
@@ -121,156 +119,77 @@ def run_key(cfg: DictConfig, method, task, samples: list, records: list[dict], p
 
 def decode_all(cfg, todo, task, method, run_dir: RunDir, load=None) -> None:
     """Generate every (sample, repeat) in `todo`, appending its records (and its peak memory) as it finishes: the
-    session set up (session.build: model, engine, costs, graph-captured steps), the method's carried state restored,
-    the warm-up, then the timed samples; at batch_size > 1, decode_batched."""
+    session set up (session.build: model, engine and its layer path, costs), the methods' carried state restored, the
+    warm-up, then the timed samples — B = batch_size at a time (engine/batch.py; B = 1: one prompt at a time), each
+    slot with its own copy of the method at B > 1 (what a method carries across prompts is per slot), a slot taking
+    the next (sample, repeat) as soon as its last one ends. Each sample's records are appended as it finishes, so an
+    interrupted run resumes without losing or repeating any. Peak memory is each sample's own at B = 1, the batch's
+    so far at B > 1 (one reset for the whole batch)."""
     samples = [s for s, _ in todo]
     ready = session.build(cfg, load, task=task, method=method, run_dir=run_dir, samples=samples)
     if ready.costs is not None:  # the calibrated cost model: measured once per run and device (a resume reuses it)
         run_dir.write_costs(ready.costs)
-    if int(cfg.get("batch_size", 1)) > 1:
-        decode_batched(cfg, todo, ready, run_dir)
-        return
-    finished = restore_method_state(method, run_dir)
+    B, tokenizer, loaded = int(cfg.get("batch_size", 1)), ready.tokenizer, ready.loaded
+    cache_len = session.longest_sequence(samples, task, tokenizer, int(cfg.max_new_tokens)) + 1
+    batch = rows_of(ready, B, cache_len)
+    methods = [method] if B == 1 else [copy.deepcopy(method) for _ in range(B)]
+    finished = restore_method_states(methods, run_dir)
     t0 = time.perf_counter()
-    warmup = warm_up(cfg, ready, samples)
-    run_dir.append_setup({**ready.setup, "warmup": warmup, "warmup_s": time.perf_counter() - t0,
-                          "samples_before": finished})
-    engine, stack, loaded = ready.engine, ready.stack, ready.loaded
-    is_peer = getattr(method, "decoder", None) is not None
-    weights = memory.model_bytes(loaded.model)
-    for sample, repeat in tqdm(todo, desc=f"{cfg.method.tag} on {cfg.task.name}", unit="sample"):
-        decode = decode_one if sample.turns is None else decode_turns
-        record, rounds = served(decode(cfg, ready.tokenizer, task, method, sample, repeat, loaded), engine)
-        record.model_bytes, record.kv_cache_bytes = weights, memory.cache_bytes(engine.cache)
-        # the compiled steps round otherwise than either loop (tokens equal where checked), and each kind of graph runs
-        # at its own speed: kept apart like the loops (+compiled, +graphs, +fused_graphs); a peer never runs them
-        record.layer_path = stack.layer_path if is_peer else engine.layer_path
-        finished += 1
-        run_dir.write_method_state(method.state(), finished)  # first: the sample line commits it (RunDir)
-        run_dir.append(record.as_dict(), rounds)
-
-
-def decode_batched(cfg, todo, ready: session.Session, run_dir: RunDir) -> None:
-    """decode_all at batch_size B > 1: B rows decode together — in lockstep, as tensors (engine/lockstep.py), or for a
-    method lockstep does not serve on the thread scheduler (engine/batch.py; the setup line says which and why) —
-    each with its own copy of the method (what a method carries across prompts is per slot), a slot taking the next
-    (sample, repeat) as soon as its last one ends; each sample's records are appended as it finishes, so an
-    interrupted run resumes without losing or repeating any. Peak memory is the batch's (one reset for the whole
-    batch), each record holding it up to its end."""
-    B, tokenizer, task, method, loaded, stack = (int(cfg.batch_size), ready.tokenizer, ready.task, ready.method,
-                                                  ready.loaded, ready.stack)
-    cache_len = session.longest_sequence([s for s, _ in todo], task, tokenizer, int(cfg.max_new_tokens)) + 1
-    wide = tune_rows(stack, B)  # the products' layouts at a batch's width (products.products_for), untimed
-    batch, path = batch_of(stack, B, method, ready, cache_len)
-    methods = [copy.deepcopy(method) for _ in range(B)]
-    finished = restore_slot_states(methods, run_dir)
-    t0 = time.perf_counter()
-    warmup = batch_warm_up(cfg, batch, ready, [s for s, _ in todo])
+    warmup = warm_up(cfg, batch, ready, samples)
     session_line = len(run_dir.setup())  # this session's line in setup.jsonl
     run_dir.append_setup({**ready.setup, "warmup": warmup, "warmup_s": time.perf_counter() - t0,
-                          "samples_before": finished, "batch_size": B, "wide_products": wide.as_dict(), **path})
+                          "samples_before": finished, **({"batch_size": B} if B > 1 else {})})
     weights = memory.model_bytes(loaded.model)
-    progress = tqdm(total=len(todo), desc=f"{cfg.method.tag} on {cfg.task.name} (B={B})", unit="sample")
+    progress = tqdm(total=len(todo), desc=f"{cfg.method.tag} on {cfg.task.name}" + (f" (B={B})" if B > 1 else ""),
+                    unit="sample")
 
-    def decode_row(row, job):  # a job: it yields its generations' requests to its slot (engine/lockstep.py)
+    def decode_row(row, job):  # a job: it yields its generations' requests to its slot (engine/batch.py)
         nonlocal finished
         sample, repeat = job
         decode = decode_one if sample.turns is None else decode_turns
         record, rounds = yield from decode(cfg, tokenizer, task, methods[row.slot], sample, repeat, loaded, peak)
         record.model_bytes, record.kv_cache_bytes = weights, memory.cache_bytes(batch.cache)
-        record.layer_path = stack.layer_path + (f"+{ready.graphs.path}" if ready.graphs else "")
-        reads, shared_rounds = row.tally(rounds)
-        record.batch = {"size": B, "path": path["batch_path"], "slot": row.slot, "session": session_line,
-                        "start_s": row.start_s, "end_s": batch.elapsed(), "loaded_layers": row.loaded_layers,
-                        "idle_layers": getattr(row, "idle_layers", 0.0), "head_passes": row.head_passes,
-                        "reads": reads, "rounds": shared_rounds}
+        # the compiled steps round otherwise than either loop (tokens equal where checked), and each kind of graph runs
+        # at its own speed: kept apart like the loops (+compiled, +graphs, +fused_graphs)
+        record.layer_path = batch.path.name
+        if B > 1:
+            reads, shared_rounds = row.tally()
+            record.batch = {"size": B, "slot": row.slot, "session": session_line, "start_s": row.start_s,
+                            "end_s": batch.elapsed(), "loaded_layers": row.loaded_layers,
+                            "idle_layers": row.idle_layers, "head_passes": row.head_passes, "reads": reads,
+                            "rounds": shared_rounds}
         finished += 1
-        states = [m.state() for m in methods]
-        run_dir.write_method_state({"slots": states} if any(s is not None for s in states) else None, finished)
+        run_dir.write_method_state(method_states(methods), finished)  # first: the sample line commits it (RunDir)
         run_dir.append(record.as_dict(), rounds)
         progress.update()
 
-    with memory.PeakMemory(loaded.device) as peak:
+    with memory.PeakMemory(loaded.device) if B > 1 else nullcontext() as peak:  # at B = 1 each sample its own
         stats = batch.run(todo, decode_row)
     progress.close()
-    log.info("batch of %d (%s): %d rounds, %d host reads, %.1f layers loaded, %.1f of them idle rows'", B,
-             path["batch_path"], stats.get("rounds", 0), stats.get("reads", 0), stats["loaded_layers"],
+    log.info("%s on %s: %d rounds, %d host reads, %.1f layers loaded, %.1f of them idle rows'", cfg.method.tag,
+             batch.path.name, stats.get("rounds", 0), stats.get("reads", 0), stats.get("loaded_layers", 0.0),
              stats.get("idle_layers", 0.0))
 
 
-def batch_of(stack, size: int, method, ready: session.Session, cache_len: int):
-    """The batch that decodes a run's rows — lockstep (engine/lockstep.py) where it serves the method, else the thread
-    scheduler (engine/batch.py) — and what the setup line says of it: batch_path, and why not lockstep."""
-    why = lockstep.serves(method, stack)
-    if why is None:
-        batch = lockstep.Lockstep(stack, size, ready.sampling, ready.eos, ready.stop, cache_len=cache_len,
-                                  shadow_with_acceptance=ready.engine.shadow_with_acceptance, graphs=ready.graphs)
-        return batch, {"batch_path": "lockstep"}
-    log.info("batched rows on the thread scheduler: lockstep does not serve %s", why)
-    batch = Batch(stack, size, ready.sampling, ready.eos, ready.stop, cache_len=cache_len,
-                  shadow_with_acceptance=ready.engine.shadow_with_acceptance)
-    return batch, {"batch_path": "threads", "batch_reason": why}
+def rows_of(ready: session.Session, size: int, cache_len: int):
+    """What decodes a run's rows: a Batch of `size` on the session's layer path (engine/batch.py; at size 1 the
+    session's own engine is its row), or a peer's decoder, one prompt at a time (methods/peers.py)."""
+    engine = ready.engine
+    if not isinstance(engine, Engine):
+        return engine.serial(ready.stack.layer_path)
+    if size == 1:
+        return engine.alone(cache_len)
+    return Batch(ready.stack, size, ready.sampling, ready.eos, ready.stop, cache_len=cache_len,
+                 shadow_with_acceptance=engine.shadow_with_acceptance, path=engine.path)
 
 
-def batch_warm_up(cfg, batch, ready: session.Session, samples: list) -> dict:
-    """warm_up for a batch: its passes decode every slot at once, each a throwaway copy of the method under a forked
-    RNG (quick: warmup_tokens of the first prompt; steady: each slot prefills the longest prompt, then decodes the
-    shortest past its stops to the longest sequence, until two passes agree on the batch's ms per token)."""
-    mode = warmup_mode(cfg, ready.loaded.device)
-    if mode == "off" or not samples:
-        return {"mode": "off"}
-    method, task, tokenizer = ready.method, ready.task, ready.tokenizer
-    shortest, longest, reach = warmup_prompts(task, tokenizer, samples, cfg.max_new_tokens)
-
-    def decode(prompt, tokens):
-        def job(row, _):
-            yield row.generate(prompt, copy.deepcopy(method), tokens, 0)
-        return job
-
-    cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
-    with torch.random.fork_rng(devices=cuda):
-        if mode == "quick":
-            first = samples[0]
-            warm = tokenizer(first.prompt if first.turns is None else task.render(first, []))["input_ids"]
-            batch.run(range(batch.size), decode(warm, cfg.warmup_tokens))
-            return {"mode": "quick"}
-        passes: list[float] = []
-        with batch_past_stops(batch):
-            while len(passes) < max(2, cfg.warmup_passes) and not converged(passes, cfg.warmup_tolerance):
-                batch.run(range(batch.size), decode(longest, 1))
-                tokens = max(1, reach - len(shortest))
-                stats = batch.run(range(batch.size), decode(shortest, tokens))
-                passes.append(1e3 * stats["wall_s"] / (tokens * batch.size))
-    return {"mode": "steady", "prompt_tokens": [len(shortest), len(longest)], "cache_length": reach,
-            "tolerance": cfg.warmup_tolerance, "ms_per_token": passes,
-            "converged": converged(passes, cfg.warmup_tolerance)}
-
-
-@contextmanager
-def batch_past_stops(batch):
-    """decoding_past_stops for every row of a batch."""
-    engines = [row.engine for row in batch.rows]
-    saved = [(e.eos_ids, e.stop) for e in engines]
-    for e in engines:
-        e.eos_ids, e.stop = set(), None
-    try:
-        yield batch
-    finally:
-        for e, (eos, stop) in zip(engines, saved):
-            e.eos_ids, e.stop = eos, stop
-
-
-def restore_slot_states(methods: list, run_dir: RunDir) -> int:
-    """restore_method_state for a batched run: slot i's method gets slot i's saved state. Returns how many samples are
-    finished. (Which slot takes which prompt depends on the answers' lengths, so a resumed run's slots go on from
-    their states but may take other prompts than an uninterrupted run's.)"""
-    finished = len(run_dir.finished())
-    saved = run_dir.method_state(finished)
-    if saved is not None and saved["samples"] <= finished:
-        for m, state in zip(methods, saved["state"].get("slots", [])):
-            if state is not None:
-                m.restore(state)
-    return finished
+def method_states(methods: list):
+    """What the methods carry across prompts, as method_state.json keeps it: one method's state (B = 1), or each
+    slot's (`slots`); None when none carries any."""
+    states = [m.state() for m in methods]
+    if len(methods) == 1:
+        return states[0]
+    return {"slots": states} if any(s is not None for s in states) else None
 
 
 # ---------------------------------------------------------------- the untimed warm-up
@@ -281,14 +200,14 @@ def restore_slot_states(methods: list, run_dir: RunDir) -> int:
 _STEADY = weakref.WeakKeyDictionary()
 
 
-def kernels_key(cfg, engine, model) -> tuple:
+def kernels_key(cfg, batch, model) -> tuple:
     """Everything that changes the kernels a session's decode runs on one loaded model: the device and dtype it is
-    on, the method (its tag), the layer loop and the graphs installed — each Graphs object its own captures, so a
-    captured row never counts as warmed by an eager row's warm-up, nor the fused graphs by the unfused ones."""
-    stack = getattr(engine, "stack", None)  # a peer decodes with transformers: no stack
-    graphs = getattr(engine, "graphs", None)
-    return (str(getattr(model, "device", "?")), str(getattr(model, "dtype", "?")), cfg.method.tag,
-            getattr(stack, "layer_path", "peer"), None if graphs is None else (graphs.kind, id(graphs)))
+    on, the method (its tag), the rows decoded together, the layer path and its graphs — each Graphs object its own
+    captures, so a captured row never counts as warmed by an eager row's warm-up, nor the fused graphs by the unfused
+    ones."""
+    graphs = getattr(batch.path, "graphs", None)
+    return (str(getattr(model, "device", "?")), str(getattr(model, "dtype", "?")), cfg.method.tag, batch.size,
+            batch.path.name, None if graphs is None else id(graphs))
 
 
 def warmup_mode(cfg, device: str) -> str:
@@ -301,25 +220,36 @@ def warmup_mode(cfg, device: str) -> str:
     return mode
 
 
-def warm_up(cfg, ready: session.Session, samples: list) -> dict:
+def warm_up(cfg, batch, ready: session.Session, samples: list) -> dict:
     """The untimed warm-up before the session's first timed sample, as its setup line records it (`warmup`):
     - quick: one generation of warmup_tokens tokens on the first prompt (first-call allocations and kernel choices);
     - steady: until decoding is at steady state for the session's real shapes (steady_warm_up).
-    Each pass decodes with a throwaway copy of the method, under a forked RNG: the method's carried state and the
-    global RNG the timed samples meet are as if no warm-up had run (the engine's own draws are seeded per sample)."""
-    engine, method, task, tokenizer, loaded = ready.engine, ready.method, ready.task, ready.tokenizer, ready.loaded
+    Each pass decodes on every row of the batch, each row with a throwaway copy of the method, under a forked RNG: the
+    methods' carried state and the global RNG the timed samples meet are as if no warm-up had run (the engine's own
+    draws are seeded per sample). A pass's figures are its first row's."""
+    method, task, tokenizer, loaded = ready.method, ready.task, ready.tokenizer, ready.loaded
     mode = warmup_mode(cfg, loaded.device)
     if mode == "off" or not samples:
         return {"mode": "off"}
+
+    def decode_pass(prompt: list[int], tokens: int):
+        gens = []
+
+        def job(slot, _):
+            gens.append((yield Request(prompt, copy.deepcopy(method), tokens, 0)))
+
+        batch.run(range(batch.size), job)
+        return gens[0]
+
     cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
     with torch.random.fork_rng(devices=cuda):
         if mode == "quick":
             first = samples[0]
             warm = first.prompt if first.turns is None else task.render(first, [])
-            gen = engine.generate(tokenizer(warm)["input_ids"], copy.deepcopy(method), cfg.warmup_tokens, 0)
+            gen = decode_pass(tokenizer(warm)["input_ids"], cfg.warmup_tokens)
             return {"mode": "quick", "tokens": len(gen.output_ids), "ms_per_token": [ms_per_token(gen)],
                     "converged": None}
-        return steady_warm_up(cfg, engine, method, warmup_prompts(task, tokenizer, samples, cfg.max_new_tokens),
+        return steady_warm_up(cfg, batch, decode_pass, warmup_prompts(task, tokenizer, samples, cfg.max_new_tokens),
                               loaded.model)
 
 
@@ -331,7 +261,7 @@ def warmup_prompts(task, tokenizer, samples: list, max_new_tokens: int) -> tuple
                                                                                    max_new_tokens)
 
 
-def steady_warm_up(cfg, engine, method, prompts: tuple[list[int], list[int], int], model) -> dict:
+def steady_warm_up(cfg, batch, decode_pass, prompts: tuple[list[int], list[int], int], model) -> dict:
     """Passes until two in a row agree on their decode ms/token within warmup_tolerance (at most warmup_passes).
     A pass prefills the longest prompt, then decodes the shortest, past EOS and stop strings, to the longest sequence
     the session reaches: every prefill and key length of the timed samples (the kernels, attention variants and
@@ -343,15 +273,15 @@ def steady_warm_up(cfg, engine, method, prompts: tuple[list[int], list[int], int
     reach = min(reach, limit) if limit else reach
     record = {"mode": "steady", "prompt_tokens": [len(shortest), len(longest)], "cache_length": reach,
               "tolerance": cfg.warmup_tolerance}
-    done = _STEADY.setdefault(model, {}).setdefault(kernels_key(cfg, engine, model), [])
+    done = _STEADY.setdefault(model, {}).setdefault(kernels_key(cfg, batch, model), [])
     if any(low <= len(shortest) and reach <= high for low, high in done):
         return {**record, "ms_per_token": [], "converged": True, "covered": "by an earlier session of this process"}
     passes: list[float] = []
-    with decoding_past_stops(engine):
+    with decoding_past_stops(batch.engines):
         while len(passes) < max(2, cfg.warmup_passes) and not converged(passes, cfg.warmup_tolerance):
-            engine.generate(longest, copy.deepcopy(method), 1, 0)
+            decode_pass(longest, 1)
             tokens = max(1, reach - len(shortest))  # (a reach clamped to the model's positions: still one token)
-            passes.append(ms_per_token(engine.generate(shortest, copy.deepcopy(method), tokens, 0)))
+            passes.append(ms_per_token(decode_pass(shortest, tokens)))
     record.update(ms_per_token=passes, converged=converged(passes, cfg.warmup_tolerance))
     if record["converged"]:
         done.append((len(shortest), reach))
@@ -373,14 +303,16 @@ def ms_per_token(gen) -> float:
 
 
 @contextmanager
-def decoding_past_stops(engine):
-    """The engine (ours or a peer's) decodes to max_new_tokens whatever it emits: no EOS, no stop string."""
-    eos, stop = engine.eos_ids, engine.stop
-    engine.eos_ids, engine.stop = set(), None
+def decoding_past_stops(engines: list):
+    """The engines (ours or a peer's) decode to max_new_tokens whatever they emit: no EOS, no stop string."""
+    saved = [(e.eos_ids, e.stop) for e in engines]
+    for e in engines:
+        e.eos_ids, e.stop = set(), None
     try:
-        yield engine
+        yield engines
     finally:
-        engine.eos_ids, engine.stop = eos, stop
+        for e, (eos, stop) in zip(engines, saved):
+            e.eos_ids, e.stop = eos, stop
 
 
 def peak_of(loaded, batch_peak: memory.PeakMemory | None):
@@ -389,8 +321,8 @@ def peak_of(loaded, batch_peak: memory.PeakMemory | None):
 
 
 def decode_one(cfg, tokenizer, task, method, sample, repeat, loaded, batch_peak: memory.PeakMemory | None = None):
-    """A single-prompt sample as a job: one generation (it yields its Request: decode.served runs it on one engine, a
-    batch on a slot), then → its record and its round lines."""
+    """A single-prompt sample as a job: one generation (it yields its Request: the batch decodes it on its slot), then
+    → its record and its round lines."""
     prompt_ids = list(tokenizer(sample.prompt)["input_ids"])
     # memory reset/read and the load readings outside the engine's timed region
     with peak_of(loaded, batch_peak) as peak, LoadProbe() as probe:
@@ -401,9 +333,11 @@ def decode_one(cfg, tokenizer, task, method, sample, repeat, loaded, batch_peak:
     return record, [{"sample_id": sample.id, "repeat": repeat, **r.as_dict()} for r in gen.rounds]
 
 
-def restore_method_state(method, run_dir: RunDir) -> int:
-    """Give the method back what it carried across the prompts already finished (Method.state). Returns how many
-    samples are finished."""
+def restore_method_states(methods: list, run_dir: RunDir) -> int:
+    """Give the methods back what they carried across the prompts already finished (Method.state): one method its
+    state, a batch's slot i its slot's. Returns how many samples are finished. (Which slot takes which prompt depends
+    on the answers' lengths, so a resumed batch's slots go on from their states but may take other prompts than an
+    uninterrupted run's.)"""
     finished = len(run_dir.finished())
     saved = run_dir.method_state(finished)
     if saved is None or saved["samples"] > finished:  # none, or the first sample's, written before its records
@@ -411,7 +345,11 @@ def restore_method_state(method, run_dir: RunDir) -> int:
     if saved["samples"] != finished:
         log.warning("%s: the method's state was saved after %d samples, %d are finished (records written before "
                     "states were kept in pairs): continuing from it", run_dir.path, saved["samples"], finished)
-    method.restore(saved["state"])
+    state = saved["state"]
+    states = state.get("slots", []) if len(methods) > 1 else [state]
+    for m, slot_state in zip(methods, states):
+        if slot_state is not None:
+            m.restore(slot_state)
     return finished
 
 
@@ -486,11 +424,6 @@ def sample_record(sample, repeat, prompt_ids, gen, text, task, num_layers) -> Sa
         scores=None if task.batch_scoring else task.score(sample, text))  # batch: set by score_pending
 
 
-def _mean(values) -> float | None:
-    values = [v for v in values if v is not None]
-    return statistics.fmean(values) if values else None
-
-
 def summarize(cfg: DictConfig, records: list[dict], rounds: list[dict], task) -> dict:
     """Run-level numbers, each recomputable from samples.jsonl / rounds.jsonl."""
     drafted = sum(r["drafted"] for r in records)
@@ -505,12 +438,12 @@ def summarize(cfg: DictConfig, records: list[dict], rounds: list[dict], task) ->
         "decoding": cfg.decoding,  # greedy | sample-t…-p… (the task's own generation settings win)
         "n_samples": len(records),
         "batch_size": int(cfg.get("batch_size", 1)),
-        "tokens_per_s": _mean(r["tokens_per_s"] for r in records),  # mean over samples (paper B.4)
-        "etpl": _mean(r["etpl"] for r in records),  # mean over samples (paper B.4)
+        "tokens_per_s": mean(r["tokens_per_s"] for r in records),  # mean over samples (paper B.4)
+        "etpl": mean(r["etpl"] for r in records),  # mean over samples (paper B.4)
         "throughput": throughput(records),  # all tokens ÷ the batch's wall seconds (records.throughput)
         "batch_etpl": batch_etpl(records),  # all tokens ÷ the layers the batch loaded (records.batch_etpl)
-        "latency_s": _mean(r["wall_s"] for r in records),  # a prompt's, waiting for its batch included
-        "ttft_s": _mean(r.get("ttft_s") for r in records),
+        "latency_s": mean(r["wall_s"] for r in records),  # a prompt's, waiting for its batch included
+        "ttft_s": mean(r.get("ttft_s") for r in records),
         **host_reads(records, rounds),  # the host reads the batch (or one prompt at a time) made
         "acceptance_rate": accepted / drafted if drafted else None,  # accepted drafts / drafted tokens
         "generated_tokens": sum(r["generated_tokens"] for r in records),

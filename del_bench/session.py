@@ -10,11 +10,11 @@ to a run's setup.jsonl):
    (`load_model`); a run resumed in `run_dir` decodes in the layouts its first session chose (`products_before`);
 2. the task bound to the tokenizer; the model's eos ids and the task's stop strings;
 3. the sampling: the run's generation settings with the task's own over them (HumanEval pass@10 samples at T 0.6);
-4. the engine: ours (`Engine`), or a peer's decoder where the method decodes by itself (bench/peers.py);
+4. the engine: ours (`Engine`), or a peer's decoder where the method decodes by itself (methods/peers.py);
 5. measured costs for a method that wants them (`Method.wants_costs`): those `run_dir` holds, else measured here;
-6. the graph-captured steps (`compile`: auto | on | off, engine/compiled.py), made and checked here (CUDA graphs on a
-   cache long enough for the longest of `samples`' prompts + max_new_tokens); at batch_size B > 1 the batch's own,
-   per (B, width bucket), for lockstep (`graphs`).
+6. the layer path (engine/path_choice.choose): the graph-captured steps `compile` asks for (auto | on | off,
+   engine/compiled.py), made and checked here — CUDA graphs on a cache long enough for the longest of `samples`'
+   prompts + max_new_tokens, at batch_size B per (B, width bucket) — held by the engine (`Engine.path`).
 
 The warm-up is not part of it: the runner warms up before its timed samples, as a step of its own (runner.warm_up).
 Entry points: runner.decode_all (every run), bench-engine's host-sync rows, bench-controller's twins; calibration and
@@ -31,7 +31,7 @@ from typing import Callable
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from del_bench.engine import compiled, lockstep
+from del_bench.engine import path_choice
 from del_bench.engine.costs import measure_costs
 from del_bench.engine.decode import Engine
 from del_bench.engine.sampling import Sampling
@@ -56,10 +56,9 @@ class Session:
     sampling: Sampling
     eos: set[int]
     stop: Callable | None  # the task's stop strings as a condition on the output ids (None: none)
-    engine: object  # Engine, or a peer's decoder (bench/peers.py PeerDecoder)
+    engine: object  # Engine (its layer path: Engine.path), or a peer's decoder (methods/peers.py PeerDecoder)
     costs: dict | None = None  # the measured costs the method was given (None: it wants none)
     setup: dict = field(default_factory=dict)  # what the setup chose and the seconds it took (setup.jsonl's line)
-    graphs: object = None  # a batched run's graph-captured steps (engine/compiled.Graphs.rows), or None
 
     @property
     def tokenizer(self):
@@ -70,7 +69,7 @@ def load_model(model_cfg, layers: str = "auto", products: str = "auto") -> tuple
     """The model and its LayerStack; layers: the decoder-layer loop (auto | fused | eager: models/fused.py); products:
     the matrix products' layout (auto | wt_x | x_wt: models/products.py)."""
     loaded = loading.load(model_cfg)
-    stack = LayerStack(loaded.model, layers=layers, products=products)
+    stack = path_choice.stack_of(loaded.model, layers=layers, products=products)
     exit_adapters.attach(stack, model_cfg)  # model.exit_adapters=D: the early-exit heads (else the own head)
     return loaded, stack
 
@@ -152,38 +151,22 @@ def build(cfg: DictConfig, load: Load | None = None, *, task=None, method=None, 
     task.bind_tokenizer(loaded.tokenizer)  # multi-turn tasks render chat turns with it
     eos, stop = eos_ids(loaded.model, loaded.tokenizer), stop_strings(task.stop_strings, loaded.tokenizer)
     sampling = sampling_of(cfg)
-    peer = getattr(method, "decoder", None)  # a peer row (del_bench/bench/peers.py): transformers decodes, not ours
+    peer = getattr(method, "decoder", None)  # a peer row (del_bench/methods/peers.py): transformers decodes, not ours
     engine = (peer(loaded.model, eos, stop, sampling) if peer
               else Engine(stack, sampling, eos, stop=stop, shadow_with_acceptance=shadow_with_acceptance))
     if not peer and method.wants_shadow:  # where DEL's statistics reach the host (engine/shadow.py)
         setup["shadow_with_acceptance"] = engine.shadow_with_acceptance
-    graphs = None
-    reach = longest_sequence(samples, task, loaded.tokenizer, int(cfg.max_new_tokens)) + 1 if samples else 1024
-    if int(cfg.get("batch_size", 1)) > 1:  # a batch's own graphs (per (B, width))
-        graphs, chosen = batch_graphs(cfg, stack, method, reach)
-        setup.update(chosen)
-    elif not peer:  # the graph-captured steps (compile: auto | on | off): made and checked here, untimed
-        engine.graphs, chosen = compiled.choose(stack, cfg.get("compile", "auto"), method, int(cfg.max_new_tokens),
-                                                cache_len=reach)
-        setup.update(chosen)
+    if not peer:  # the layer path, graphs made and checked here (compile: auto | on | off), untimed
+        reach = longest_sequence(samples, task, loaded.tokenizer, int(cfg.max_new_tokens)) + 1 if samples else 1024
+        engine.path = path_choice.choose(stack, cfg.get("compile", "auto"), method, int(cfg.max_new_tokens), reach,
+                                        int(cfg.get("batch_size", 1)))
+        setup.update(engine.path.info)
     t0 = time.perf_counter()  # after the graphs: the costs are timed on the path that decodes
     costs, measured = measured_costs(method, engine, run_dir)  # a peer wants none: nothing measured
     setup["costs_s"] = time.perf_counter() - t0
     if costs is not None:
         setup.update(costs_device=costs["device"], costs_measured=measured)
-    return Session(loaded, stack, task, method, sampling, eos, stop, engine, costs, setup, graphs)
-
-
-def batch_graphs(cfg: DictConfig, stack: LayerStack, method, reach: int) -> tuple[compiled.Graphs | None, dict]:
-    """A batched run's graph-captured steps (lockstep.choose_graphs: per (B, width bucket)), or none: a
-    method the thread scheduler decodes runs the stack's loop (compile=on or graphs then: CompileUnavailable)."""
-    setting = compiled.compile_setting(cfg.get("compile", "auto"))
-    why = lockstep.serves(method, stack)
-    if why is None:
-        return lockstep.choose_graphs(stack, setting, method, int(cfg.max_new_tokens), reach, int(cfg.batch_size))
-    if setting in ("on", "graphs"):
-        raise compiled.CompileUnavailable(lockstep.compile_refused(setting, cfg.method.name, why))
-    return None, {"compile": setting, "compiled": False, "reason": "the thread scheduler runs the stack's loop"}
+    return Session(loaded, stack, task, method, sampling, eos, stop, engine, costs, setup)
 
 
 def longest_sequence(samples, task, tokenizer, max_new_tokens: int) -> int:

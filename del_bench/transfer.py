@@ -16,13 +16,13 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
-# reads so far, per thread: a batched run's rows each decode in a thread of their own (engine/batch.py), and a row's
-# Round.host_syncs counts its own reads, not its neighbours'
+# reads so far (per thread: a bench may decode in a thread of its own); a row's Round.host_syncs counts those its
+# Ledger was charged with
 _counts = threading.local()
 
 
 class Ledger:
-    """One row's transfers in a batch that decodes its rows in one thread (engine/lockstep.py): every transfer made
+    """One row's transfers in a batch (engine/batch.py; a batch of one too): every transfer made
     while the ledger is charged (`charged`) counts in it too — a batch's one read a round counts once in each row
     whose values it carried, so a row's Round.host_syncs are the transfers it took part in."""
 
@@ -79,7 +79,7 @@ def upload(values: list, device: torch.device) -> torch.Tensor:
     """A batched step's host-made inputs (positions, which rows run which layers: ints) → a long tensor on device,
     without a sync: on CUDA copied from pinned memory, asynchronously (the copy queues behind the steps before it;
     the allocator keeps the pinned block until it ran), on a CPU the host tensor itself. Not counted: nothing waits.
-    What the host decided and the device must know each step travels this way, once a step (engine/lockstep.py)."""
+    What the host decided and the device must know each step travels this way, once a step (engine/batch.py)."""
     host = torch.tensor(values, dtype=torch.long)
     if device.type != "cuda":
         return host if device.type == "cpu" else host.to(device)

@@ -3,7 +3,7 @@ the resume tests in tests/test_runner.py:
 
     python -m tests.killed_run POINT K run key=value …
 
-POINT  decoded            after the K-th Engine.generate returns, before anything of that sample is written
+POINT  decoded            after the K-th generation ends (Engine.finish), before anything of that sample is written
        method_state.json  after the K-th atomic write of method_state.json (os.replace), before the sample's records
        rounds.jsonl       after the K-th fsync of rounds.jsonl, before the sample's line (between the two appends)
        samples.jsonl      after the K-th fsync of samples.jsonl (all of the sample written)
@@ -36,14 +36,14 @@ def kill_on_hit(k: int):
 def after_generate(hit) -> None:
     from del_bench.engine.decode import Engine
 
-    generate = Engine.generate
+    finish = Engine.finish
 
-    def generate_then_hit(self, *args, **kwargs):
-        out = generate(self, *args, **kwargs)
+    def finish_then_hit(self, *args, **kwargs):
+        out = finish(self, *args, **kwargs)
         hit()
         return out
 
-    Engine.generate = generate_then_hit
+    Engine.finish = finish_then_hit
 
 
 def after_writing(name: str, hit) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from del_bench.engine import decode, layer_parallel, sampling
+from del_bench.engine import acceptance, layer_parallel, sampling
 from del_bench.engine.sampling import residual
 
 
@@ -64,13 +64,13 @@ def chain_sampler(residual_of):
 
 def ada_verify(residual_of):
     """layer_parallel._verify (sampling) with the replacement drawn from residual_of(check, x, p, q), where check
-    counts the deferred checks of the current step from 0 (right: residual(p, q))."""
+    counts the deferred checks of a row's current step from 0 (right: residual(p, q))."""
     checks = {"step": 0}
-    real_step = layer_parallel._step
+    real_step = layer_parallel.Walk.verify
 
-    def step(*args, **kwargs):
+    def step(walk):
         checks["step"] = 0
-        return real_step(*args, **kwargs)
+        return real_step(walk)
 
     def verify(token, row, q, samp, rng):
         check, checks["step"] = checks["step"], checks["step"] + 1
@@ -86,13 +86,13 @@ def ada_verify(residual_of):
 def _use(monkeypatch, residual_of=None, proposal_of=None):
     tree = tree_sampler(residual_of, proposal_of)
     monkeypatch.setattr(sampling, "accept_sampling_tree", tree)  # what accept_sampling calls
-    monkeypatch.setattr(decode, "accept_sampling_tree", tree)
+    monkeypatch.setattr(acceptance, "accept_sampling_tree", tree)
     if residual_of is not None:
         chain = chain_sampler(residual_of)
         monkeypatch.setattr(sampling, "accept_sampling", chain)
-        monkeypatch.setattr(decode, "accept_sampling", chain)
+        monkeypatch.setattr(acceptance, "accept_sampling", chain)
         step, verify = ada_verify(residual_of)
-        monkeypatch.setattr(layer_parallel, "_step", step)
+        monkeypatch.setattr(layer_parallel.Walk, "verify", step)
         monkeypatch.setattr(layer_parallel, "_verify", verify)
 
 

@@ -1,5 +1,5 @@
-"""Batched decoding (batch_size = B > 1: del_bench/engine/lockstep.py, and engine/batch.py's thread scheduler for the
-methods lockstep does not serve) is lossless per row: at B = 4, with prompts of different lengths and answers of
+"""Batched decoding (batch_size = B > 1: del_bench/engine/batch.py, the round driver of every batch size) is lossless
+per row: at B = 4, with prompts of different lengths and answers of
 different lengths (budgets, an EOS), every method's rows each decode exactly what that prompt decodes alone — greedy
 tokens equal to its batch-1 output and to `generate`'s, sampled tokens equal to its batch-1 output under the same seed
 (float64), its rounds (plans, drafts, confidences, acceptance, loads, head rows, host reads) the same — and in half
@@ -12,21 +12,18 @@ from __future__ import annotations
 import copy
 import json
 import math
-import threading
 
 import pytest
 import torch
 
 from del_bench import runner, session
 from del_bench.__main__ import format_table
-from del_bench.bench.peers import peer_method
-from del_bench.engine import lockstep
 from del_bench.engine.batch import Batch
-from del_bench.engine.decode import Engine
-from del_bench.engine.lockstep import Lockstep
+from del_bench.engine.decode import Engine, Request
 from del_bench.engine.sampling import Sampling
 from del_bench.engine.static_steps import RowSteps
 from del_bench.errors import ConfigError
+from del_bench.methods.peers import peer_method
 from del_bench.models.layer_stack import LayerStack
 from del_bench.numerics import compare
 from del_bench.records import RunDir, RunKey, batch_etpl, read_jsonl, throughput
@@ -56,9 +53,6 @@ CASES = {  # every method, in the configurations tests/test_counted.py drives on
 }
 GREEDY = Sampling()
 SAMPLING = Sampling(do_sample=True, temperature=1.2, top_p=0.95)
-THREADED = {"swift-tree", "adadecode"}  # the methods lockstep does not serve (lockstep.serves): the thread scheduler's
-# lockstep keeps a skipping draft's next input on the device: fewer host transfers a round than batch 1's re-upload
-FEWER_SYNCS = {"swift-search", "clasp", "knapspec"}
 
 
 def method(case: str):
@@ -83,9 +77,8 @@ def alone(stack, prompts, eos, m, sampling=GREEDY):
 
 
 def batch_of(stack, m, sampling=GREEDY, eos=frozenset(), size=B):
-    """The batch a run would decode with: lockstep where it serves the method, else the thread scheduler."""
-    kind = Lockstep if lockstep.serves(m, stack) is None else Batch
-    return kind(stack, size, sampling, set(eos), cache_len=CACHE_LEN)
+    """The batch a run would decode with."""
+    return Batch(stack, size, sampling, set(eos), cache_len=CACHE_LEN)
 
 
 def batched(stack, prompts, eos, m, sampling=GREEDY, budgets=BUDGETS):
@@ -95,7 +88,7 @@ def batched(stack, prompts, eos, m, sampling=GREEDY, budgets=BUDGETS):
     out, shares = {}, {}
 
     def decode(row, i):  # a job: it yields its request, and is sent its generation
-        out[i] = yield row.generate(prompts[i], copy.deepcopy(m), budgets[i], seed=i)
+        out[i] = yield Request(prompts[i], copy.deepcopy(m), budgets[i], seed=i)
         shares[i] = (row.slot, row.loaded_layers)
 
     stats = batch.run(range(len(prompts)), decode)
@@ -125,14 +118,11 @@ def close(a, b) -> bool:
 def test_every_row_greedy_is_its_batch1_output_and_generates(setup, case):
     stack, prompts, eos, refs = setup
     m = method(case)
-    assert (lockstep.serves(m, stack) is None) == (case not in THREADED)
     single = alone(stack, prompts, eos, m)
     gens, stats, shares = batched(stack, prompts, eos, m)
-    syncs = case not in FEWER_SYNCS
     for i, (one, gen) in enumerate(zip(single, gens)):
         assert gen.output_ids == one.output_ids == refs[i], f"prompt {i}"
-        assert close(rounds_of(gen, syncs), rounds_of(one, syncs)), f"prompt {i}: its rounds differ from batch 1's"
-        assert all(a.host_syncs <= b.host_syncs for a, b in zip(gen.rounds, one.rounds))
+        assert close(rounds_of(gen), rounds_of(one)), f"prompt {i}: its rounds differ from batch 1's"
     assert any(r.drafted for g in gens for r in g.rounds) or case == "vanilla"  # drafts happened (not vacuous)
     assert {slot for slot, _ in shares} == set(range(B))  # every slot decoded, two of them a second prompt
     # the batch loads each (sub)layer once for all its rows: fewer than the rows alone, the rows' shares its total
@@ -187,20 +177,13 @@ def _rotated_logits(original):
     return mutant
 
 
-def _scratch_among_held_slots(original):
-    def mutant(self, start, end, h, positions, live, held, *args, **kwargs):
-        return original(self, start, end, h, positions, live, 0, *args, **kwargs)  # idle rows overwrite what they hold
-    return mutant
-
-
-@pytest.mark.parametrize("leak", ["positions", "cache", "logits", "scratch"])
+@pytest.mark.parametrize("leak", ["positions", "cache", "logits"])
 def test_a_row_leaking_into_its_neighbour_fails_the_equality(setup, leak, monkeypatch):
     from del_bench.models.kv_cache import KVCache
 
     cls, name, factory = {"positions": (RowSteps, "run", _swap_first_two_rows_positions),
                           "cache": (KVCache, "row", _one_cache_for_all),
-                          "logits": (Lockstep, "head", _rotated_logits),
-                          "scratch": (RowSteps, "run", _scratch_among_held_slots)}[leak]
+                          "logits": (Batch, "head", _rotated_logits)}[leak]
     stack, prompts, eos, refs = setup
     m = method("del")  # rows at their own exit layers, idling above them and once their drafts end
     single = alone(stack, prompts, eos, m)
@@ -282,10 +265,10 @@ def test_batch_size_must_be_a_positive_integer_before_any_weights_load(run_cfg, 
 
 def test_a_batched_run_refuses_what_decodes_one_prompt_at_a_time(run_cfg):
     cfg = run_cfg("method=vanilla", "batch_size=2")
-    cfg.method = peer_method("hf_generate")  # a peer row (del_bench/bench/peers.py): transformers decodes
+    cfg.method = peer_method("hf_generate")  # a peer row (del_bench/methods/peers.py): transformers decodes
     with pytest.raises(ConfigError, match="one prompt at a time"):
         runner.run(cfg)
-    with pytest.raises(ConfigError, match="thread scheduler"):  # SWIFT's tree: no graphs for its batch, refused
+    with pytest.raises(ConfigError, match="cannot run on graphs"):  # SWIFT's tree: no graphs for its batch, refused
         runner.run(run_cfg("method=swift", "method.tree=true", "batch_size=2", "compile=on", "limit=2"))  # unloaded
 
 
@@ -330,7 +313,7 @@ def test_a_batched_run_records_its_batch(tmp_path):
 
 
 def test_an_interrupted_batched_run_resumes_without_losing_or_repeating_a_sample(run_cfg, tmp_path, monkeypatch):
-    """The run stops (an error in a row's thread) right after the 3rd sample's rounds are written, before its sample
+    """The run stops (an error in a row's job) right after the 3rd sample's rounds are written, before its sample
     line: the rerun decodes exactly the samples not finished, and the records are those of an uninterrupted run."""
     overrides = ("method=dv", "method.exit_layer=2", "limit=6", "max_new_tokens=10", "batch_size=3")
     runner.run(run_cfg(*overrides, f"out_dir={tmp_path / 'whole'}"))
@@ -360,7 +343,7 @@ def test_an_interrupted_batched_run_resumes_without_losing_or_repeating_a_sample
 
 
 def test_multi_turn_samples_decode_turn_by_turn_in_a_batch(run_cfg, tmp_path):
-    """Spec-Bench's two-turn questions at batch size 2: each turn a generation in the row's thread (the second over
+    """Spec-Bench's two-turn questions at batch size 2: each turn a generation in the row's slot (the second over
     a longer prompt: the shared cache grows), the outputs those of batch size 1."""
     questions = write_questions(tmp_path / "question.jsonl")
 
@@ -388,18 +371,17 @@ def test_records_from_before_batch_size_read_as_batch_1(run_cfg, tmp_path):
     assert RunKey.from_dict(old).pairs_with(RunKey.from_dict(summary["run_key"]))
 
 
-@pytest.mark.parametrize("kind", [Lockstep, Batch])
-def test_an_error_in_a_row_stops_the_batch_and_reaches_the_caller(setup, kind):
-    """A row whose job raises (mid-batch, its neighbours mid-generation): the batch closes every job (the thread
-    scheduler: unwinds every row's thread) and raises that error where it was run; the batch then decodes again."""
+def test_an_error_in_a_row_stops_the_batch_and_reaches_the_caller(setup):
+    """A row whose job raises (mid-batch, its neighbours mid-generation): the batch closes every job and raises that
+    error where it was run; the batch then decodes again."""
     stack, prompts, eos, refs = setup
-    batch = kind(stack, B, GREEDY, eos, cache_len=CACHE_LEN)
+    batch = Batch(stack, B, GREEDY, eos, cache_len=CACHE_LEN)
     vanilla = method("vanilla")
-    threads, closed = threading.active_count(), []
+    closed = []
 
     def decode(row, i):
         try:
-            yield row.generate(prompts[i], copy.deepcopy(vanilla), BUDGETS[i], seed=i)
+            yield Request(prompts[i], copy.deepcopy(vanilla), BUDGETS[i], seed=i)
         except GeneratorExit:
             closed.append(i)
             raise
@@ -408,12 +390,11 @@ def test_an_error_in_a_row_stops_the_batch_and_reaches_the_caller(setup, kind):
 
     with pytest.raises(ValueError, match="row 2 failed"):
         batch.run(range(len(prompts)), decode)
-    assert threading.active_count() == threads
-    assert kind is Batch or closed  # lockstep: the neighbours' jobs closed, their contexts exited
+    assert closed  # the neighbours' jobs closed, their contexts exited
     out = {}
 
     def again(row, i):
-        out[i] = (yield row.generate(prompts[i], copy.deepcopy(vanilla), BUDGETS[i], seed=i)).output_ids
+        out[i] = (yield Request(prompts[i], copy.deepcopy(vanilla), BUDGETS[i], seed=i)).output_ids
 
     batch.run(range(2), again)
     assert [out[0], out[1]] == refs[:2]
@@ -422,7 +403,8 @@ def test_an_error_in_a_row_stops_the_batch_and_reaches_the_caller(setup, kind):
 def test_once_the_jobs_run_out_the_running_rows_move_down_and_steps_run_them_alone(setup, monkeypatch):
     """Continuous batching's tail: a slot that empties with no job left is filled by the highest running row (its
     cache row copied, its view re-pointed), so the running rows are always the first ones and each step on a CPU runs
-    over them alone — its rows' tokens and rounds unchanged, and no idle work beyond what the running rows idle."""
+    over them alone — its rows' tokens and rounds unchanged, and no idle work beyond what the running rows idle; the
+    last row, alone, runs on the stack's own loop (no static step at all)."""
     stack, prompts, eos, refs = setup
     widths, run = [], RowSteps.run
 
@@ -433,7 +415,7 @@ def test_once_the_jobs_run_out_the_running_rows_move_down_and_steps_run_them_alo
     monkeypatch.setattr(RowSteps, "run", spy)
     gens, stats, _ = batched(stack, prompts, eos, method("vanilla"))
     assert [g.output_ids for g in gens] == refs
-    assert widths[0] == B and widths[-1] == 1 and sorted(widths, reverse=True) == widths  # the tail shrinks
+    assert widths[0] == B and widths[-1] == 2 and sorted(widths, reverse=True) == widths  # the tail shrinks
     assert stats["idle_layers"] == 0  # Vanilla's running rows all run every layer: nothing idles
 
 
@@ -448,8 +430,8 @@ def test_one_host_read_a_round_for_the_whole_batch_counted_independently(setup):
     shares = []
 
     def decode(row, i):
-        yield row.generate(prompts[i], copy.deepcopy(method("vanilla")), BUDGETS[i], seed=i)
-        shares.append(row.tally([]))
+        yield Request(prompts[i], copy.deepcopy(method("vanilla")), BUDGETS[i], seed=i)
+        shares.append(row.tally())
 
     with count_syncs() as counted:
         stats = batch.run(range(len(prompts)), decode)

@@ -11,6 +11,7 @@ import torch
 
 from del_bench.bench import gpu as bench_gpu
 from del_bench.bench import harness as h
+from del_bench.engine import path_choice
 from del_bench.records import read_jsonl
 from tests.conftest import DEVICES, compose_run
 
@@ -184,20 +185,19 @@ def test_a_row_that_may_fail_is_left_with_its_reason_and_the_others_go_on(tmp_pa
         return compose_run("model=tiny-random", "task=humaneval", "data=local", "method=vanilla", "max_new_tokens=2",
                            "warmup_tokens=0", "threads=1", "layers=eager", f"out_dir={tmp_path / name}")
 
-    rows = [h.Row("refused", cfg("a"), load=refused, may_fail=True), h.Row("fine", cfg("b"))]
+    rows = [h.BenchRow("refused", cfg("a"), load=refused, may_fail=True), h.BenchRow("fine", cfg("b"))]
     h.run_rows(rows, 2)
     assert rows[0].failure == "CompileUnavailable: no graphs here" and rows[0].summary == {}
     assert rows[1].failure is None and rows[1].summary["n_samples"] == 2
     assert h.finished(rows) == [rows[1]]
     with pytest.raises(CompileUnavailable):
-        h.run_rows([h.Row("refused", cfg("c"), load=refused)], 1)
+        h.run_rows([h.BenchRow("refused", cfg("c"), load=refused)], 1)
 
 
 def test_a_peer_after_a_captured_row_is_recorded_as_the_loop_it_ran(tmp_path):
     """Interleaved rows share one stack, and a captured row's graphs stay made for it (static_steps.memo); a peer
     after it never runs them, so its records must not say '+compiled' (it would pair with the wrong Vanilla)."""
-    from del_bench.bench.peers import peer_method
-    from del_bench.engine import compiled
+    from del_bench.methods.peers import peer_method
     from del_bench.methods.vanilla import Vanilla
     from del_bench.session import load_model
 
@@ -205,8 +205,8 @@ def test_a_peer_after_a_captured_row_is_recorded_as_the_loop_it_ran(tmp_path):
                       "warmup_tokens=0", "threads=1", "layers=eager", f"out_dir={tmp_path / 'peer'}")
     cfg.method = peer_method("hf_generate")
     loaded, stack = load_model(cfg.model, "eager")
-    compiled.choose(stack, "on", Vanilla(), 2, backend="eager")  # what a captured row before it made
-    h.run_rows([h.Row("HF generate †", cfg, load=lambda: (loaded, stack))], 1)
+    path_choice.choose_graphs(stack, "on", Vanilla(), 2, backend="eager")  # what a captured row before it made
+    h.run_rows([h.BenchRow("HF generate †", cfg, load=lambda: (loaded, stack))], 1)
     assert [s["layer_path"] for s in read_jsonl(tmp_path / "peer" / "samples.jsonl")] == ["eager"]
 
 

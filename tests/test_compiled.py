@@ -18,12 +18,13 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from del_bench import runner
 from del_bench.bench.syncs import count_syncs
 from del_bench.config import ConfigError, validate
-from del_bench.engine import compiled, lockstep
+from del_bench.engine import compiled, path_choice
+from del_bench.engine.batch import Batch
 from del_bench.engine.compiled import Graphs, StepShapes, bucket_of
 from del_bench.engine.costs import measure_costs
-from del_bench.engine.decode import Engine
+from del_bench.engine.decode import Engine, Request
 from del_bench.engine.graph_runners import CudaGraphRunner
-from del_bench.engine.lockstep import Lockstep
+from del_bench.engine.layer_path import LayerPath
 from del_bench.engine.sampling import Sampling
 from del_bench.engine.static_steps import StaticSteps, static_mask
 from del_bench.methods.clasp import CLaSp
@@ -56,7 +57,7 @@ def stack_and_prompt():
 
 
 def decode(stack, prompt, method, tokens: int = TOKENS, graphs=None) -> list[int]:
-    engine = Engine(stack, Sampling(), set(), graphs=graphs)
+    engine = Engine(stack, Sampling(), set(), path=LayerPath(stack, graphs))
     return engine.generate(prompt, copy.deepcopy(method), tokens, seed=0).output_ids
 
 
@@ -107,12 +108,13 @@ def test_every_method_on_the_graphs_gives_eager_tokens(stack_and_prompt, name):
     reference = decode(stack, prompt, method)
     counter = CompileCounterWithBackend(BACKEND)
     own = set(vars(stack))
-    graphs, info = compiled.choose(stack, "on", method, TOKENS, backend=counter)
+    graphs, info = path_choice.choose_graphs(stack, "on", method, TOKENS, backend=counter)
     frames = counter.frame_count
     assert info["compiled"] and info["graph_kind"] == "compiled" and info["compile_s"] > 0
     assert set(vars(stack)) == own  # the engine holds its graphs: nothing of them is stored on the model's stack
     with stack.counting() as work:
-        gen = Engine(stack, Sampling(), set(), graphs=graphs).generate(prompt, copy.deepcopy(method), TOKENS, seed=0)
+        engine = Engine(stack, Sampling(), set(), path=LayerPath(stack, graphs))
+        gen = engine.generate(prompt, copy.deepcopy(method), TOKENS, seed=0)
     assert gen.output_ids == reference
     assert work.layers == sum(r.loaded_layers for r in gen.rounds)
     assert counter.frame_count == frames  # prepared: nothing compiles inside a timed decode
@@ -218,10 +220,10 @@ def test_the_cuda_graph_runner_replays_the_engines_steps(stack_and_prompt, name,
     stack, prompt = stack_and_prompt
     method = METHODS[name]
     reference = decode(stack, prompt, method)
-    graphs, info = compiled.choose(stack, setting, method, TOKENS, cache_len=len(prompt) + TOKENS + 1, capture=True,
-                                   runner=Replayed, backend=CompileCounterWithBackend(BACKEND))
+    graphs, info = path_choice.choose_graphs(stack, setting, method, TOKENS, cache_len=len(prompt) + TOKENS + 1,
+                                             capture=True, runner=Replayed, backend=CompileCounterWithBackend(BACKEND))
     assert info["graph_kind"] == kind and graphs.cache.max_len == compiled.CACHE_QUANTUM
-    engine = Engine(stack, Sampling(), set(), graphs=graphs)
+    engine = Engine(stack, Sampling(), set(), path=LayerPath(stack, graphs))
     chains, forward_layers = [], graphs.forward_layers
     graphs.forward_layers = lambda *a, **k: chains.append(forward_layers(*a, **k)) or chains[-1]
     before = Replayed.replays
@@ -249,7 +251,7 @@ def test_every_family_runs_on_the_graphs_like_generate(name):
     model = tiny_family(name)
     stack = LayerStack(model)
     method = Swift(skip_set={"attn": [1], "mlp": [2]}, d_max=2)
-    graphs, _ = compiled.choose(stack, "on", method, 20, backend=CompileCounterWithBackend(BACKEND))
+    graphs, _ = path_choice.choose_graphs(stack, "on", method, 20, backend=CompileCounterWithBackend(BACKEND))
     prompt = PROMPTS[0]  # longer than the window
     assert decode(stack, prompt, method, 20, graphs) == hf_greedy(model, prompt, 20)
     assert not graphs.declined.get("steps of a shape not prepared", 0) > 1  # the prefill at most
@@ -263,7 +265,7 @@ def test_every_family_on_inductors_steps_is_generate(name):
     model = tiny_family(name)
     stack = LayerStack(model)
     method = LayerSkip(1, 2)
-    graphs, info = compiled.choose(stack, "on", method, 12)
+    graphs, info = path_choice.choose_graphs(stack, "on", method, 12)
     assert info["graph_kind"] == "compiled" and graphs.functions.fused
     prompt = PROMPTS[0]
     assert decode(stack, prompt, method, 12, graphs) == hf_greedy(model, prompt, 12)
@@ -276,11 +278,12 @@ def test_half_precision_is_held_to_the_near_tie_rule():
     model, tok = tiny_model(torch.bfloat16)
     stack = LayerStack(model)
     method = LayerSkip(1, 3)
-    graphs, info = compiled.choose(stack, "on", method, 16, backend=CompileCounterWithBackend(BACKEND))
+    graphs, info = path_choice.choose_graphs(stack, "on", method, 16, backend=CompileCounterWithBackend(BACKEND))
     assert info["compiled"], info
     prompt = tok(PROMPT)["input_ids"]
-    gen = Engine(stack, Sampling(), set(), graphs=graphs).generate(prompt, copy.deepcopy(method), 16, seed=0)
-    reference, gaps = compiled.generate_reference(model, prompt, 16)
+    engine = Engine(stack, Sampling(), set(), path=LayerPath(stack, graphs))
+    gen = engine.generate(prompt, copy.deepcopy(method), 16, seed=0)
+    reference, gaps = path_choice.generate_reference(model, prompt, 16)
     assert compare(gen.output_ids, reference, gaps).lossless
 
 
@@ -300,25 +303,25 @@ def test_check_applies_the_rule_of_the_dtype(stack_and_prompt, monkeypatch):
             return out, [100.0] * position + [gap] + [100.0] * (tokens - position - 1)
         return reference
 
-    monkeypatch.setattr(compiled, "generate_reference", reference_departing_at(3, 100.0))
-    assert "departs from generate's at token 3" in compiled.check(stack, graphs, Vanilla())
-    monkeypatch.setattr(compiled, "generate_reference", reference_departing_at(3, 1.0))
-    assert "at token 3" in compiled.check(stack, graphs, Vanilla())  # float64: a near-tie excuses nothing
-    monkeypatch.setattr(compiled, "is_half", lambda dtype: True)
-    assert compiled.check(stack, graphs, Vanilla()) is None  # half precision: a near-tie departure is lossless
-    monkeypatch.setattr(compiled, "generate_reference", reference_departing_at(3, 100.0))
-    assert compiled.check(stack, graphs, Vanilla()) is not None
+    monkeypatch.setattr(path_choice, "generate_reference", reference_departing_at(3, 100.0))
+    assert "departs from generate's at token 3" in path_choice.check(stack, graphs, Vanilla())
+    monkeypatch.setattr(path_choice, "generate_reference", reference_departing_at(3, 1.0))
+    assert "at token 3" in path_choice.check(stack, graphs, Vanilla())  # float64: a near-tie excuses nothing
+    monkeypatch.setattr(path_choice, "is_half", lambda dtype: True)
+    assert path_choice.check(stack, graphs, Vanilla()) is None  # half precision: a near-tie departure is lossless
+    monkeypatch.setattr(path_choice, "generate_reference", reference_departing_at(3, 100.0))
+    assert path_choice.check(stack, graphs, Vanilla()) is not None
 
 
 def test_compile_off_auto_off_cuda_and_bad_settings(stack_and_prompt):
     """off, and auto (the default) on a CPU: the stack's loop, nothing compiled (auto captures on CUDA only)."""
     stack, _ = stack_and_prompt
-    assert compiled.choose(stack, "off", Vanilla(), TOKENS) == (None, {"compile": "off", "compiled": False})
-    graphs, auto = compiled.choose(stack, "auto", Vanilla(), TOKENS)
+    assert path_choice.choose_graphs(stack, "off", Vanilla(), TOKENS) == (None, {"compile": "off", "compiled": False})
+    graphs, auto = path_choice.choose_graphs(stack, "auto", Vanilla(), TOKENS)
     assert graphs is None and not auto["compiled"] and "CUDA only" in auto["reason"]
     with pytest.raises(ValueError, match="compile='sometimes'"):
-        compiled.choose(stack, "sometimes", Vanilla(), TOKENS)
-    assert compiled.unsupported(stack) is None
+        path_choice.choose_graphs(stack, "sometimes", Vanilla(), TOKENS)
+    assert path_choice.unsupported(stack) is None
 
 
 def test_a_run_validates_and_records_its_compile_setting(run_cfg):
@@ -346,11 +349,11 @@ def test_a_run_with_compile_on_decodes_on_the_steps_and_says_so(run_cfg):
     assert "eager+compiled layers" in summary["run_key"]["machine"]
 
 
-# ---- a batch's steps (engine/lockstep.py): graphs per (B, width bucket) --------------------------------------------
+# ---- a batch's steps (engine/batch.py): graphs per (B, width bucket) --------------------------------------------
 @pytest.mark.parametrize("setting,kind", [("on", "fused_cuda_graphs"), ("graphs", "cuda_graphs")])
 @pytest.mark.parametrize("case", ["vanilla", "ls", "del", "clasp"])
 def test_the_cuda_graph_runner_replays_a_batchs_steps(case, setting, kind):
-    """Lockstep's batched path captured (replayed on the CPU, fused and unfused): B = 4 rows of prompts and answers of
+    """A batch's steps captured (replayed on the CPU, fused and unfused): B = 4 rows of prompts and answers of
     different lengths, each row's tokens and rounds its batch-1 ones; every chain one replay of its (B, width) graph —
     a Vanilla round is one replay for the whole batch — with no host read inside a step; nothing declined; the rows
     decode in the cache the graphs were captured on."""
@@ -360,14 +363,15 @@ def test_the_cuda_graph_runner_replays_a_batchs_steps(case, setting, kind):
     m = method(case)
     engine = Engine(stack, Sampling(), set())
     alone = [engine.generate(p, copy.deepcopy(m), n, seed=i) for i, (p, n) in enumerate(zip(prompts, BUDGETS))]
-    graphs, info = lockstep.choose_graphs(stack, setting, m, max(BUDGETS), 80, 4, capture=True, runner=Replayed,
-                                        backend=CompileCounterWithBackend(BACKEND))
+    graphs, info = path_choice.make_graphs(stack, setting, m, max(BUDGETS), 80,
+                                           backend=CompileCounterWithBackend(BACKEND), capture=True, runner=Replayed,
+                                           batch=4)
     assert info["compiled"] and info["graph_kind"] == kind and graphs.cache.k[0].shape[0] == 4
-    batch = Lockstep(stack, 4, Sampling(), set(), cache_len=80, graphs=graphs)
+    batch = Batch(stack, 4, Sampling(), set(), cache_len=80, path=LayerPath(stack, graphs))
     out, steps = {}, []
 
     def decode(slot, i):
-        out[i] = yield slot.generate(prompts[i], copy.deepcopy(m), BUDGETS[i], seed=i)
+        out[i] = yield Request(prompts[i], copy.deepcopy(m), BUDGETS[i], seed=i)
 
     rows = graphs.rows
     graphs.rows = lambda *a, **k: steps.append(rows(*a, **k)) or steps[-1]
@@ -375,8 +379,7 @@ def test_the_cuda_graph_runner_replays_a_batchs_steps(case, setting, kind):
     stats = batch.run(range(len(prompts)), decode)
     for i, one in enumerate(alone):
         assert out[i].output_ids == one.output_ids
-        syncs = case != "clasp"  # a skipping draft's next input stays on the device in a batch
-        assert close(rounds_of(out[i], syncs), rounds_of(one, syncs))
+        assert close(rounds_of(out[i]), rounds_of(one))
     assert Replayed.replays - before == len(steps) and None not in steps and not graphs.declined
     if case == "vanilla":
         assert len(steps) == stats["rounds"]

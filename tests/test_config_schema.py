@@ -75,7 +75,7 @@ BAD = {
                         "task.generation.temperature=0: must be a number > 0 — "),
     "logger": ("logger=wandb logger.mode=onlin", "logger.mode='onlin': must be one of online, offline, disabled, auto"),
     "batch-compile": ("method=adadecode batch_size=2 compile=on",
-                      "compile=on: a batch of method=adadecode runs on the thread scheduler"),
+                      "compile=on: a batch of method=adadecode cannot run on graphs"),
     "method-name": ("method=lss", "unknown method 'lss'. Did you mean 'ls'"),
     "parse": ("limit=[1,", "no viable alternative at input '[1,'"),
 }

@@ -14,8 +14,9 @@ from hydra.utils import instantiate
 
 from del_bench import runner, session
 from del_bench.config import CONFIG_DIR
-from del_bench.engine import decode
+from del_bench.engine import row
 from del_bench.engine.decode import Engine
+from del_bench.engine.path_choice import stack_of
 from del_bench.engine.rounds import Generation
 from del_bench.engine.sampling import Sampling
 from del_bench.models.kv_cache import WorkCounter
@@ -90,7 +91,7 @@ def counted_generate(engine: Engine, monkeypatch, prompt, method, seed: int) -> 
             gen.rounds = _Marked(counter)
             return gen
 
-        patch.setattr(decode, "Generation", marked)
+        patch.setattr(row, "Generation", marked)
         gen = engine.generate(prompt, method, TOKENS, seed=seed)
         marks = [(0, 0, 0, 0), *gen.rounds.marks, _totals(counter)]
     counted = [tuple(b - a for a, b in zip(before, after)) for before, after in zip(marks, marks[1:])]
@@ -173,7 +174,7 @@ def test_rounds_claim_what_ran_with_exit_adapters(adapted, prompts, monkeypatch,
 
 @pytest.fixture(scope="module")
 def fused_stack():
-    return LayerStack(tiny_model()[0], layers="fused")
+    return stack_of(tiny_model()[0], layers="fused")
 
 
 @pytest.mark.parametrize("case", FUSED_CASES, ids=case_id)

@@ -13,8 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from del_bench.engine import early_exit
-from del_bench.engine.decode import Draft, Engine
+from del_bench.engine.decode import Draft, Engine, Verified
 from del_bench.engine.sampling import Sampling
 from del_bench.engine.shadow import ShadowScorer
 from del_bench.errors import ConfigError
@@ -98,14 +97,19 @@ def test_prefill_keeps_each_layers_window_and_gathers_it_on_the_heads_device(spl
 
 
 def test_shadow_window_and_its_scoring_happen_on_the_heads_device(split):
-    """A DEL round with E = 1 (cpu): layer 1 from drafting (cpu), layers 2..3 from verification (cpu, meta)."""
+    """A DEL round with E = 1 (cpu): layer 1 from drafting (cpu), layers 2..3 from verification (cpu, meta), as the
+    early-exit shape runs a lone row's passes (engine/early_exit.py)."""
     engine = Engine(split, Sampling(), set())
     cache = split.new_cache(16)
     split.forward_layers(split.embed(engine.ids([1, 5, 9])), 0, 4, 0, cache)
     draft = Draft(early=[], exit_layer=1, drafts=[8])
-    for pos, token in enumerate([4, 8], start=3):
-        early_exit.draft_layers(engine, engine.ids([token]), pos, 1, cache, draft)
-    verified = early_exit.verify(engine, draft, 1, 3, cache)
+    for pos, token in enumerate([4, 8], start=3):  # the pending token and one draft through layer 1
+        layers: list = []
+        draft.exit_states.append(split.forward_layers(split.embed(engine.ids([token])), 0, 1, pos, cache, layers))
+        draft.early.append(layers)
+    late: list = []
+    h = split.forward_layers(torch.cat(draft.exit_states, dim=1), 1, 4, 3, cache, collect=late)
+    verified = Verified(split.norm(h), late, split.head)
     assert [s.device for s in verified.late] == [CPU, META, META]
     verified.rows = {0: 8, 1: 6}  # acceptance's rows (meta holds no logits to take an argmax of)
     scorer = ShadowScorer(split)

@@ -11,7 +11,7 @@ import torch
 
 from del_bench.engine.decode import Engine
 from del_bench.engine.sampling import Draws, Sampling
-from del_bench.engine.steps import Draft
+from del_bench.engine.steps import Draft, candidate_of
 from del_bench.methods.dv import DraftVerify
 from del_bench.methods.dynamic_exit import DEL
 from del_bench.methods.fs import FiniteState
@@ -166,7 +166,7 @@ def test_restricted_shadow_vocabulary_is_exact_where_it_can_be(stack_and_ref):
 
 def candidate_confidences(stack, sampling: Sampling, vocab: int | None) -> tuple[torch.Tensor, list[float]]:
     """64 random pre-norm states [N, D], and the confidence DEL(shadow_vocab=vocab) reads for each as a draft
-    candidate at E = 1 (engine.draft_token)."""
+    candidate at E = 1 (steps.candidate_of, on the exit head's logits as the draft shape computes them)."""
     torch.manual_seed(0)
     states = torch.randn(64, stack.head_weight.shape[1], dtype=stack.dtype)
     method = DEL(shadow_vocab=vocab)
@@ -174,9 +174,9 @@ def candidate_confidences(stack, sampling: Sampling, vocab: int | None) -> tuple
     engine, rng = Engine(stack, sampling, set()), Draws(torch.Generator().manual_seed(0))
     confidences = []
     for h in states:
-        draft = Draft(exit_layer=1, exit_states=[h[None, None]])  # [1, 1, D]
-        engine.draft_token(draft, method, rng)
-        confidences.append(draft.confidences[-1])
+        draft = Draft(exit_layer=1)
+        _, top, _ = candidate_of(engine, draft, stack.exit_logits(h[None, None], 1)[0, -1], rng, method)  # h: [1, 1, D]
+        confidences.append(top.item())
     return states, confidences
 
 

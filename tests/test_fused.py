@@ -15,6 +15,7 @@ import torch
 
 from del_bench import runner
 from del_bench.engine.decode import Engine
+from del_bench.engine.path_choice import stack_of
 from del_bench.engine.sampling import Sampling
 from del_bench.methods.dynamic_exit import DEL
 from del_bench.methods.ls import LayerSkip
@@ -37,7 +38,7 @@ def stacks(request):
     model, tok = tiny_model()
     prompts = [tok(p)["input_ids"] for p in PROMPTS]
     refs = [hf_greedy(model, p, 40) for p in prompts]
-    fused_stack = LayerStack(tiny_model()[0], layers="fused", products=request.param)
+    fused_stack = stack_of(tiny_model()[0], layers="fused", products=request.param)
     assert fused_stack.layer_path == "fused"
     return LayerStack(model, products=request.param), fused_stack, prompts, refs
 
@@ -97,22 +98,22 @@ def test_auto_falls_back_to_eager_when_the_bits_differ(monkeypatch):
     model = tiny_model()[0]
     wrong = _OffByOneUlp(fused.extension())
     monkeypatch.setattr(fused, "extension", lambda: wrong)
-    stack = LayerStack(model, layers="auto")
+    stack = stack_of(model, layers="auto")
     assert stack.layer_path == "eager" and stack.fused is None
     with pytest.raises(fused.FusedUnavailable, match="layer outputs differ"):
-        LayerStack(model, layers="fused")
+        stack_of(model, layers="fused")
 
 
 def test_auto_is_fused_here_and_models_it_cannot_run_stay_eager():
-    assert LayerStack(tiny_model()[0], layers="auto").layer_path == "fused"  # this machine builds it
-    assert LayerStack(family_model("gemma2", torch.float64), layers="auto").layer_path == "fused"
+    assert stack_of(tiny_model()[0], layers="auto").layer_path == "fused"  # this machine builds it
+    assert stack_of(family_model("gemma2", torch.float64), layers="auto").layer_path == "fused"
     exact_gelu = tiny_model()[0]
     exact_gelu.config.hidden_act = "gelu"  # an activation the C++ loop does not compute (eager runs ACT2FN's)
-    assert LayerStack(exact_gelu, layers="auto").layer_path == "eager"
+    assert stack_of(exact_gelu, layers="auto").layer_path == "eager"
     with pytest.raises(fused.FusedUnavailable, match="activation 'gelu' is not in the C\\+\\+ loop"):
-        LayerStack(exact_gelu, layers="fused")
+        stack_of(exact_gelu, layers="fused")
     with pytest.raises(ValueError, match="choose one of auto, fused, eager"):
-        LayerStack(tiny_model()[0], layers="fast")
+        stack_of(tiny_model()[0], layers="fast")
 
 
 def test_records_say_which_loop_decoded_and_loops_never_pair(run_cfg, tmp_path):
@@ -179,12 +180,12 @@ def test_a_failed_build_is_a_warning_with_its_reason_and_the_stack_says_eager(mo
 
     monkeypatch.setattr(fused, "extension", no_compiler)
     with caplog.at_level(logging.WARNING, logger=fused.log.name):
-        stack = LayerStack(tiny_model()[0], layers="auto")
+        stack = stack_of(tiny_model()[0], layers="auto")
     assert stack.layer_path == "eager" and stack.fused is None
     (warning,) = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert "no C++ compiler" in warning.getMessage() and "eager" in warning.getMessage()
     with pytest.raises(fused.FusedUnavailable, match="no C\\+\\+ compiler"):
-        LayerStack(tiny_model()[0], layers="fused")
+        stack_of(tiny_model()[0], layers="fused")
 
 
 def test_ninja_beside_the_interpreter_is_found_without_an_activated_venv(monkeypatch, tmp_path):
@@ -257,7 +258,7 @@ def extension():
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("case", list(FAMILY_CONFIGS))
 def test_every_family_runs_fused_with_the_eager_bits(extension, case, dtype):
-    stack = LayerStack(family_model(case, dtype), layers="fused")  # fused.check passed at load
+    stack = stack_of(family_model(case, dtype), layers="fused")  # fused.check passed at load
     assert stack.layer_path == "fused" and stack.math.family.name == FAMILY_CONFIGS[case][0]
     prompt = [3, 17, 29, 41, 8, 22, 35, 11, 19]  # 9 positions > WINDOW
     eager = layer_results(stack, None, prompt)
@@ -274,7 +275,7 @@ def test_every_family_decodes_fused_as_eager_and_generate(case):
     model = family_model(case, torch.float64)
     prompt = [3, 17, 29, 41, 8, 22, 35, 11, 19]
     ref = hf_greedy(model, prompt, 16)
-    stack = LayerStack(model, layers="fused")
+    stack = stack_of(model, layers="fused")
     fused_loop = stack.fused
     for method in (LayerSkip(2, 3), DEL(), SWIFT[1]):
         stack.fused = None

@@ -14,6 +14,7 @@ from transformers import DynamicCache
 
 from del_bench.config import CONFIG_DIR
 from del_bench.engine.decode import Engine
+from del_bench.engine.path_choice import stack_of
 from del_bench.engine.sampling import Sampling
 from del_bench.methods.adadecode import AdaDecode
 from del_bench.methods.dynamic_exit import DEL
@@ -48,7 +49,7 @@ def half(request):
     model, tok = tiny_model(dtype)
     prompts = [tok(p)["input_ids"] for p in PROMPTS]
     refs = [hf_run(model, p, 40) for p in prompts]
-    fused_stack = LayerStack(tiny_model(dtype)[0], layers="fused")
+    fused_stack = stack_of(tiny_model(dtype)[0], layers="fused")
     assert fused_stack.layer_path == "fused"
     return dtype, LayerStack(tiny_model(dtype)[0]), fused_stack, prompts, refs
 
@@ -79,7 +80,7 @@ def test_compare_says_equal_near_tie_or_departs():
 def test_prefill_and_decode_steps_give_hf_logits_bit_for_bit(dtype, layers):
     """Prefill (SDPA is_causal, as HF) and single-token steps (no mask), residual adds rounded as HF rounds them."""
     hf, tok = tiny_model(dtype)
-    stack = LayerStack(tiny_model(dtype)[0], layers=layers)
+    stack = stack_of(tiny_model(dtype)[0], layers=layers)
     ids = tok("def add(a, b):\n    return")["input_ids"]
     cache, hf_cache = stack.new_cache(64), DynamicCache(config=hf.config)
     with torch.inference_mode():
@@ -126,7 +127,7 @@ def test_verification_rows_are_the_bits_of_decode_steps(half):
 def test_tree_nodes_are_the_bits_of_their_paths(layers):
     """bf16 on CPU: a token tree's node attends over its path's keys, gathered, so its state is the bits of its path
     decoded step by step."""
-    stack = LayerStack(tiny_model(torch.bfloat16)[0], layers=layers)
+    stack = stack_of(tiny_model(torch.bfloat16)[0], layers=layers)
     g = torch.Generator().manual_seed(0)
     P = 300  # a prefix where SDPA's masked batch rows are not its single rows' bits on this CPU
     prompt = torch.randint(3, 250, (1, P), generator=g)

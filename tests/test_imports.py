@@ -28,7 +28,8 @@ layer declares its config keys with); models and methods (the model as
 the engine runs it; policies); records (the record contract, which names methods as they name themselves) and tasks;
 the engine (the decode loop over a model and a method); config (validation, which builds a Sampling and checks the
 compiled steps' setting) and tracking; session (model + task + method + sampling ready to decode, from a config);
-the runs (runner, jobs, calibration, train); and on top the benches, the report and the CLI.
+the runs (runner, jobs, calibration, train); the report (which reads records only, the peers' among them: their
+classes register with the other methods); and on top the benches (which tabulate with the report) and the CLI.
 """
 
 from __future__ import annotations
@@ -140,12 +141,12 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def test_the_import_graph_sees_imports_by_name(tmp_path):
     assert "del_bench.train.trainer" in import_graph()["del_bench.__main__"]  # a module named for import_module
     module = tmp_path / "x.py"
-    module.write_text('import importlib\nLATER = ("del_bench.bench.peers",)\n'
+    module.write_text('import importlib\nLATER = ("del_bench.methods.peers",)\n'
                       'def load(n):\n    """Loads del_bench.report, as a docstring may say."""\n'
                       '    importlib.import_module("del_bench.runner")\n'
                       '    return importlib.import_module(f"del_bench.engine.{n}")\n')
     found = _imported("del_bench.methods.x", module, _modules())
-    assert {"del_bench.bench.peers", "del_bench.runner", "del_bench.engine"} <= found
+    assert {"del_bench.methods.peers", "del_bench.runner", "del_bench.engine"} <= found
     assert "del_bench.report" not in found  # prose in a docstring is not a name
 
 
@@ -192,7 +193,8 @@ def test_errors_is_the_bottom_and_main_the_top():
 
 # lowest first: a module may import its own layer and the layers below it only (a module's layer: its longest prefix)
 LAYERS = [
-    ("foundations", ["del_bench", "del_bench.errors", "del_bench.numerics", "del_bench.transfer", "del_bench.memory",
+    ("foundations", ["del_bench", "del_bench.errors", "del_bench.numerics", "del_bench.averages", "del_bench.transfer",
+                     "del_bench.memory",
                      "del_bench.machine_load", "del_bench.sandbox", "del_bench.selection",
                      "del_bench.calibration_store", "del_bench.metrics", "del_bench.schema"]),
     ("models and methods", ["del_bench.models", "del_bench.methods"]),
@@ -202,7 +204,8 @@ LAYERS = [
     ("session", ["del_bench.session"]),
     ("runs", ["del_bench.runner", "del_bench.jobs", "del_bench.calibration", "del_bench.train"]),
     ("lm-eval", ["del_bench.lm_eval_backend", "del_bench.lm_eval_crosscheck", "del_bench.lm_eval_tasks"]),
-    ("top", ["del_bench.bench", "del_bench.report", "del_bench.__main__"]),
+    ("report", ["del_bench.report"]),
+    ("top", ["del_bench.bench", "del_bench.__main__"]),
 ]
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from del_bench.engine.path_choice import stack_of
 from del_bench.models import fused
 from del_bench.models.layer_stack import LayerStack
 from tests.conftest import tiny_model
@@ -44,7 +45,7 @@ def test_collecting_a_window_keeps_copies_of_the_last_positions(layers):
             fused.extension()
         except fused.FusedUnavailable as err:
             pytest.skip(str(err))
-    stack = LayerStack(tiny_model()[0], layers=layers)
+    stack = stack_of(tiny_model()[0], layers=layers)
     assert stack.layer_path == layers
     ids = torch.tensor([[1, *range(40, 60)]])  # P = 21
     whole, window = [], []

@@ -3,7 +3,7 @@
 import pytest
 from hydra.utils import get_class, instantiate
 
-import del_bench.bench.peers  # noqa: F401 -- the peers register when imported, as the readers of their records do
+import del_bench.methods.peers  # noqa: F401 -- the peers register when imported, as the readers of their records do
 from del_bench.config import CONFIG_DIR
 from del_bench.methods import method_class
 from del_bench.methods.base import LAYER_SKIPPING, PEER, UNBOUNDED, RoundEvidence, StaticShape
@@ -88,7 +88,7 @@ def test_every_method_config_runs_under_a_name_its_class_answers_to(run_cfg, con
 def test_a_methods_static_shape_is_what_its_hyperparameters_fix(run_cfg, config):
     """The exit layer its hyperparameters fix (None where it is chosen round by round) and the budget that bounds its
     rounds (γ, else d_max; FS's γ grows without a cap; plain decoding and AdaDecode's layer-parallel steps: none):
-    the graphs compiled.choose makes before the timed samples."""
+    the graphs path_choice.choose makes before the timed samples."""
     method = instantiate(run_cfg(f"method={config}").method)
     plan = method.describe()
     fixed = plan.get("exit_layer") if isinstance(plan.get("exit_layer"), int) else None
@@ -118,12 +118,13 @@ LABELS = [  # (config name, hyperparameters as records keep them, label): the ta
 ]
 
 
-def test_the_readers_of_peer_records_import_the_peers():
-    # methods name nothing of the bench (tests/test_imports.py): the report and `show`, which meet the peers' records,
-    # import the bench's peers themselves, so their rows are labelled as the peers' classes say
+def test_the_peers_register_with_the_methods_and_the_report_imports_no_bench():
+    # the peers are methods (methods/peers.py): a reader of their records finds their classes by name, as any method's
+    # (method_class imports the package), so the report never reaches up into the bench
     graph = import_graph()
-    assert "del_bench.bench.peers" in graph["del_bench.report.collect"]
-    assert "del_bench.bench.peers" in graph["del_bench.__main__"]
+    assert not any(target.startswith("del_bench.bench") for name, targets in graph.items()
+                   if name.startswith("del_bench.report") for target in targets)
+    assert method_class("hf_generate").__module__ == "del_bench.methods.peers"
 
 
 def test_each_method_labels_its_runs_and_says_where_its_rows_go():

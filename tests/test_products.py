@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from del_bench import records, runner
 from del_bench.engine.decode import Engine
+from del_bench.engine.path_choice import stack_of
 from del_bench.engine.sampling import Sampling
 from del_bench.errors import ConfigError
 from del_bench.methods.ls import LayerSkip
@@ -128,7 +129,7 @@ def test_the_fused_loop_follows_a_mixed_choice_bit_for_bit(mixed_timings):
     prompt = tok(PROMPTS[0])["input_ids"]
     ref = hf_greedy(model, prompt, 30)
     eager = LayerStack(model, products="auto")
-    fused_stack = LayerStack(tiny_model()[0], layers="fused", products="auto")
+    fused_stack = stack_of(tiny_model()[0], layers="fused", products="auto")
     assert fused_stack.layer_path == "fused" and fused_stack.products.layouts == eager.products.layouts
     assert fused_stack.head_t is not None  # the head's one-row copy, kept only where it was chosen
     for stack in (eager, fused_stack):

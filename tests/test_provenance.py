@@ -77,12 +77,13 @@ def test_show_marks_a_speedup_across_machine_states():
 
 
 def test_a_bench_table_marks_a_speedup_across_machine_states(capsys):
-    class Row:
+    class FinishedRow:
         def __init__(self, label, summary):
             self.label, self.summary = label, summary
             self.cfg = type("Cfg", (), {"model": type("M", (), {"num_layers": 10})(), "out_dir": label})()
 
-    rows = harness.table([Row("Vanilla", _summary("vanilla", 10.0, 0.010)), Row("LS", _summary("ls", 20.0, 0.030))])
+    rows = harness.table([FinishedRow("Vanilla", _summary("vanilla", 10.0, 0.010)),
+                          FinishedRow("LS", _summary("ls", 20.0, 0.030))])
     assert [r["drifted"] for r in rows] == [False, True]
     harness.print_table(rows, ["row", "tok/s"])
     out = capsys.readouterr().out

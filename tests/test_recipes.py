@@ -3,7 +3,7 @@
 seams — the Method protocol, the Task base class and the run config. Nothing else in del_bench changes, and the
 new method is lossless and accounted like every other: it names itself in `show` and the report (its label, family
 and place among the rows) and gets its compiled graphs from the shape it declares, none of which touches
-records.py, report/tables.py or engine/compiled.py."""
+records/, report/tables.py or engine/compiled.py."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from del_bench import runner
 from del_bench.__main__ import cmd_show
 from del_bench.config import CONFIG_DIR, validate
-from del_bench.engine import compiled
+from del_bench.engine import path_choice
 from del_bench.errors import ConfigError
 from del_bench.methods.base import EARLY_EXIT, Method, MethodConfig, Plan, StaticShape
 from del_bench.models.layer_stack import LayerStack
@@ -153,6 +153,6 @@ def test_a_new_method_names_itself_in_show_and_the_report_and_shapes_its_compile
     assert [r.label.split(" ")[0] for r in table.rows] == ["Vanilla", "Alternating(E2-γ3)", "LS(E1-γ3)"]  # no ‡
 
     stack = LayerStack(tiny_model()[0])  # 4 layers
-    _, info = compiled.choose(stack, "on", Alternating(2, 3), 24, backend=CompileCounterWithBackend("eager"))
+    _, info = path_choice.choose_graphs(stack, "on", Alternating(2, 3), 24, backend=CompileCounterWithBackend("eager"))
     # Vanilla's step (all 4 layers), the draft (layers 1..2) and the verify widths 1, 2, 4 (≤ γ + 1 = 4) after it
     assert info["compiled"] and info["graphs"] == 5

@@ -1,4 +1,4 @@
-"""The record contract (del_bench/records.py): one RunKey per run, one pairing rule every reader uses, tables
+"""The record contract (del_bench/records/): one RunKey per run, one pairing rule every reader uses, tables
 that show only their experiments' runs, and the committed tables rebuilt byte for byte from the reference."""
 
 from __future__ import annotations

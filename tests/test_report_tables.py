@@ -40,7 +40,7 @@ def test_table_matches_golden(built, name):
     assert text == path.read_text(), f"{name} differs from {path} (DEL_BENCH_UPDATE_GOLDEN=1 to accept)"
 
 
-def _row(table: tables.Table, model: str, label: str, source: str = "ours") -> tables.Row:
+def _row(table: tables.Table, model: str, label: str, source: str = "ours") -> tables.TableRow:
     hits = [r for r in table.rows if r.model == model and r.label == label and r.source.startswith(source)]
     assert len(hits) == 1, [(r.model, r.label, r.source) for r in table.rows]
     return hits[0]

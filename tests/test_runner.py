@@ -17,6 +17,7 @@ from del_bench import jobs, runner, tracking
 from del_bench.__main__ import cmd_run
 from del_bench.config import ConfigError, check_overrides, choices, resolve_aliases, validate
 from del_bench.engine.decode import Engine
+from del_bench.engine.path_choice import stack_of
 from del_bench.methods.dv import DraftVerify
 from del_bench.models import loading
 from del_bench.records import RunConflict, RunDir
@@ -123,19 +124,19 @@ def test_vanilla_etpl_is_exactly_one_over_L(run_cfg):
 
 
 def killed_on_call(n: int, cfg, monkeypatch) -> None:
-    """Run cfg as if killed (KeyboardInterrupt) when Engine.generate is called the n-th time."""
-    real_generate, calls = Engine.generate, {"n": 0}
+    """Run cfg as if killed (KeyboardInterrupt) when its n-th generation begins (Engine.begin)."""
+    real_begin, calls = Engine.begin, {"n": 0}
 
     def dies(self, *args, **kwargs):
         calls["n"] += 1
         if calls["n"] == n:
             raise KeyboardInterrupt
-        return real_generate(self, *args, **kwargs)
+        return real_begin(self, *args, **kwargs)
 
-    monkeypatch.setattr(Engine, "generate", dies)
+    monkeypatch.setattr(Engine, "begin", dies)
     with pytest.raises(KeyboardInterrupt):
         runner.run(cfg)
-    monkeypatch.setattr(Engine, "generate", real_generate)
+    monkeypatch.setattr(Engine, "begin", real_begin)
 
 
 def test_interrupted_run_resumes_without_loss_or_duplicates(run_cfg, monkeypatch):
@@ -370,18 +371,24 @@ def test_the_cli_records_an_aliased_task_under_its_canonical_name(tmp_path, caps
 # ---- the untimed warm-up reaches steady state for the run's real shapes (issue 36)
 
 def spied_generate(monkeypatch) -> list[dict]:
-    """Engine.generate's calls from now on: the prompt's length, max_new_tokens, seed, tokens out, whether EOS was
-    on, and the global RNG's state the call met."""
-    real, calls = Engine.generate, []
+    """The generations decoded from now on, as they end (Engine.begin … Engine.finish): the prompt's length,
+    max_new_tokens, seed, tokens out, whether EOS was on, and the global RNG's state the generation met."""
+    real_begin, real_finish, calls, begun = Engine.begin, Engine.finish, [], {}
 
-    def spy(self, prompt_ids, method, max_new_tokens, seed, *args, **kwargs):
+    def begin(self, request, t0):
         rng = torch.get_rng_state()
-        gen = real(self, prompt_ids, method, max_new_tokens, seed, *args, **kwargs)
-        calls.append({"prompt": len(prompt_ids), "max_new": max_new_tokens, "seed": seed, "out": len(gen.output_ids),
-                      "eos": bool(self.eos_ids), "rng": rng})
+        run = real_begin(self, request, t0)
+        begun[id(run)] = {"prompt": len(request.prompt_ids), "max_new": request.max_new_tokens, "seed": request.seed,
+                          "eos": bool(self.eos_ids), "rng": rng}
+        return run
+
+    def finish(self, run):
+        gen = real_finish(self, run)
+        calls.append({**begun.pop(id(run)), "out": len(gen.output_ids)})
         return gen
 
-    monkeypatch.setattr(Engine, "generate", spy)
+    monkeypatch.setattr(Engine, "begin", begin)
+    monkeypatch.setattr(Engine, "finish", finish)
     return calls
 
 
@@ -459,13 +466,12 @@ def test_a_multi_turn_sample_is_warmed_up_to_the_longest_conversation_it_can_rea
 def test_the_steady_warm_up_decodes_past_eos_and_stop_strings(tiny):
     from del_bench.engine.sampling import Sampling
     from del_bench.methods.vanilla import Vanilla
-    from del_bench.models.layer_stack import LayerStack
 
     model, _ = tiny
-    engine = Engine(LayerStack(model, layers="eager"), Sampling(), set(range(model.config.vocab_size)),
+    engine = Engine(stack_of(model, layers="eager"), Sampling(), set(range(model.config.vocab_size)),
                     stop=lambda ids: True)  # every token ends a generation
     assert len(engine.generate([1, 2, 3], Vanilla(), 6, 0).output_ids) == 1
-    with runner.decoding_past_stops(engine):
+    with runner.decoding_past_stops([engine]):
         assert len(engine.generate([1, 2, 3], Vanilla(), 6, 0).output_ids) == 6
     assert engine.eos_ids and engine.stop is not None  # back as they were
 

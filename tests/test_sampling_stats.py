@@ -67,7 +67,7 @@ def draw(engine, method, n_tokens: int, runs: int) -> Sample:
         assert len(gen.output_ids) == n_tokens
         sample.outputs.append(gen.output_ids)
         sample.rounds.append(gen.rounds)
-        if method.schedule == "layer_parallel":
+        if method.draft_shape == "layer_parallel":
             sample.indices.append([0] * n_tokens)
             sample.drafted.append([True] * n_tokens)
         else:  # round r emits tokens j = 0..emitted−1: drafts 0..k−1 accepted, then the verifier's token

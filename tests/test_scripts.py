@@ -22,11 +22,11 @@ from del_bench.__main__ import cmd_show
 from del_bench.bench import harness
 from del_bench.bench import sandbox as bench_sandbox
 from del_bench.bench.engine import ON_ACCEPTANCE
-from del_bench.bench.peers import cut
 from del_bench.errors import ConfigError
+from del_bench.methods.peers import cut
 from del_bench.records import PEER_NOTE, RunKey, method_label, read_jsonl
 from del_bench.report import render
-from del_bench.report.render import Row, Table
+from del_bench.report.render import Table, TableRow
 from del_bench.sandbox import SandboxError
 from tests.conftest import compose_run
 from tests.test_exit_adapters import random_adapters
@@ -58,6 +58,7 @@ BENCHES = {
               "--grid", "1:2", *RUNS],
 }
 NOT_HERE = {  # benches this file does not run, and why
+    "ab": "test_the_ab_bench_interleaves_the_sides_and_compares_round_by_round (it runs a git worktree's code)",
     "gpu": "tests/test_bench_gpu.py",
     "memory": "tests/test_memory.py (in a subprocess: it sets the process's malloc for measuring)",
 }
@@ -118,6 +119,24 @@ def test_no_bench_script_is_left_and_make_calls_the_benches():
     called = set(re.findall(r"^\t.*-m del_bench bench ([\w-]+)", makefile, re.M))  # in recipes
     assert called == set(bench.BENCHES) - {"specbench-speed"}  # it compares two answer files you exported
     assert "scripts/bench_" not in makefile + (REPO / "README.md").read_text()
+
+
+def test_the_ab_bench_interleaves_the_sides_and_compares_round_by_round():
+    """bench ab: each round runs every row on both sides, the side going first alternating; a row's ratio is the
+    median over rounds of this ÷ base. Mutant caught: the same side first every round."""
+    from del_bench.bench import ab
+
+    calls = []
+
+    def decode(side, model, method, k):
+        calls.append((side, model, k))
+        speed = {"this": 11.0, "base": 10.0}[side] * (1 + k)  # the machine drifts: both sides alike within a round
+        return {"tokens_per_s": speed, "etpl": 0.1, "busy": 0}
+
+    table = ab.compared(ab.interleaved([("m", "ls"), ("m", "vanilla")], 3, decode))
+    assert [c[0] for c in calls[:4]] == ["this", "base", "this", "base"]
+    assert [c[0] for c in calls[4:8]] == ["base", "this", "base", "this"]
+    assert table["m:ls"]["ratio_median"] == pytest.approx(1.1) and table["m:ls"]["etpl_equal"]
 
 
 def test_no_sys_path_edits_in_the_repo():
@@ -209,7 +228,7 @@ def test_a_bench_composes_as_run_does():
 def test_a_bench_row_is_its_summary_paired_with_its_vanilla():
     """table(): a row's numbers from its summary.json alone, its speedup against the Vanilla it pairs with, and how
     many of its samples were timed on a busy machine (the summary's load)."""
-    def finished(method: str, speed: float, busy: int) -> harness.Row:
+    def finished(method: str, speed: float, busy: int) -> harness.BenchRow:
         key = RunKey(model="m", weights="", task="t", task_version="1", method=method, method_tag=method,
                      hyperparameters=(), decoding="greedy", max_new_tokens=8, prompts="p", machine="cpu")
         summary = {"method": method, "method_tag": method, "model": "m", "task": "t", "n_samples": 2,
@@ -217,7 +236,8 @@ def test_a_bench_row_is_its_summary_paired_with_its_vanilla():
                    "acceptance_rate": None, "time_split": {"policy": 0.1}, "load": {"overloaded": busy},
                    "run_key": key.as_dict(), "steady_state": {"first_slowdown": 1 + 2 * busy,
                                                               "warmups_unconverged": 0, "steady": not busy}}
-        return harness.Row(method, OmegaConf.create({"model": {"num_layers": 4}, "out_dir": method}), None, summary)
+        cfg = OmegaConf.create({"model": {"num_layers": 4}, "out_dir": method})
+        return harness.BenchRow(method, cfg, None, summary)
 
     vanilla, ls = harness.table([finished("vanilla", 4.0, 0), finished("ls", 6.0, 1)])
     assert (vanilla["speedup"], ls["speedup"], ls["predicted_speedup"]) == (1.0, 1.5, 2.0)
@@ -234,9 +254,9 @@ def test_tables_mark_a_peer_and_say_why():
             ({"cost_model": "layers"}, {"cost_model": "measured", "shadow_vocab": 1024},
              {"cost_model": "layers", "keep_stopped_draft": True}, {"d_max": 4})] == \
         ["DEL", "DEL-CPU", "DEL (KnapSpec's)", "DEL"]
-    table = Table("t", "T", [], rows=[Row("b", "m", method_label("hf_generate"), "ours", {})])
+    table = Table("t", "T", [], rows=[TableRow("b", "m", method_label("hf_generate"), "ours", {})])
     assert PEER_NOTE in render.notes(table)
-    assert PEER_NOTE not in render.notes(Table("t", "T", [], rows=[Row("b", "m", "DEL", "ours", {})]))
+    assert PEER_NOTE not in render.notes(Table("t", "T", [], rows=[TableRow("b", "m", "DEL", "ours", {})]))
 
 
 def check_recomputable(rows: list[dict], printed: str) -> None:

@@ -23,6 +23,7 @@ BENCHES = {  # name: module of this package (a module's `main(argv)` runs it)
     "profile": "profile",
     "specbench-speed": "specbench_speed",
     "batch": "batch",
+    "ab": "ab",
 }
 
 

@@ -28,6 +28,7 @@ import argparse
 
 import torch
 
+from del_bench.averages import ratio
 from del_bench.bench import gpu
 from del_bench.bench import harness as h
 from del_bench.records import run_key_of, vanilla_baseline
@@ -54,7 +55,7 @@ def parse(argv):
     return ap.parse_args(argv)
 
 
-def batch_rows(args, row, ls: tuple[int, int], graphs: bool) -> list[h.Row]:
+def batch_rows(args, row, ls: tuple[int, int], graphs: bool) -> list[h.BenchRow]:
     """Vanilla, LS(E, γ) and DEL at each batch size; with `graphs`, batch size 1 also without the graph-captured
     steps (the rows at compile=auto and compile=off pair with their own Vanilla: RunKey.machine tells them apart)."""
     e, g = ls
@@ -72,11 +73,7 @@ def batch_rows(args, row, ls: tuple[int, int], graphs: bool) -> list[h.Row]:
     return rows
 
 
-def ratio(value, base) -> float | None:
-    return value / base if value is not None and base else None
-
-
-def with_batch(rows: list[h.Row]) -> list[dict]:
+def with_batch(rows: list[h.BenchRow]) -> list[dict]:
     """h.table's rows plus each row's throughput, its speedup over the Vanilla it pairs with (same batch size),
     its scaling over the same method at batch size 1, batch eTPL, and outputs equal to Vanilla's at batch size 1."""
     table = h.table(rows)

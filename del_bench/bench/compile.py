@@ -79,7 +79,7 @@ def bench(model: str, args) -> dict:
               f"{later:.1f} s; max |Δlogit| {(logits - reference).abs().max().item():.1e}, argmax equal: "
               f"{bool(logits.argmax() == reference.argmax())}")
     if args.fused:
-        stack.fused, _, _ = fused.choose(stack, "fused")  # the same stack and cache through the C++ loop
+        stack.use_loop(fused.built_for(stack), 0.0)  # the same stack and cache through the C++ loop
         out["fused loop"] = h.timings(lambda: stack.forward_layers(x, 0, L, context, cache), args.reps)
         print(f"  fused loop (C++)   {h.median_ms(out['fused loop']):7.2f} ms/token")
     return out

@@ -27,6 +27,7 @@ import torch
 from hydra.utils import get_class
 
 from del_bench import session
+from del_bench.averages import ratio
 from del_bench.bench import harness as h
 from del_bench.bench.syncs import SyncReport, measure, print_syncs
 from del_bench.engine.costs import measure_costs
@@ -124,7 +125,7 @@ def add_cost_predictions(rows: list[dict], stack, num_layers: int) -> dict:
         r["cost_predicted_speedup"] = cost_predicted_speedup(RunDir(r["out_dir"]).rounds(), num_layers, costs)
         measured = vanilla / r["decode_ms_per_token"] if vanilla and r["decode_ms_per_token"] else None
         r["decode_speedup"] = measured
-        r["decode_over_cost_predicted"] = h._ratio(measured, r["cost_predicted_speedup"])
+        r["decode_over_cost_predicted"] = ratio(measured, r["cost_predicted_speedup"])
     return costs
 
 

@@ -44,7 +44,8 @@ from pathlib import Path
 import torch
 
 from del_bench.bench import harness as h
-from del_bench.bench.peers import peer_method
+from del_bench.engine.path_choice import stack_of
+from del_bench.methods.peers import peer_method
 from del_bench.models.layer_stack import LayerStack
 from del_bench.models.loading import DTYPES, AnyIdTokenizer, Loaded
 from del_bench.models.synthetic import SHAPES, llama_config, random_llama, random_text
@@ -246,7 +247,7 @@ def setup_model(args, device: torch.device) -> tuple[list[str], object, dict]:
         if device.type == "cuda":  # the initialisation's kernels are queued: the time is theirs done
             torch.cuda.synchronize(device)
         built = {"build_s": time.perf_counter() - t0}
-        stack = LayerStack(model, layers=args.loop)
+        stack = stack_of(model, layers=args.loop)
         loaded = (Loaded(model, AnyIdTokenizer(), args.layers, str(device)), stack)
         base = [*model_overrides(args), *h.prompts_task(Path(args.root) / "prompts.jsonl", random_prompts(args)),
                 *common, *args.set]
@@ -261,13 +262,13 @@ def setup_model(args, device: torch.device) -> tuple[list[str], object, dict]:
     return base, load, {"build_s": time.perf_counter() - t0, "model": loaded.model, "stack": stack}
 
 
-def make_rows(args, base: list[str], load, grid: list[tuple[int, int]]) -> dict[str, list[h.Row]]:
+def make_rows(args, base: list[str], load, grid: list[tuple[int, int]]) -> dict[str, list[h.BenchRow]]:
     """The rows by path: eager (ours with compile=off and the peers) and captured (ours with --captured)."""
     def row(label, *overrides, method=None, suffix="", may_fail=False):
         return h.row(label, args.root, args.experiment, *base, *overrides, load=load, method=method, suffix=suffix,
                      may_fail=may_fail)
 
-    def ours(setting: str) -> list[h.Row]:
+    def ours(setting: str) -> list[h.BenchRow]:
         path, suffix = f"({PATH_LABELS[setting]})", "" if setting == "off" else f"-compile_{setting}"
         options = dict(suffix=suffix, may_fail=setting != "off")
         rows = [row(f"Vanilla {path}", "method=vanilla", f"compile={setting}", **options)]
@@ -326,7 +327,7 @@ def bench(args) -> dict:
     return report
 
 
-def results_of(by_path: dict[str, list[h.Row]], sizes: dict, gbps: float) -> list[dict]:
+def results_of(by_path: dict[str, list[h.BenchRow]], sizes: dict, gbps: float) -> list[dict]:
     """Every row's figures from its records so far (a row that failed: its failure)."""
     ran = h.finished([r for path in by_path.values() for r in path])
     table = dict(zip(map(id, ran), h.table(ran)))

@@ -19,9 +19,10 @@ from omegaconf import OmegaConf
 from del_bench.bench import harness as h
 from del_bench.bench.gpu import SHAPES, random_model
 from del_bench.config import CONFIG_DIR
-from del_bench.engine import compiled
+from del_bench.engine import path_choice
 from del_bench.engine.compiled import COMPILE_CHOICES
 from del_bench.engine.decode import Engine
+from del_bench.engine.path_choice import stack_of
 from del_bench.engine.sampling import Sampling
 from del_bench.methods.dv import DraftVerify
 from del_bench.methods.dynamic_exit import DEL
@@ -30,7 +31,6 @@ from del_bench.methods.ls import LayerSkip
 from del_bench.methods.swift import Swift
 from del_bench.methods.vanilla import Vanilla
 from del_bench.models import loading
-from del_bench.models.layer_stack import LayerStack
 from del_bench.numerics import compare, gap_ulps
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4, num_kv_heads=2, init_std=0.1,
@@ -107,15 +107,15 @@ def main(argv: list[str]) -> int:
     torch.set_num_threads(args.threads)
     ref_model, model, prompts, eos, exit_layer = load_pair(args)
     refs = [hf_reference(ref_model, p, args.max_new_tokens, eos) for p in prompts]
-    stack = LayerStack(model, layers=args.layers)
+    stack = stack_of(model, layers=args.layers)
     engine = Engine(stack, Sampling(), eos)
     rows = []
     vanilla: list = []
     graphs = {}
     for method, paper in methods(exit_layer):
         reach = max(map(len, prompts)) + args.max_new_tokens + 1
-        engine.graphs, graphs[method.name] = compiled.choose(stack, args.compile, method, args.max_new_tokens,
-                                                             cache_len=reach)
+        engine.path = path_choice.choose(stack, args.compile, method, args.max_new_tokens, reach)
+        graphs[method.name] = engine.path.info
         for i, (prompt, (ref, ref_gaps)) in enumerate(zip(prompts, refs)):
             gen = engine.generate(prompt, method, args.max_new_tokens, seed=0)
             if method.name == "vanilla":

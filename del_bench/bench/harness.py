@@ -1,7 +1,7 @@
 """The one harness every bench runs on: rows are ordinary runs (records and all), composed offline, decoded
 interleaved prompt by prompt, paired with Vanilla through the record contract, and printed from their records.
 
-A bench is a list of `Row`s (a label and a composed run config, optionally its own model loader). `run_rows`
+A bench is a list of `BenchRow`s (a label and a composed run config, optionally its own model loader). `run_rows`
 grows every row's run one prompt at a time (each row decodes prompt i before any decodes prompt i + 1), so the
 drift of a shared machine over the minutes of a bench hits every row alike; the runner warms each up untimed and
 resumes what it already decoded. `table` turns the finished rows' summary.json into table rows — every number
@@ -26,6 +26,7 @@ from typing import Callable
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from del_bench.averages import ratio
 from del_bench.config import CONFIG_DIR, check_overrides, ls_grid, ls_setting, resolve_aliases
 from del_bench.models.layer_math import seconds_of
 from del_bench.records import (
@@ -125,7 +126,7 @@ def task_overrides(task: str, model: str, root: str) -> list[str]:
 
 
 @dataclass
-class Row:
+class BenchRow:
     label: str
     cfg: DictConfig
     load: Callable | None = None  # (Loaded, LayerStack); None: the runner loads the model itself
@@ -135,20 +136,20 @@ class Row:
 
 
 def row(label: str, root: str, experiment: str, *overrides: str, load=None, suffix: str = "",
-        method: dict | None = None, may_fail: bool = False) -> Row:
+        method: dict | None = None, may_fail: bool = False) -> BenchRow:
     """A row: the run `overrides` compose, in <root>/<method tag><suffix> (a re-run resumes it), recording
     `experiment` in its run key (so a bench's runs reach no paper table); `method`: a method config composed in
     code instead of the method group's (a peer: peers.peer_method); `may_fail`: an error in its run ends the row,
-    not the bench (Row.failure says why)."""
+    not the bench (BenchRow.failure says why)."""
     cfg = compose(*overrides)
     if method is not None:
         cfg.method = method
     cfg.out_dir = f"{root}/{cfg.method.tag}{suffix}"
     cfg.experiment_name = experiment
-    return Row(label, cfg, load, may_fail=may_fail)
+    return BenchRow(label, cfg, load, may_fail=may_fail)
 
 
-def run_rows(rows: list[Row], limit: int, before_prompt: Callable | None = None, step: int = 1) -> list[Row]:
+def run_rows(rows: list[BenchRow], limit: int, before_prompt: Callable | None = None, step: int = 1) -> list[BenchRow]:
     """Every row's run grown one prompt at a time across all rows (`limit` is resumable: a run with limit i + 1
     decodes only what limit i did not); `before_prompt()` runs before each prompt's rows. Fills each row's
     summary (summary.json of its finished run). step: prompts a row decodes at a time (a batched row: its batch's
@@ -174,28 +175,24 @@ def run_rows(rows: list[Row], limit: int, before_prompt: Callable | None = None,
     return rows
 
 
-def finished(rows: list[Row]) -> list[Row]:
+def finished(rows: list[BenchRow]) -> list[BenchRow]:
     """The rows that ran to the end (no failure): what `table` takes."""
     return [r for r in rows if not r.failure]
 
 
-def _ratio(value, base) -> float | None:
-    return value / base if value is not None and base else None
-
-
-def table(rows: list[Row]) -> list[dict]:
-    """One table row per finished Row, from its summary.json alone: tok/s and eTPL are means over prompts (paper
+def table(rows: list[BenchRow]) -> list[dict]:
+    """One table row per finished BenchRow, from its summary.json alone: tok/s and eTPL are means over prompts (paper
     B.4); pooled = all tokens ÷ all seconds (or loaded layers), every token weighed alike; pred. = eTPL × L (Vanilla
     loads L layers a token); speedups against the mean of the paired Vanilla rows."""
     out = []
     for r in rows:
         s = r.summary
         L = r.cfg.model.num_layers
-        pooled_etpl = _ratio(s["generated_tokens"], s["loaded_layers"])
+        pooled_etpl = ratio(s["generated_tokens"], s["loaded_layers"])
         out.append({"row": r.label, "method": s["method"], "method_tag": s["method_tag"], "model": s["model"],
                     "task": s["task"], "n": s["n_samples"], "tokens_per_s": s["tokens_per_s"], "etpl": s["etpl"],
                     "predicted_speedup": s["etpl"] * L if s["etpl"] is not None else None,
-                    "pooled_tokens_per_s": _ratio(s["generated_tokens"], s["wall_s"]), "pooled_etpl": pooled_etpl,
+                    "pooled_tokens_per_s": ratio(s["generated_tokens"], s["wall_s"]), "pooled_etpl": pooled_etpl,
                     "pooled_predicted_speedup": pooled_etpl * L if pooled_etpl is not None else None,
                     "acceptance": s["acceptance_rate"], "controller_share": s["time_split"]["policy"],
                     "busy_samples": (s.get("load") or {}).get("overloaded", 0),
@@ -207,10 +204,10 @@ def table(rows: list[Row]) -> list[dict]:
     probes = {id(t): machine_probe(r.summary.get("setup") or []) for r, t in zip(rows, out)}
     for key, t in runs:
         for name, of in (("speedup", "tokens_per_s"), ("pooled_speedup", "pooled_tokens_per_s")):
-            t[name] = _ratio(t[of], vanilla_baseline(key, runs, of))
+            t[name] = ratio(t[of], vanilla_baseline(key, runs, of))
         t["drifted"] = drifted(probes[id(t)], [probes[id(p)] for p in vanilla_partners(key, runs)])
-        t["measured_over_predicted"] = _ratio(t["speedup"], t["predicted_speedup"])
-        t["pooled_measured_over_predicted"] = _ratio(t["pooled_speedup"], t["pooled_predicted_speedup"])
+        t["measured_over_predicted"] = ratio(t["speedup"], t["predicted_speedup"])
+        t["pooled_measured_over_predicted"] = ratio(t["pooled_speedup"], t["pooled_predicted_speedup"])
     return out
 
 
@@ -221,7 +218,7 @@ def per_prompt_speed(out_dir: str) -> dict:
     speeds = [s["tokens_per_s"] for s in read_jsonl(Path(out_dir) / "samples.jsonl")]
     rest = statistics.median(speeds[1:]) if len(speeds) > 1 else None
     return {"per_prompt": speeds, "first": speeds[0] if speeds else None, "rest_median": rest,
-            "first_over_rest": _ratio(speeds[0], rest) if speeds else None}
+            "first_over_rest": ratio(speeds[0], rest) if speeds else None}
 
 
 def lossless_vs(out_dir: str, reference_dir: str, reference: str = "Vanilla") -> dict:

@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 
 from del_bench.bench import harness as h
+from del_bench.engine.path_choice import stack_of
 from del_bench.models import loading
 from del_bench.models.layer_math import linear
-from del_bench.models.layer_stack import LayerStack
 from del_bench.models.products import layer_matrices
 
 
@@ -92,7 +92,7 @@ def main(argv: list[str]) -> int:
     parts = {f"HF forward, 1 token ({hf.config.num_hidden_layers} layers + head)": h.timings(hf_step, args.reps)}
     head = hf.lm_head.weight.detach().clone()  # [V, D], HF's layout
     for layers in args.loops.split(","):
-        stack = LayerStack(loading.load(cfg).model, layers=layers)
+        stack = stack_of(loading.load(cfg).model, layers=layers)
         parts.update(loop_parts(stack, layers, prompt, token, args.context, args.reps))
     parts.update(product_parts(stack, max(1, args.reps // 4)))
     parts.update(head_parts(head, args.reps))

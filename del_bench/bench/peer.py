@@ -10,7 +10,7 @@ threshold 0, constant schedule), as LS(E, γ). Rows marked † are peers.
 from __future__ import annotations
 
 from del_bench.bench import harness as h
-from del_bench.bench.peers import peer_method
+from del_bench.methods.peers import peer_method
 from del_bench.records import is_peer
 
 COLUMNS = ["row", "tok/s", "speedup", "eTPL", "α", ("= generate", "equal_generate", "", 10)]
@@ -24,7 +24,7 @@ def parse(argv):
     return ap.parse_args(argv)
 
 
-def peer_rows(args, row) -> list[h.Row]:
+def peer_rows(args, row) -> list[h.BenchRow]:
     """Our Vanilla, the two plain peers, then per (E, γ) our LS beside assistant_early_exit."""
     rows = [row("Vanilla", "method=vanilla"), row("HF generate †", method=peer_method("hf_generate")),
             row("HF forward loop †", method=peer_method("hf_forward_loop"))]

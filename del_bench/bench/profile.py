@@ -58,7 +58,7 @@ def main(argv: list[str]) -> int:
     samples = select_samples(task, cfg)
     ready = session.build(cfg, task=task, samples=samples)
     device = ready.stack.head_device
-    warmup = runner.warm_up(cfg, ready, samples)
+    warmup = runner.warm_up(cfg, runner.rows_of(ready, 1, 1024), ready, samples)
     print(f"{cfg.model.name} {cfg.method.tag} on {device}, warm-up {warmup.get('mode')} "
           f"(passes ms/token {warmup.get('ms_per_token')}), layer path {ready.stack.layer_path}, "
           f"graphs {ready.setup.get('compiled')}")

@@ -1,386 +1,330 @@
-"""The thread scheduler: batched decoding (`batch_size` = B > 1) for the methods lockstep (engine/lockstep.py, the
-tensor path every other method takes) does not serve — AdaDecode, SWIFT's token tree, DEL's look-ahead stop reads, a
-model over several devices (lockstep.serves says why) — B prompts decoded together, each by the unchanged Engine,
-lossless per row.
+"""The round driver: B rows (B ≥ 1) of one batch advance through each round together, lossless per row.
 
-Every row (a slot) runs `Engine.generate` — its rounds, methods, sampling, accounting, shadow scoring, all as at
-B = 1 — in a Python thread of its own, on a `RowStack`: the LayerStack as that row sees it. A RowStack hands every
-call to the real stack except the weight-bound ones — a pass through layers (forward_layers, forward_skipping), the
-LM head (head, logits, exit_logits) and DEL's shadow scoring (shadow_tokens) — which it posts to the `Batch` and
-waits for. The Batch runs them for all rows at once (ragged_rows.attention_rows, mlp_rows, head_rows: the products
-over every row's positions concatenated, RoPE, the cache write and the attention per row), so a layer's weights are
-read once for every row that runs it, whatever each row's width, positions, exit layer, skip set or token tree.
+Every decode goes through here — engine/decode.Engine.generate is a batch of one, `batch_size: B` a batch of B. Each
+row is a slot holding a RowEngine (engine/row.py) on its row of the batch's cache [B, KV, max_len, hd] (KVCache.row):
+its
+prefill, its plan, the host part of its acceptance, its observation and records are that row's own code. What the
+batch does is the tensor work between them, for every row at once. A round (Batch._round):
+- plan: every row's method plans for itself (its E, budget, skip set; SWIFT's optimiser pass first, on its row);
+- draft and verify: the round's draft shape (engine/steps.DraftShape: engine/early_exit.py, engine/skipping.py, …),
+  the shape of each row's method, for all its rows at once — each draft step one pass of every row still drafting
+  (`step`), each row running only its own layers (its exit layer's, its skip set's), one head product for every row
+  drafting, one read of their candidates where the method stops on confidence; one verification step;
+- accept: the head over every row's verified positions in one product, each row's acceptance on the device (greedy or
+  speculative sampling, its own RNG) and one host read for the whole batch, then each row's host part (a token
+  tree's rows are read row by row: engine/acceptance.py);
+- observe: each row's selection and evidence (DEL's statistics scored per row, read for every row in one read where
+  they are read apart from the acceptance, as on a CPU), then each row's Round.
+A shape that is not draft/verify rounds (AdaDecode's layer walk, engine/layer_parallel.py) runs its own step instead.
+A row whose generation ends leaves at the round's end, and its slot takes its job's next generation (a multi-turn
+sample's next turn) or the next job at once, prefilled alone on its row before the next round (continuous batching).
 
-Threads take turns, never run together: the Batch resumes each runnable row in slot order and waits until it has
-posted a call or finished, then runs one step. So nothing is shared concurrently (the stack's memos, its work counter,
-the method copies), and what runs when is fixed by the rows' own computations: outputs and records never depend on
-thread timing (a test decodes the same batch twice and compares every record).
+Jobs are generators: `decode(slot, job)` yields Requests (engine/decode.Request) and is sent each Generation back —
+no threads; the batch drives them at round boundaries.
 
-A step serves the pending calls at the lowest point of the model, all together: a pass's point is its next layer, a
-head or shadow call's is after the last layer (the head, then shadow scoring). A pass advances one layer a step (its
-attention sublayer for the rows that run it, then its MLP for those that do), so rows whose passes overlap share each
-layer they have in common — DEL's rows at different exit layers, SWIFT's or CLaSp's at different skip sets, a
-drafting row beside a verifying one — and a row below the others runs alone until it reaches them. A row alone at
-the bottom with no other pass ahead of it before its end runs its whole pass through the stack's own loop (fused where
-it is built). Every call is served within one sweep up the model: a row's calls rise through the layers between two
-head calls, and the head waits only for passes below it.
+A step's passes run on the session's layer path (engine/layer_path.py): a row alone in a step on the stack's own loop
+(so a batch of one decodes exactly as one prompt alone always did), several rows as static-shape steps
+(static_steps.RowSteps) — each row's positions and sublayers as data, a row idling in a sublayer computed and dropped,
+its keys written only to a scratch slot — or on graphs made for the batch.
 
-Accounting beside the rows' own: each step that runs a sublayer loads it once (½ layer) for all its rows, each head
-step is one head pass; a row's share of the batch's loads (a step's load ÷ the rows in it) is kept per job
-(`Row.loaded_layers`, `Row.head_passes`), so the batch's loads are the sum of its rows' shares.
-
-Each row keeps its own RNG stream (its generate's seed), its own Engine (its pending token, shadow scorer, host-read
-count: del_bench/transfer.py counts per thread) and decodes in its own view of one shared KV cache
-[B, KV, max_len, hd] (KVCache.row), which grows for a longer prompt (views re-pointed, contents kept). B = 1 never
-comes here: the runner decodes one prompt at a time without threads, exactly as before. Jobs are the same
-generators of requests as lockstep's: each row's thread runs its job, decoding each request with its Engine.
-"""
+Accounting. Each row records what it records alone — its rounds' loaded layers (d·E + L), head rows, reads (the
+batch's reads that carried its values: transfer.Ledger). The batch's own: each sublayer a step computes is loaded
+once (½ layer) for all its rows; the rows that run it share that load (`Slot.loaded_layers`: the shares sum to the
+batch's), the rows computed in it for nothing (idle, masked) count it as `idle_layers` — lockstep's price in loaded
+layers; a prefill, a selection's or an optimiser's pass is its row's alone."""
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from del_bench.engine.decode import Engine, Request, served
+from del_bench.engine import acceptance, skipping
+from del_bench.engine.batch_work import BatchWork, Job, RowRound, Slot
+from del_bench.engine.layer_path import LayerPath
+from del_bench.engine.row import Decoding, Request, RowEngine
 from del_bench.engine.sampling import Sampling
-from del_bench.models.kv_cache import KVCache, TreeMask
+from del_bench.engine.steps import shape_named
+from del_bench.models.kv_cache import KVCache
 from del_bench.models.layer_stack import LayerStack
-from del_bench.models.ragged_rows import RaggedRow, attention_rows, head_rows, mlp_rows
+from del_bench.models.products import products_for
+from del_bench.transfer import charged, reads, to_list
 
-HEAD_RANK = {"head": 1, "shadow": 2}  # after the last layer: the head, then shadow scoring
-
-
-class _Aborted(Exception):
-    """Raised in a row's thread to unwind it when the batch stops on an error elsewhere."""
+_NO_JOB = object()  # the jobs are over (a job may be anything, None too)
 
 
-@dataclass(eq=False)
-class _Pass:
-    """One row's pass through layers [layer, end) in flight: its state (row.h) after the layers run so far."""
-
-    slot: int
-    row: RaggedRow
-    layer: int  # the next layer to run
-    end: int
-    skip_attn: frozenset[int] = frozenset()
-    skip_mlp: frozenset[int] = frozenset()
-    collect: list | None = None  # each layer's output (forward_layers) or each sublayer's (per_sublayer)
-    per_sublayer: bool = False  # forward_skipping: the state after every sublayer slot, skipped or not
-    keep: int | None = None  # forward_layers' keep: collect only the last `keep` positions, copied
-    tree: TreeMask | None = None
-
-    @property
-    def trim(self) -> bool:
-        return self.collect is not None and self.keep is not None and self.keep < self.row.h.shape[1]
-
-    def skip_idle_layers(self) -> None:
-        """Advance past layers whose two sublayers this pass skips (nothing to run, only states to collect)."""
-        while self.layer < self.end and self.layer in self.skip_attn and self.layer in self.skip_mlp:
-            if self.collect is not None:
-                self.collect += [self.row.h, self.row.h]
-            self.layer += 1
-
-    @property
-    def done(self) -> bool:
-        return self.layer >= self.end
-
-
-@dataclass(eq=False)
-class _Call:
-    """A row's call waiting for the batch: kind "layers" (a _Pass), "head" (normed states [1, T, D]) or "shadow"."""
-
-    row: Row
-    kind: str
-    payload: Any
-    key: tuple = ()  # calls of one kind run together only with an equal key (shadow scoring's settings)
-    result: Any = None
-    served: bool = False
-
-
-class Row:
-    """One slot of the batch: its Engine (on its RowStack, in its cache view) and, for its current job, when the job
-    began (seconds after the batch began) and its share of the batch's loads."""
-
-    def __init__(self, slot: int, engine: Engine):
-        self.slot, self.engine = slot, engine
-        self.start_s = 0.0
-        self.loaded_layers = 0.0  # Σ over the batch's sublayer steps it took part in: ½ ÷ the rows in the step
-        self.head_passes = 0.0  # Σ over the head steps it took part in: 1 ÷ the rows in the step
-        self.call: _Call | None = None
-        self.turn = threading.Semaphore(0)
-        self.finished = False
-
-    def begin(self, now_s: float) -> None:
-        self.start_s, self.loaded_layers, self.head_passes = now_s, 0.0, 0.0
-
-    @staticmethod
-    def tally(rounds: list[dict]) -> tuple[float, float]:
-        """Its job's host reads and rounds (a row of this scheduler reads alone: its rounds' own)."""
-        return sum(r["host_syncs"] for r in rounds), len(rounds)
-
-    def generate(self, prompt_ids: list[int], method, max_new_tokens: int, seed: int) -> Request:
-        """What a job yields to have its row decode a prompt (it is sent the Generation back)."""
-        return Request(prompt_ids, method, max_new_tokens, seed)
-
-
-class RowStack:
-    """The LayerStack as one row of a batch sees it: the real stack's attributes and methods, except the weight-bound
-    calls, which the Batch runs for every row at once (module docstring). No graph-captured steps (B = 1 only)."""
-
-    compiled = None
-
-    def __init__(self, batch: Batch, slot: int):
-        self._batch, self._slot = batch, slot
-        self._stack = batch.stack
-
-    def __getattr__(self, name: str):
-        return getattr(self._stack, name)
-
-    def new_cache(self, max_len: int, batch: int = 1) -> KVCache:
-        """The row's view of the shared cache, grown to max_len where it is shorter: one row (a row holds no batch)."""
-        if batch != 1:
-            raise ValueError(f"a batched row's cache is its one row of the batch's cache, not {batch} rows")
-        return self._batch.grow(max_len)[self._slot]
-
-    def forward_layers(self, h: torch.Tensor, start: int, end: int, pos: int, cache: KVCache,
-                       collect: list | None = None, tree: TreeMask | None = None,
-                       keep: int | None = None) -> torch.Tensor:
-        if start >= end:
-            return h
-        cos, sin, mask = self._stack.rope_and_mask(pos, h.shape[1], h.device, tree)
-        return self._pass(_Pass(self._slot, RaggedRow(h, pos, cache, cos, sin, mask), start, end, collect=collect,
-                                keep=keep, tree=tree))
-
-    def forward_skipping(self, h: torch.Tensor, pos: int, cache: KVCache, skip_attn: frozenset[int],
-                         skip_mlp: frozenset[int], write: bool = True, collect: list | None = None) -> torch.Tensor:
-        cos, sin, mask = self._stack.rope_and_mask(pos, h.shape[1], h.device)
-        return self._pass(_Pass(self._slot, RaggedRow(h, pos, cache, cos, sin, mask, write), 0,
-                                self._stack.num_layers, frozenset(skip_attn), frozenset(skip_mlp), collect,
-                                per_sublayer=True))
-
-    def _pass(self, p: _Pass) -> torch.Tensor:
-        p.skip_idle_layers()
-        return p.row.h if p.done else self._batch.call(self._slot, "layers", p)
-
-    def forward_branches(self, h: torch.Tensor, sublayers: range, pos: int, cache: KVCache,
-                         tree: TreeMask) -> torch.Tensor:
-        """A layer-skip selection's candidate passes (CLaSp, KnapSpec: every 64 rounds): run here, the row's own;
-        their loads count whole in the batch's and the row's share."""
-        self._batch.loaded_alone(self._slot, len(sublayers) / 2)
-        return self._stack.forward_branches(h, sublayers, pos, cache, tree)
-
-    def head(self, h_normed: torch.Tensor) -> torch.Tensor:
-        return self._batch.call(self._slot, "head", h_normed)
-
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self.head(self._stack.norm(h))
-
-    def exit_logits(self, h: torch.Tensor, layer: int) -> torch.Tensor:
-        return self.head(self._stack.exit_input(h, layer))
-
-    def shadow_tokens(self, states: torch.Tensor, targets: torch.Tensor | None = None, vocab: int | None = None,
-                      chunk: int = 64, layers: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        key = (vocab, chunk, targets is None, layers is None)
-        return self._batch.call(self._slot, "shadow", (states, targets, layers), key)
-
-
-class Batch:
-    """B slots over one LayerStack: `run` decodes jobs B at a time (continuous batching) and returns the batch's
-    counts. Build once per run; each `run` starts the rows' threads and joins them."""
+class Batch(BatchWork):
+    """B slots over one LayerStack and one cache: `run` decodes jobs B at a time (continuous batching) and returns the
+    batch's counts. Build once per run (decode.Engine keeps its batch of one)."""
 
     def __init__(self, stack: LayerStack, size: int, sampling: Sampling, eos_ids: set[int], stop=None,
-                 cache_len: int = 1024, shadow_with_acceptance: bool | None = None):
+                 cache_len: int = 1024, shadow_with_acceptance: bool | None = None, path: LayerPath | None = None,
+                 engines: list[RowEngine] | None = None):
+        """cache_len: the longest sequence a row reaches (prompt + max_new_tokens + 1); the cache holds one slot more
+        (the scratch slot, static_steps.RowSteps). path: the session's layer path (None: the stack's own loop).
+        engines: the rows' engines (a batch of one around an existing decode.Engine), else made here."""
         self.stack, self.size = stack, size
-        self.cache = stack.new_cache(cache_len, batch=size)  # [B, KV, max_len, hd] a layer
-        self.views = [self.cache.row(r) for r in range(size)]
-        self.rows = [Row(r, Engine(RowStack(self, r), sampling, eos_ids, stop, shadow_with_acceptance,
-                                   cache=self.views[r])) for r in range(size)]
-        self._back = threading.Semaphore(0)  # a row hands the turn back to the batch (its own `turn`: the batch to it)
+        self.path = path if path is not None else engines[0].path if engines else LayerPath(stack)
+        engines = engines or [RowEngine(stack, sampling, eos_ids, stop, shadow_with_acceptance, self.path)
+                              for _ in range(size)]
+        self.slots = [Slot(r, engine) for r, engine in enumerate(engines)]
+        self._scratch = 1 if size > 1 else 0  # several rows' steps write an idle row's keys to a last, scratch slot
+        self._floor = cache_len + self._scratch  # the cache is made at the first request, at least this long
+        self.cache: KVCache | None = None
         self._t0 = 0.0
+        self._held = 0  # the round's: how many slots its rows hold or may write (RowSteps.run)
+        self.loaded_layers = self.idle_layers = self.head_passes = 0.0
+        self.rounds = 0
 
-    def grow(self, max_len: int) -> list[KVCache]:
-        """The row views, over a shared cache at least max_len long: a longer one replaces it, every row's filled
-        positions copied and its view re-pointed (a row holds its view, never the tensors across calls)."""
-        if self.cache.max_len < max_len:
-            bigger = self.stack.new_cache(max_len, batch=self.size)
-            for old, new in zip(self.cache.k + self.cache.v, bigger.k + bigger.v):
-                new[:, :, : self.cache.max_len] = old
-            self.cache = bigger
-            for r, view in enumerate(self.views):
-                self.cache.row(r, view)
-        return self.views
+    @classmethod
+    def of(cls, engine: RowEngine, cache_len: int = 1024) -> "Batch":
+        """A batch of one whose row is `engine` (Engine.generate, a run at batch_size 1)."""
+        return cls(engine.stack, 1, engine.sampling, engine.eos_ids, cache_len=cache_len, engines=[engine])
+
+    @property
+    def engines(self) -> list[RowEngine]:
+        return [slot.engine for slot in self.slots]
+
+    # ---- running jobs ------------------------------------------------------------------------------------------
+    def run(self, jobs: Iterable, decode: Callable[[Slot, Any], Job]) -> dict:
+        """decode(slot, job) — a generator of Requests — for every job: a slot takes the next job as soon as its last
+        one ends. Returns the batch's counts: wall_s (its start to the last row's end), loaded_layers (each sublayer
+        computed ½, for all rows; prefills and policy passes whole), idle_layers, head_passes, rounds, reads (the
+        batch's host reads, prefills included)."""
+        self._jobs, self._decode = iter(jobs), decode
+        self.loaded_layers = self.idle_layers = self.head_passes = 0.0
+        self.rounds, reads_before = 0, reads()
+        for slot in self.slots:
+            slot.job = slot.run = None
+        self._t0 = time.perf_counter()
+        try:
+            with torch.inference_mode():
+                self._admit(self.slots)
+                while True:
+                    running = [s for s in self.slots if s.run is not None]
+                    if not running:
+                        break
+                    self._round(running)
+                    self.rounds += 1
+                    self._admit([s for s in running if s.run.done])
+                    self._compact()
+        finally:
+            for slot in self.slots:  # an error: every job closed (their contexts exit), the batch reusable
+                if slot.job is not None:
+                    slot.job.close()
+                slot.job = slot.run = slot.round = None
+        return {"wall_s": self.elapsed(), "loaded_layers": self.loaded_layers, "idle_layers": self.idle_layers,
+                "head_passes": self.head_passes, "rounds": self.rounds, "reads": reads() - reads_before}
 
     def elapsed(self) -> float:
         """Seconds since the current run began (the device synchronised first)."""
         self.stack.synchronize()
         return time.perf_counter() - self._t0
 
-    # ---- running jobs ------------------------------------------------------------------------------------------
-    def run(self, jobs: Iterable, decode: Callable[[Row, Any], Any]) -> dict:
-        """decode(row, job) — a job: a generator of Requests (engine/lockstep.py) — for every job, in the rows'
-        threads, each request decoded by the row's Engine: a slot takes the next job as soon as its last one ends
-        (continuous batching). Returns the batch's counts: wall_s (first job's start to the last one's end),
-        loaded_layers (each sublayer step ½, whatever its rows), head_passes, steps."""
-        self._jobs, self._decode = iter(jobs), decode
-        self._error: BaseException | None = None
-        self._aborting = False
-        self.loaded_layers, self.head_passes, self.steps = 0.0, 0, 0
-        self._back = threading.Semaphore(0)  # fresh each run: an aborted run may leave turns released
-        for row in self.rows:
-            row.call, row.finished, row.turn = None, False, threading.Semaphore(0)
-        threads = [threading.Thread(target=self._row_main, args=(row,), name=f"batch-row-{row.slot}", daemon=True)
-                   for row in self.rows]
-        self._t0 = time.perf_counter()
-        for thread in threads:
-            thread.start()
-        try:
-            with torch.inference_mode():  # thread-local, as the rows' generate is: the steps run in this thread
-                runnable = list(self.rows)
-                while True:
-                    for row in runnable:
-                        self._resume(row)
-                    if self._error is not None:
-                        raise self._error
-                    pending = [row.call for row in self.rows if row.call is not None and not row.call.served]
-                    if not pending:
-                        break
-                    runnable = self._step(pending)
-                    self.steps += 1
-        except BaseException:
-            self._abort()
-            raise
-        finally:
-            for thread in threads:
-                thread.join()
-        return {"wall_s": self.elapsed(), "loaded_layers": self.loaded_layers, "head_passes": self.head_passes,
-                "steps": self.steps}
+    def _admit(self, slots: list[Slot]) -> None:
+        """At a round boundary: each slot whose generation ended hands it to its job and starts the job's next
+        request, or its next job's first (prefilled on its row alone); a slot with no job left idles. Every row
+        admitted at this boundary starts its clock here (its ttft_s and wall_s count the others' prefills too)."""
+        t0 = time.perf_counter()
+        for slot in slots:
+            request = self._next_request(slot)
+            while request is not None:
+                self._fit(len(request.prompt_ids) + request.max_new_tokens + 1)
+                run = slot.engine.begin(request, t0)
+                if request.max_new_tokens <= 0:  # nothing to decode: its (empty) generation goes straight back
+                    request = self._send(slot, self._finish(slot, run))
+                    continue
+                with charged([slot.ledger]):
+                    slot.engine.prefill(run, request.prompt_ids)
+                self._alone(slot, self.stack.num_layers)
+                slot.rounds += 1  # round 0, its own
+                slot.run = run
+                if run.done:  # its first token ended it (an EOS, a budget of 1)
+                    request = self._send(slot, self._finish(slot, run))
+                    continue
+                break
 
-    def _row_main(self, row: Row) -> None:
-        row.turn.acquire()
-        try:
-            while not self._aborting:
-                job = next(self._jobs, None)
-                if job is None:
-                    break
-                row.begin(time.perf_counter() - self._t0)
-                served(self._decode(row, job), row.engine)
-        except _Aborted:
-            pass
-        except BaseException as err:  # the batch raises it in the caller's thread
-            if self._error is None:
-                self._error = err
-        finally:
-            row.finished, row.call = True, None
-            self._back.release()
+    @property
+    def running(self) -> int:
+        """How many rows are running: the first slots (_compact)."""
+        return sum(s.run is not None for s in self.slots)
 
-    def _resume(self, row: Row) -> None:
-        """Give row the turn until it posts its next call or finishes."""
-        if row.finished:
+    def _compact(self) -> None:
+        """The running rows into the lowest slots, so that the steps (on a CPU) run over them alone: a row above an
+        empty slot moves down — its cache row's filled slots copied, its slot's view re-pointed (its engine, ledger
+        and job go with it). Only once no job is left to start (a slot is empty only then), so a job's method copy is
+        never another running job's."""
+        while True:
+            empty = next((s for s in self.slots if s.run is None), None)
+            top = next((s for s in reversed(self.slots) if s.run is not None), None)
+            if empty is None or top is None or empty.index > top.index:
+                return
+            held = top.run.n  # its positions before the pending token's
+            for k in self.cache.k + self.cache.v:
+                k[empty.index, :, :held] = k[top.index, :, :held]
+            self.slots[empty.index], self.slots[top.index] = top, empty
+            empty.index, top.index = top.index, empty.index
+            for slot in (empty, top):
+                self._row(slot)
+
+    def _next_request(self, slot: Slot) -> Request | None:
+        """The slot's job's next request: after its finished generation, or a new job's first (None: no job left)."""
+        if slot.run is not None:
+            return self._send(slot, self._finish(slot, slot.run))
+        return self._start_job(slot)
+
+    def _start_job(self, slot: Slot) -> Request | None:
+        while True:
+            job = next(self._jobs, _NO_JOB)
+            if job is _NO_JOB:
+                return None
+            slot.start_s, slot.began_in = time.perf_counter() - self._t0, slot.index
+            slot.loaded_layers = slot.idle_layers = slot.head_passes = slot.rounds = 0.0
+            slot._reads_before = slot.ledger.share
+            slot.job = self._decode(slot, job)
+            try:
+                return next(slot.job)
+            except StopIteration:  # a job that decodes nothing
+                slot.job = None
+
+    def _send(self, slot: Slot, generation) -> Request | None:
+        """Hand the job its generation: its next request, or (the job done) the next job's first."""
+        try:
+            return slot.job.send(generation)
+        except StopIteration:
+            slot.job = None
+            return self._start_job(slot)
+
+    def _finish(self, slot: Slot, run: Decoding):
+        slot.run, slot.round = None, None
+        with charged([slot.ledger]):
+            return slot.engine.finish(run)
+
+    def reserve(self, length: int) -> None:
+        """Room for `length` slots in every row (mid-round too: a token tree's siblings)."""
+        if self.cache.max_len < length + self._scratch:
+            self._fit(length)
+
+    def _fit(self, length: int) -> None:
+        """A cache of at least length slots for every row (+ the scratch slot): the path's (LayerPath.cache — a batch
+        of one goes back to the graphs' captured cache whenever a request fits it), a longer one replacing it with
+        every row's filled positions copied and its view re-pointed."""
+        need = length + self._scratch
+        cache = self.path.cache(self.size, need, self._floor, self.cache)
+        if cache is self.cache:
             return
-        row.turn.release()
-        self._back.acquire()
+        if self.cache is not None and any(s.run is not None for s in self.slots):  # live rows: their positions move
+            kept = self.cache.max_len - self._scratch  # not the old scratch slot
+            for old, new in zip(self.cache.k + self.cache.v, cache.k + cache.v):
+                new[:, :, :kept] = old[:, :, :kept]
+            if self.size == 1:  # its one row decodes in the cache itself: its lengths go along
+                cache.lengths = list(self.cache.lengths)
+        self.cache = cache
+        for slot in self.slots:
+            slot.engine.cache = self._row(slot)
 
-    def _abort(self) -> None:
-        """Unwind every row: each one waiting for its turn wakes and raises _Aborted (or, before its first job,
-        ends); one still running raises at its next call. The threads are then joined."""
-        self._aborting = True
-        for row in self.rows:
-            if not row.finished:
-                row.turn.release()
+    def _row(self, slot: Slot):
+        """The slot's view of the cache (its earlier view re-pointed); a batch of one decodes in the cache itself (the
+        one CUDA graphs were captured on)."""
+        if self.size == 1:
+            return self.cache
+        return self.cache.row(slot.index, slot.engine.cache)
 
-    def call(self, slot: int, kind: str, payload, key: tuple = ()) -> Any:
-        """From a row's thread: post the call, hand the turn back, and wait for the step that serves it."""
-        row = self.rows[slot]
-        if self._aborting:
-            raise _Aborted()
-        row.call = call = _Call(row, kind, payload, key)
-        self._back.release()
-        row.turn.acquire()
-        row.call = None
-        if self._aborting:
-            raise _Aborted()
-        return call.result
+    # ---- one round ---------------------------------------------------------------------------------------------
+    def _round(self, slots: list[Slot]) -> None:
+        t = time.perf_counter()
+        shapes: dict = {}
+        for slot in slots:
+            shapes.setdefault(shape_named(slot.method.draft_shape), []).append(slot)
+            slot.rounds += 1 / len(slots)
+        rounds = [s for shape, group in shapes.items() if shape.rounds for s in group]
+        for slot in rounds:
+            self._plan(slot)
+        # the slots rows hold or may write this round: each row's sequence and its draft budget's positions beyond
+        self._held = max(s.run.n + (s.round.plan.budget if s.round is not None else 0) for s in slots)
+        for shape, group in shapes.items():
+            if not shape.rounds:
+                shape.step(self, group)
+        if not rounds:
+            return
+        t_draft = time.perf_counter()
+        for shape, group in shapes.items():
+            if shape.rounds:
+                shape.draft(self, group)
+        t_verify = time.perf_counter()
+        for shape, group in shapes.items():
+            if shape.rounds:
+                shape.verify(self, group)
+        self._accept(rounds)
+        t_observe = time.perf_counter()
+        for slot in rounds:
+            r = slot.round
+            with charged([slot.ledger]):
+                r.selected = slot.engine.observe_round(slot.run, r.plan, r.draft, r.verified, r.accepted[0], r.n)
+            self._alone(slot, r.selected.get("sel_loaded_layers", 0))
+        self._settle_statistics(rounds)
+        times = (t, t_draft, t_verify, t_observe, time.perf_counter())
+        for slot in rounds:
+            r = slot.round
+            slot.engine.record_round(slot.run, r.plan, r.draft, r.verified, *r.accepted, r.probed, r.selected, times)
 
-    # ---- one step ----------------------------------------------------------------------------------------------
-    def _point(self, call: _Call) -> tuple:
-        """Where in the model a call waits: a pass at its next layer, the head and shadow calls after the last."""
-        if call.kind == "layers":
-            return call.payload.layer, 0
-        return self.stack.num_layers, HEAD_RANK[call.kind]
+    def _plan(self, slot: Slot) -> None:
+        """The row's plan (after its optimiser's pass, SWIFT's probe, run on its row alone)."""
+        run, engine = slot.run, slot.engine
+        with charged([slot.ledger]):
+            probed = skipping.probe(engine, run.method, run.n, run.gen, run.cache)
+        self._alone(slot, probed.get("opt_loaded_layers", 0))
+        slot.round = RowRound(engine.plan_round(run), probed, run.n)
+        slot.round.pending = slot.round.token = engine.take_pending(run.gen)
+        slot.round.pos = run.n - 1
 
-    def _step(self, pending: list[_Call]) -> list[Row]:
-        """Serve the calls at the lowest point (pending is in slot order, and so is every group). → the rows whose
-        call is served, in slot order."""
-        first = min(pending, key=self._point)  # the first in slot order among the lowest
-        group = [c for c in pending if self._point(c) == self._point(first) and c.key == first.key]
-        if first.kind == "layers":
-            ahead = [c.payload.layer for c in pending if c.kind == "layers" and c not in group]
-            self._layer_step([c.payload for c in group], min(ahead, default=self.stack.num_layers))
-            for c in group:
-                c.served, c.result = c.payload.done, c.payload.row.h
+    def _accept(self, slots: list[Slot]) -> None:
+        """The head over every row's verified positions in one product, each row's acceptance on the device, one host
+        read for the whole batch, then each row's host part (emit, crop, its next pending token); a token tree's row
+        row by row."""
+        chains = [s for s in slots if s.round.verified.siblings is None]
+        for slot in slots:
+            if slot.round.verified.siblings is not None:
+                with charged([slot.ledger]):
+                    slot.round.accepted = acceptance.tree(slot.engine, slot.run, slot.round.draft,
+                                                          slot.round.verified)
+        if not chains:
+            return
+        if self.stack.exact_rows:  # each row a decode step's bits (half precision on a CPU)
+            logits = [acceptance.verified_logits(s.engine, s.round.verified) for s in chains]
         else:
-            results = self._head_step(group) if first.kind == "head" else self._shadow_step(group)
-            for c, result in zip(group, results):
-                c.served, c.result = True, result
-        return [c.row for c in group if c.served]
+            hs = [s.round.verified.h for s in chains]  # [1, T_r, D] each: normed
+            sizes = [h.shape[1] for h in hs]
+            with products_for(self.stack, sum(sizes)):
+                logits = self.stack.head(torch.cat(hs, dim=1))[0].split(sizes)  # [T_r, V] each
+        self._head_pass(chains)
+        for slot, rows in zip(chains, logits):
+            r = slot.round
+            r.acceptance = acceptance.chain(slot.engine, slot.run, r.draft, r.verified, r.plan.exit_layer, rows)
+        values = [s.round.acceptance.values for s in chains]
+        floating = any(v.is_floating_point() for v in values)
+        with charged([s.ledger for s in chains]):  # one read, every row's values
+            read = to_list(torch.cat([v.double() if floating else v for v in values]))
+        start = 0
+        for slot, v in zip(chains, values):
+            part = read[start : start + v.numel()]
+            start += v.numel()
+            if floating and not v.is_floating_point():
+                part = [int(x) for x in part]
+            slot.round.accepted = slot.round.acceptance.finish(part)
 
-    def _layer_step(self, passes: list[_Pass], ahead: int) -> None:
-        """Layer i (every pass is there) for each pass: its attention, then its MLP, each over the rows that run it.
-        A lone forward_layers pass with nobody before `ahead` (the next pass's layer) runs up to there in one call."""
-        st, i = self.stack, passes[0].layer
-        p = passes[0]
-        if len(passes) == 1 and not p.per_sublayer:
-            end = min(p.end, ahead)
-            p.row.h = st.forward_layers(p.row.h, i, end, p.row.pos, p.row.cache, collect=p.collect, tree=p.tree,
-                                        keep=p.keep)
-            self._share(passes, end - i)
-            p.layer = end
+    def _settle_statistics(self, slots: list[Slot]) -> None:
+        """DEL's statistics scored apart from the acceptance read (a CPU's way: ShadowScorer), every row's that
+        scored this round brought to the host in one read, then handed to each row's method."""
+        due = [(s, s.engine.shadow.due) for s in slots if s.engine.shadow.due is not None]
+        if not due:
             return
-        attention = [p for p in passes if i not in p.skip_attn]
-        if attention:
-            attention_rows(st, i, [p.row for p in attention])
-            self._share(attention, 0.5)
-        for p in passes:
-            if p.per_sublayer and p.collect is not None:
-                p.collect.append(p.row.h)
-        mlp = [p for p in passes if i not in p.skip_mlp]
-        if mlp:
-            mlp_rows(st, i, [p.row for p in mlp])
-            self._share(mlp, 0.5)
-        for p in passes:
-            if p.collect is not None:  # as forward_layers / forward_skipping collect (a trimmed copy with keep)
-                p.collect.append(p.row.h[:, -p.keep :].clone() if p.trim and not p.per_sublayer else p.row.h)
-            p.layer += 1
-            p.skip_idle_layers()
-
-    def loaded_alone(self, slot: int, layers: float) -> None:
-        """`layers` one row loaded outside any batched step (its turn: the Batch waits)."""
-        self.loaded_layers += layers
-        self.rows[slot].loaded_layers += layers
-
-    def _share(self, passes: list[_Pass], layers: float) -> None:
-        """`layers` loaded once for these passes' rows: the batch's count, each row's share."""
-        self.loaded_layers += layers
-        for p in passes:
-            self.rows[p.slot].loaded_layers += layers / len(passes)
-
-    def _head_step(self, group: list[_Call]) -> list[torch.Tensor]:
-        self.head_passes += 1
-        for c in group:
-            c.row.head_passes += 1 / len(group)
-        return head_rows(self.stack, [c.payload for c in group])
-
-    def _shadow_step(self, group: list[_Call]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """DEL's shadow scoring of several rows' states in one call (their rows concatenated, then split)."""
-        vocab, chunk, no_targets, no_layers = group[0].key
-        states = [c.payload[0] for c in group]  # each [N_r, D]
-        tokens, confidence = self.stack.shadow_tokens(
-            torch.cat(states), None if no_targets else torch.cat([c.payload[1] for c in group]), vocab, chunk,
-            None if no_layers else torch.cat([c.payload[2] for c in group]))
-        sizes = [s.shape[0] for s in states]
-        return list(zip(tokens.split(sizes), confidence.split(sizes)))
+        with charged([s.ledger for s, _ in due]):
+            read = to_list(torch.cat([pending.values.flatten() for _, pending in due]))
+        start = 0
+        for slot, pending in due:
+            count = pending.values.numel()
+            slot.engine.shadow.settle(read[start : start + count])
+            start += count

@@ -8,34 +8,37 @@ whole depth for Vanilla, layers 1..E then E+1..L for any E, any skip set — on 
 elsewhere compiled whole by torch.compile (`fullgraph=True`).
 
 Either way the bits are not the eager loop's (a masked attention over the whole cache reduces over other lengths; a
-compiled graph reorders reductions), so `check` holds a run's graphs to the rule every method is held to
+compiled graph reorders reductions), so engine/path_choice.py checks a run's graphs by the rule every method is held to
 (del_bench/numerics.py): in float32/float64 a greedy decode equal to transformers' `generate`, in half precision
 equal or departing first at a near-tie of generate's own logits — not bit equality with another kernel. Records say
 `layer_path` `<loop>+compiled` and such runs pair only with Vanilla on the same path (RunKey.machine).
 
-`choose` makes and checks the graphs a run's setting asks for and returns them to the caller, which hands them to its
-Engine: `Engine.forward_layers` / `forward_skipping` give the graphs the calls they can take (no token tree, no
-trimmed collection; a width within the buckets) and run the rest — prefill, trees, SWIFT's teacher-forced probe, the
-selections' candidate passes — on the stack's loop. Nothing of them is stored on the model's stack: what the graphs
+engine/path_choice.py makes and checks the graphs a run's setting asks for and puts them on the session's layer path
+(engine/layer_path.py), which gives them the calls they can take (no token tree, no trimmed collection; a width
+within the buckets) and runs the rest — prefill, trees, SWIFT's teacher-forced probe, the selections' candidate
+passes — on the stack's loop. Nothing of them is stored on the model's stack: what the graphs
 of one stack share (compiled step functions, captured caches, the graphs chosen per method) is kept in
 static_steps.memo.
 """
 
 from __future__ import annotations
 
-import copy
 import logging
 import time
-from collections.abc import Callable
 
 import torch
 
-from del_bench.engine.graph_runners import CACHE_QUANTUM, CompiledRunner, CudaGraphRunner, Step, collects_in_graph
-from del_bench.engine.static_steps import StaticSteps, StepFunctions, memo
+from del_bench.engine.graph_runners import (  # noqa: F401 (CACHE_QUANTUM: part of this module's API)
+    CACHE_QUANTUM,
+    CompiledRunner,
+    CudaGraphRunner,
+    Step,
+    collects_in_graph,
+)
+from del_bench.engine.static_steps import StaticSteps, StepFunctions
 from del_bench.methods.base import LAYER_SKIPPING
 from del_bench.models.kv_cache import KVCache
 from del_bench.models.layer_stack import LayerStack
-from del_bench.numerics import compare, gap_ulps, is_half
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +78,7 @@ class Graphs:
         """capture: CUDA graphs (default: where the model is on CUDA), else torch.compile with `backend`. fuse: the
         captured kernels are torch.compile'd ones (without capture the steps are always compiled). runner: the class
         that captures (tests replay the CUDA-graph runner's bookkeeping on a CPU). batch: B > 1, a batch's steps
-        (engine/lockstep.py: `rows`, on a cache of B rows), one graph per (step, width bucket) at that B."""
+        (engine/batch.py: `rows`, on a cache of B rows), one graph per (step, width bucket) at that B."""
         self.stack, self.batch = stack, batch
         self.steps = StaticSteps(stack)
         self.buckets = tuple(buckets)
@@ -111,11 +114,11 @@ class Graphs:
         """The engine's cache for a prompt needing max_len slots: the captured one where it is long enough."""
         cache = self.cache
         if cache is not None and cache.max_len < max_len:
-            self._decline(f"a prompt needs {max_len} cache slots, the graphs were captured on {cache.max_len}")
+            self.decline(f"a prompt needs {max_len} cache slots, the graphs were captured on {cache.max_len}")
             return None
         return cache
 
-    def _decline(self, reason: str, expected: bool = False) -> None:
+    def decline(self, reason: str, expected: bool = False) -> None:
         """Count a call the graphs leave to the stack's loop; warn once per reason unless it is expected (a prefill,
         a width or layer range no prepared shape has: AdaDecode's, a long prompt's)."""
         if reason not in self.declined and not expected:
@@ -175,17 +178,17 @@ class Graphs:
         cache): RowSteps runs it eagerly. → (the output [B, T, D], each layer's output where collect asks)."""
         width = self._width(h)
         if width is None:
-            self._decline(f"steps wider than {self.buckets[-1]} positions", expected=True)
+            self.decline(f"steps wider than {self.buckets[-1]} positions", expected=True)
             return None
         if collect == "sublayers":
-            self._decline("a chain keeping every sublayer's state (a selection's)", expected=True)
+            self.decline("a chain keeping every sublayer's state (a selection's)", expected=True)
             return None
         if not self.runner.takes(cache):
             return None
         step, collects = ("rows", start, end), collect is not None
         made = (step, width, collects) in self.runner.made
         if not made and self.frozen:
-            self._decline("steps of a shape not prepared", expected=True)
+            self.decline("steps of a shape not prepared", expected=True)
             return None
         t0 = time.perf_counter()
         with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
@@ -198,10 +201,10 @@ class Graphs:
     def _run(self, plan: list[Step], h, pos: int, cache: KVCache, collect: list | None) -> torch.Tensor | None:
         width = self._width(h)
         if width is None:
-            self._decline(f"steps wider than {self.buckets[-1]} positions", expected=True)
+            self.decline(f"steps wider than {self.buckets[-1]} positions", expected=True)
             return None
         if pos + width > cache.max_len:
-            self._decline("a padded step past the cache's last slot", expected=True)
+            self.decline("a padded step past the cache's last slot", expected=True)
             return None
         if not self.runner.takes(cache):
             return None
@@ -210,7 +213,7 @@ class Graphs:
                 raise RuntimeError(f"layer {i} holds {cache.lengths[i]} positions; cannot write at {pos}")
         missing = [s for s in plan if (s, width, collects_in_graph(s, collect)) not in self.runner.made]
         if missing and self.frozen:
-            self._decline("steps of a shape not prepared", expected=True)
+            self.decline("steps of a shape not prepared", expected=True)
             return None
         counter, self.stack.counter = self.stack.counter, None  # no Python-side counting inside a graph
         try:
@@ -242,7 +245,7 @@ class Graphs:
 
     @torch.inference_mode()
     def prepare_rows(self, shape: "StepShapes", cache_len: int) -> None:
-        """prepare for a batch of self.batch rows (engine/lockstep.py): every chain its rounds can call at every width
+        """prepare for a batch of self.batch rows (engine/batch.py): every chain its rounds can call at every width
         they can take (StepShapes.row_plans), on a cache of B rows and cache_len + 1 slots (the last: RowSteps'
         scratch slot), then freeze."""
         cache = self.runner.cache_of(cache_len + 1)
@@ -308,7 +311,7 @@ class StepShapes:
 
 
     def row_plans(self, L: int, buckets) -> list[tuple[Step, int, bool]]:
-        """(step, width, collects) a batch of this shape's rows can call (engine/lockstep.py): a draft step's chain
+        """(step, width, collects) a batch of this shape's rows can call (engine/batch.py): a draft step's chain
         runs to the deepest passing row's exit (L: a row with no draft this round), a verification from the
         lowest drafting row's exit, at every width up to the budget + 1's bucket; a skipping draft's every layer
         (each row's skip set masked) and its verification, with every layer's states kept too (CLaSp's selections).
@@ -322,130 +325,3 @@ class StepShapes:
         keeps = self.collects
         return ([(("rows", 0, e), 1, keeps) for e in [*exits, L]]
                 + [(("rows", e, L), b, keeps) for e in exits for b in widths])
-
-
-def unsupported(stack: LayerStack) -> str | None:
-    """Why the graph-captured steps cannot run this stack (None: they can). Half precision on a CPU can: its eager
-    loop verifies row by row for a decode step's bits (LayerStack.exact_rows), the graphs attend the rows as one
-    batch, and check holds them to the near-tie rule like any other kernel."""
-    if len({lay.device for lay in stack.layers} | {stack.head_device}) > 1:
-        return "the model spans several devices (device_map): a graph moves no tensor between them"
-    return None
-
-
-@torch.inference_mode()
-def generate_reference(model, prompt: list[int], tokens: int) -> tuple[list[int], list[float]]:
-    """transformers' greedy `generate` on the model's own modules: its tokens and the top-2 gap (ulps of the model's
-    dtype) of each — the reference `check` holds the graphs to (no EOS: exactly `tokens` tokens)."""
-    ids = torch.tensor([prompt], device=model.device)
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=tokens,
-                         min_new_tokens=tokens, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
-    return out.sequences[0, len(prompt):].tolist(), [gap_ulps(step[0], dtype=model.dtype) for step in out.logits]
-
-
-@torch.inference_mode()
-def check(stack: LayerStack, graphs: Graphs, method, tokens: int = 16, prompt: int = 6) -> str | None:
-    """A short greedy decode of random ids with `method` (a copy) on the graphs, against `generate` on the same
-    weights: None when it is lossless by the project's rule (float32/float64: equal; half precision: equal or first
-    departing at a near-tie of generate's logits, numerics.compare), else what departed."""
-    from del_bench.engine.decode import Engine  # the engine imports these graphs' kinds
-    from del_bench.engine.sampling import Sampling
-
-    ids = torch.randint(0, stack.vocab_size, (prompt,), generator=torch.Generator().manual_seed(0)).tolist()
-    reference, gaps = generate_reference(stack.model, ids, tokens)
-    output = Engine(stack, Sampling(), set(), graphs=graphs).generate(ids, copy.deepcopy(method), tokens, 0).output_ids
-    verdict = compare(output, reference, gaps if is_half(stack.dtype) else None)
-    if verdict.kind in ("equal", "near_tie"):
-        return None
-    gap = "" if verdict.gap is None else f" (generate's top-2 gap {verdict.gap} ulps)"
-    where = f"at token {verdict.position}{gap}"
-    return f"a greedy decode on the graphs departs from generate's {where}: {output} vs {reference}"
-
-
-def choose(stack: LayerStack, setting: str, method, max_new_tokens: int, cache_len: int = 1024,
-           backend: str = "inductor", capture: bool | None = None, runner: type | None = None
-           ) -> tuple[Graphs | None, dict]:
-    """The graph-captured steps for `setting`, for an Engine to decode on (None: the stack's loop), and what the run's
-    setup records: the setting, whether they run, how (`graph_kind`), compile_s (making the graphs and checking them,
-    apart from any decode), the graphs made, and why not where they do not run (`reason`; `fallbacks`: kinds tried
-    first). Made and checked once per stack and method configuration (memo): a bench resumes its interleaved runs a
-    prompt at a time, and each resume asks again (the setup line says `reused`).
-
-    - off: the stack's loop.
-    - on: the fused graphs — on CUDA inductor's kernels captured as CUDA graphs, elsewhere torch.compile'd steps — or
-      an error (CompileUnavailable) where they cannot be made or are not lossless.
-    - graphs: CUDA graphs of the eager kernels (unfused; CUDA only), or an error.
-    - auto, the default: on CUDA the fused graphs where they are made and lossless, else the unfused ones, else the
-      stack's loop, each refusal logged and recorded; elsewhere the stack's loop (compiled steps are no faster than
-      the fused C++ loop on a CPU and cost minutes to compile: `make bench-compile`).
-    cache_len: the slots the run's longest prompt needs (prompt + max_new_tokens + 1): CUDA graphs are captured on
-    one cache that long."""
-    setting = compile_setting(setting)
-    shape = StepShapes.of(method, max_new_tokens)
-    key = (setting, capture, runner, str(backend), shape.key(), -(-max(cache_len, 64) // CACHE_QUANTUM),
-           type(method).__name__, repr(sorted(method.describe().items())))
-    made = memo(stack).setdefault("chosen_graphs", {})
-    if key in made and setting in COMPILE_CHOICES:
-        graphs, info = made[key]
-        if graphs is not None:
-            graphs.declined.clear()
-        return graphs, {**info, "compile_s": 0.0, "reused": True}
-    made[key] = pick(stack, setting, method, max_new_tokens, cache_len, backend, capture, runner)
-    return made[key]
-
-
-def pick(stack: LayerStack, setting: str, method, max_new_tokens: int, cache_len: int, backend="inductor",
-         capture: bool | None = None, runner: type | None = None, batch: int = 1,
-         checked: Callable | None = None) -> tuple[Graphs | None, dict]:
-    """The graphs `setting` asks for, by choose's rules — one prompt at a time, or (batch B > 1) a batch's, checked
-    by `checked` (engine/lockstep.check_rows) — made and checked, or None, with what the setup line records."""
-    setting = compile_setting(setting)
-    if setting not in COMPILE_CHOICES:
-        raise ValueError(f"compile={setting!r}: choose one of {', '.join(COMPILE_CHOICES)}")
-    info: dict = {"compile": setting, "compiled": False}
-    on_cuda = stack.head_device.type == "cuda" if capture is None else capture
-    if setting == "off":
-        return None, info
-    if setting == "auto" and not on_cuda:
-        return None, {**info, "reason": "auto makes graphs on CUDA only (compile=on compiles them here)"}
-    if setting == "graphs" and not on_cuda:
-        raise CompileUnavailable("compile=graphs captures CUDA graphs: the model is not on CUDA")
-    tries = {"on": [True], "graphs": [False], "auto": [True, False]}[setting]  # fuse, in order
-    t0 = time.perf_counter()
-    for fuse in tries:
-        try:
-            graphs = _made(stack, method, max_new_tokens, cache_len, backend, capture, runner, fuse, batch, checked)
-        except CompileUnavailable as err:
-            if setting != "auto":
-                raise
-            info.setdefault("fallbacks", []).append(str(err))
-            log.warning("compile=auto: %s graphs not used: %s", "fused" if fuse else "unfused", err)
-            continue
-        graphs.declined.clear()  # from here on: the run's own calls
-        return graphs, {**info, "compiled": True, "graph_kind": graphs.kind, "compile_s": time.perf_counter() - t0,
-                        "graphs": graphs.graphs}
-    log.warning("compile=auto: decoding without the graph-captured steps (records say so)")
-    return None, {**info, "compile_s": time.perf_counter() - t0, "reason": info["fallbacks"][-1]}
-
-
-def _made(stack: LayerStack, method, max_new_tokens: int, cache_len: int, backend, capture, runner,
-          fuse: bool, batch: int = 1, checked: Callable | None = None) -> Graphs:
-    """Graphs made for the method's shapes (a batch's: their rows' chains) and checked against `generate` (a batch's
-    by `checked`), or CompileUnavailable saying why not."""
-    reason = unsupported(stack)
-    if reason:
-        raise CompileUnavailable(reason)
-    graphs = Graphs(stack, backend=backend, capture=capture, runner=runner, fuse=fuse, batch=batch)
-    shape = StepShapes.of(method, max_new_tokens)
-    try:
-        if batch > 1:
-            graphs.prepare_rows(shape, max(cache_len, 64))
-            departure = checked(stack, graphs, method)
-        else:
-            graphs.prepare(shape, max(cache_len, 64))
-            departure = check(stack, graphs, method)
-    except Exception as err:  # a graph break (fullgraph), an unsupported op, a capture failure: all mean "not these"
-        raise CompileUnavailable(f"making the graphs failed ({type(err).__name__}: {err})") from err
-    if departure:
-        raise CompileUnavailable(departure)
-    return graphs

@@ -30,8 +30,7 @@ def measure_costs(engine, context: int = 128, reps: int = 5, batch_sizes=(1, 2, 
 def _layer_costs(engine, context: int, reps: int, batch_sizes) -> dict:
     stack, L = engine.stack, engine.stack.num_layers
     # on the path that decodes: graph-captured steps run on the cache they were captured on
-    captured = engine.graphs.cache_for(context + max(batch_sizes)) if engine.graphs is not None else None
-    cache = captured or stack.new_cache(context + max(batch_sizes))
+    cache = engine.path.cache(1, context + max(batch_sizes))
     cache.crop(0)
     engine.forward_layers(stack.embed(torch.zeros(1, context, dtype=torch.long)), 0, L, 0, cache)
     x = stack.embed(torch.zeros(1, 1, dtype=torch.long))

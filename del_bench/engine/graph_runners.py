@@ -152,7 +152,7 @@ class CudaGraphRunner:
     def takes(self, cache: KVCache) -> bool:
         if cache is self.cache:
             return True
-        self.graphs._decline("a cache other than the one the graphs were captured on")
+        self.graphs.decline("a cache other than the one the graphs were captured on")
         return False
 
     def clear(self, cache: KVCache) -> None:

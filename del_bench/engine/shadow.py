@@ -39,7 +39,7 @@ class ShadowScorer:
     """Per prompt: the rounds whose scoring is held back, and the shadow rows scored since the last Round."""
 
     def __init__(self, stack: LayerStack, with_acceptance: bool = False, hold_reads: bool = False):
-        """hold_reads (a batched row, engine/lockstep.py): the statistics scored apart from acceptance are not read
+        """hold_reads (a row of a batch, engine/batch.py): the statistics scored apart from acceptance are not read
         here but left `due`, for the batch to read every row's in one read and `settle`."""
         self.stack = stack
         self.with_acceptance = with_acceptance

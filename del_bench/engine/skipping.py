@@ -13,32 +13,9 @@ import time
 import torch
 
 from del_bench.engine.rounds import Generation
-from del_bench.engine.steps import Draft, Verified, whole
-from del_bench.methods.base import Method, SkipSet
+from del_bench.engine.steps import Draft, DraftShape, Verified, candidate_of, judge, keep_candidate, whole
+from del_bench.methods.base import Method
 from del_bench.transfer import charged, to_device, to_list
-
-
-def draft(engine, token: int, pos: int, skip: SkipSet, budget: int, cache, method: Method, rng) -> Draft:
-    """Draft from the pending token at position pos through every layer with skip's sublayers skipped
-    (LayerStack.forward_skipping), until the budget, an EOS, or the method stops (SWIFT keeps the draft that
-    stopped it). Only tokens that a draft is predicted from go through the draft model: d passes for d
-    drafts (the last draft is only verified). Attention that runs writes its KV at the drafted positions in
-    place; a layer whose attention is skipped has no entry there, and no draft reads one (the set is the
-    same all round). Draft.exit_states holds the draft model's last states ([1, 1, D] per pass)."""
-    draft = Draft()
-    attn, mlp = frozenset(skip.attn), frozenset(skip.mlp)
-    while len(draft.drafts) < budget:
-        h = engine.forward_skipping(engine.stack.embed(engine.ids([token])), pos, cache, attn, mlp)
-        draft.exit_states.append(h)  # [1, 1, D]
-        candidate, keep = engine.draft_token(draft, method, rng, on_host=True)
-        if candidate is None:  # only with drop_stopped_draft
-            break
-        width = method.tree_width(draft.confidences[-1]) if draft.confidences else 1
-        draft.siblings.append(siblings(draft, width - 1, rng) if width > 1 else [])
-        token, pos = candidate, pos + 1
-        if not keep or candidate in engine.eos_ids:
-            break
-    return draft
 
 
 def siblings(draft: Draft, count: int, rng) -> list[int]:
@@ -56,25 +33,6 @@ def siblings(draft: Draft, count: int, rng) -> list[int]:
     return rng.without_replacement(rest, count) if count else []
 
 
-def verify(engine, pending: int, draft: Draft, pos: int, cache, keep: str | None = None) -> Verified:
-    """The pending token and the drafts (positions pos ..) — with a token tree, its siblings too (slots after
-    the chain's) — through all L layers in one batch, from their embeddings: every layer's KV at those slots
-    is (re)written with the full model's. keep (Method.wants_states): also keep the inputs and every layer's
-    ("layers") or sublayer's ("sublayers": the eager sublayer loop, same ops) output for a selection."""
-    st = engine.stack
-    tree = draft.tree()
-    siblings, mask, where = tree if tree else ([], None, None)
-    tokens = [pending, *draft.drafts, *siblings]
-    h = st.embed(engine.ids(tokens))  # [1, T, D]
-    states = None if keep is None else [h]
-    if keep == "sublayers" and mask is None:
-        h = engine.forward_skipping(h, pos, cache, frozenset(), frozenset(), collect=states)
-    else:
-        h = engine.forward_layers(h, 0, st.num_layers, pos, cache, tree=mask, collect=states)  # [1, T, D]
-    return Verified(st.norm(h), None, st.head, siblings=where, gaps={} if engine.track_gaps else None,
-                    states=states)
-
-
 def probe(engine, method: Method, n: int, gen: Generation, cache) -> dict:
     """The optimiser's step, when the method asks for one (Method.probe): the candidate draft model runs
     once, teacher-forced, over generated tokens already in the cache (nothing is written: it attends to the
@@ -90,8 +48,7 @@ def probe(engine, method: Method, n: int, gen: Generation, cache) -> dict:
                          f"{probe.start + probe.length + 1} generated tokens; there are {len(gen.output_ids)}")
     st = engine.stack
     pos = n - len(gen.output_ids) + probe.start  # output_ids[j] sits at position prompt + j
-    h = engine.forward_skipping(st.embed(engine.ids(ids[:-1])), pos, cache, frozenset(probe.skip.attn),
-                                frozenset(probe.skip.mlp), write=False)  # [1, length, D]
+    h = engine.forward_skipping(st.embed(engine.ids(ids[:-1])), pos, cache, probe.skip, write=False)  # [1, length, D]
     predicted = st.logits(h)[0].argmax(-1)  # [length]
     matchness = to_list((predicted == to_device(ids[1:], predicted.device)).double().mean())
     trace = method.scored(probe, matchness)
@@ -100,76 +57,93 @@ def probe(engine, method: Method, n: int, gen: Generation, cache) -> dict:
             "opt_s": time.perf_counter() - t}
 
 
-# ---- a batch's rows in lockstep (engine/lockstep.py) -------------------------------------------------------------
-def draft_rows(batch, slots: list) -> None:
-    """`draft` for every row of a batch at once, the same drafts, decisions and records as row by row (no token
-    tree: the thread scheduler runs SWIFT's, lockstep.serves): each draft step passes every row still drafting
-    through every layer, each row running only the sublayers its own skip set keeps (a sublayer no row runs is not
-    computed), then the draft head over them in one product and one read of every row's candidate (and confidence).
-    The next draft's input stays on the device (the row's drafted id)."""
-    for slot in slots:
-        slot.round.draft = Draft()
-    drafting = [s for s in slots if s.round.plan.budget > 0]
-    while drafting:
-        h = batch.stack.embed(torch.cat([s.round.token.view(1, 1) for s in drafting], dim=1))  # [1, n, D]
-        inputs = {s: (h[:, i : i + 1], s.round.pos) for i, s in enumerate(drafting)}
+class Skipping(DraftShape):
+    name = "skipping"
 
-        def runs(s, i: int) -> tuple[bool, bool]:
-            skip = s.round.plan.plan.skip
-            return i not in skip.attn, i not in skip.mlp
+    def draft(self, batch, slots: list) -> None:
+        """Draft every row through every layer with its own skip set's sublayers skipped (each row running only the
+        sublayers its set keeps; a sublayer no row runs is not computed), until its budget, an EOS, or its method stops
+        (SWIFT keeps the draft that stopped it): each draft step one pass of every row still drafting, then the draft
+        head over them in one product and one read of every row's candidate (and confidence). Only tokens a draft is
+        predicted from go through the draft model: d passes for d drafts (the last draft is only verified). Attention
+        that runs writes its KV at the drafted positions in place; a layer whose attention is skipped has no entry
+        there, and no draft reads one (the set is the same all round). The next draft's input stays on the device.
+        With a token tree (SWIFT's `tree`), a row's draft head also names the siblings beside each draft."""
+        for slot in slots:
+            slot.round.draft = Draft()
+        drafting = [s for s in slots if s.round.plan.budget > 0]
+        L = batch.stack.num_layers
+        while drafting:
+            h = batch.stack.embed(torch.cat([s.round.token.view(1, 1) for s in drafting], dim=1))  # [1, n, D]
+            passes = {s: batch.passing(h[:, i : i + 1], s.round.pos, 0, L, s.round.plan.plan.skip)
+                      for i, s in enumerate(drafting)}
+            out, _ = batch.step(passes)
+            for s in drafting:
+                s.round.draft.exit_states.append(out[s])  # [1, 1, D]
+            drafting = _candidates(batch, drafting)
 
-        out, _ = batch.step(0, batch.stack.num_layers, inputs, runs)
-        for s in drafting:
-            s.round.draft.exit_states.append(out[s])  # [1, 1, D]
-        drafting = _candidates_rows(batch, drafting)
+    def verify(self, batch, slots: list) -> None:
+        """Every row's pending token and drafts (a token tree's siblings too, in slots after the chain's) from their
+        embeddings through all L layers: every layer's KV at those slots is (re)written with the full model's. Rows
+        of plain chains go in one step of width max(d_r + 1); a row with a tree alone, under its tree's mask. Where a
+        row's method asks (Method.wants_states) its inputs and every layer's ("layers") or sublayer's ("sublayers")
+        output are kept for its selection."""
+        st, L = batch.stack, batch.stack.num_layers
+        keeps = {s: s.method.wants_states() for s in slots}
+        trees = {s: s.round.draft.tree() for s in slots}
+        chains = [s for s in slots if trees[s] is None]
+        groups = [chains] if chains else []
+        groups += [[s] for s in slots if trees[s] is not None]
+        for group in groups:
+            wanted = {keeps[s] for s in group}
+            collect = "sublayers" if "sublayers" in wanted else "layers" if "layers" in wanted else None
+            inputs, passes = {}, {}
+            for s in group:
+                r = s.round
+                siblings, mask, _ = trees[s] or ([], None, None)
+                ids = torch.cat([r.pending.view(-1), *(i.view(-1) for i in r.draft.ids),
+                                 *([to_device(siblings, r.pending.device)] if siblings else [])])[None]  # [1, T]
+                batch.reserve(r.n - 1 + ids.shape[1])  # a tree's siblings take slots past the budget's
+                inputs[s] = st.embed(ids)
+                passes[s] = batch.passing(inputs[s], r.n - 1, 0, L, tree=mask)
+            out, states = batch.step(passes, collect)
+            for s in group:
+                kept = None
+                if keeps[s] is not None:  # "layers" from a step that kept every sublayer: every MLP's output
+                    rows = states[s]
+                    kept = [inputs[s], *(rows if keeps[s] == collect else rows[1::2])]
+                where = trees[s][2] if trees[s] is not None else None
+                s.round.verified = Verified(st.norm(out[s]), None, st.head, siblings=where,
+                                            gaps={} if s.engine.track_gaps else None, states=kept)
 
 
-def _candidates_rows(batch, slots: list) -> list:
-    """Engine.draft_token(on_host=True) for every row (one head product, one read) → the rows drafting on."""
+def _candidates(batch, slots: list) -> list:
+    """The draft head for every row (one product, one read of every row's candidate and, where its method stops on
+    one, its confidence); with a token tree each row's siblings beside it → the rows drafting on."""
     logits = batch.head(slots, [s.round.draft.exit_states[-1] for s in slots], [None] * len(slots))
-    picked = [s.engine.candidate_of(s.round.draft, row, s.run.rng, s.method) for s, row in zip(slots, logits)]
-    confident = slots[0].method.wants_confidence  # one method a batch
-    values = [torch.cat([token.double(), top.double()[None]]) if confident else token.double()
-              for token, top, _ in picked]
+    picked = [candidate_of(s.engine, s.round.draft, row, s.run.rng, s.method) for s, row in zip(slots, logits)]
+    confident = [s.method.wants_confidence for s in slots]  # each row's method (a batch may mix them)
+    values = [torch.cat([token.double(), top.double()[None]]) if sure else token.double()
+              for sure, (token, top, _) in zip(confident, picked)]
     with charged([s.ledger for s in slots]):  # one read: each row's candidate (and its confidence)
         read = to_list(torch.cat(values))
-    width = 2 if confident else 1
-    drafting = []
-    for j, (s, (token, _, q)) in enumerate(zip(slots, picked)):
+    drafting, at = [], 0
+    for s, sure, (token, _, q) in zip(slots, confident, picked):
         r = s.round
-        candidate = int(read[width * j])
-        if confident:
-            candidate, keep = s.engine.judge(r.draft, s.method, token, q, candidate, read[width * j + 1])
+        candidate = int(read[at])
+        if sure:
+            candidate, keep = judge(r.draft, s.method, token, q, candidate, read[at + 1])
+            at += 2
             if candidate is None:  # only with drop_stopped_draft
                 continue
         else:
+            at += 1
             keep = True
-            s.engine.keep_candidate(r.draft, token, q, candidate)
-        r.draft.siblings.append([])
+            keep_candidate(r.draft, token, q, candidate)
+        tree = s.method.tree_width(r.draft.confidences[-1]) if r.draft.confidences else 1
+        with charged([s.ledger]):
+            r.draft.siblings.append(siblings(r.draft, tree - 1, s.run.rng) if tree > 1 else [])
         r.token, r.pos = r.draft.ids[-1].view(1, 1), r.pos + 1
         if keep and candidate not in s.engine.eos_ids and len(r.draft.drafts) < r.plan.budget:
             drafting.append(s)
     return drafting
-
-
-def verify_rows(batch, slots: list) -> None:
-    """`verify` for every row of a batch at once: each row's pending token and drafts from their embeddings through
-    all L layers in one step of width max(d_r + 1), keeping every layer's (or sublayer's) states where a row's method
-    asks for them (Method.wants_states: its selection reads its own rows of them)."""
-    st, L = batch.stack, batch.stack.num_layers
-    keeps = {s: s.method.wants_states() for s in slots}
-    collect = "sublayers" if "sublayers" in keeps.values() else "layers" if "layers" in keeps.values() else None
-    inputs = {}
-    for s in slots:
-        r = s.round
-        ids = torch.cat([r.pending.view(-1), *(i.view(-1) for i in r.draft.ids)])[None]  # [1, d+1]
-        inputs[s] = (st.embed(ids), r.n - 1)
-    out, states = batch.step(0, L, inputs, lambda s, i: (True, True), collect)
-    for s in slots:
-        h, T, keep = inputs[s][0], inputs[s][0].shape[1], keeps[s]
-        kept = None
-        if keep is not None:
-            rows = [state[s.index : s.index + 1, :T] for state in states]
-            kept = [h, *(rows if keep == collect else rows[1::2])]  # "layers" from sublayers: every MLP's output
-        s.round.verified = Verified(st.norm(out[s]), None, st.head, gaps={} if s.engine.track_gaps else None,
-                                    states=kept)

@@ -212,7 +212,7 @@ ROW_QUANTUM = 64  # RowSteps' eager steps attend over the cache's slots up to th
 
 
 class RowSteps:
-    """A batch's steps (engine/lockstep.py): B rows through whole layers [start, end) at once on the batch's cache
+    """A batch's steps (engine/batch.py): B rows through whole layers [start, end) at once on the batch's cache
     [B, KV, S, hd] (a row of it each), each row at its own positions and running its own sublayers — an early-exit
     row only the layers up to its exit, a skipping draft only those its skip set keeps, a row with nothing to do
     none — as one [B, T, D] step. A row's position −1 (no position: padding beyond its width, or a row that idles)

@@ -1,23 +1,30 @@
-"""What a round's steps hand each other: a Draft (drafting → verification, acceptance, accounting) and a Verified
-(verification → acceptance, observation, selection), whatever the draft shape (engine/early_exit.py,
-engine/skipping.py)."""
+"""What a round's steps hand each other, whatever the draft shape: a Draft (drafting → verification, acceptance,
+accounting) and a Verified (verification → acceptance, observation, selection); the draft head's host side, which
+every shape shares (a candidate, its confidence, the method's stop decision); and the registry of draft shapes.
+
+A draft shape is one engine module (engine/early_exit.py, engine/skipping.py, …) with a `DraftShape` subclass that
+drafts and verifies every row of a batch at once (B ≥ 1); a method names its shape (`Method.draft_shape`) and the
+batch finds it here by that name — importing `del_bench.engine.<name>` the first time it is asked for, so a new shape
+is one new file, registered by defining its class."""
 
 from __future__ import annotations
 
+import importlib
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from del_bench.engine.sampling import Siblings
+from del_bench.methods.base import Method
 from del_bench.models.kv_cache import TreeMask
-from del_bench.numerics import gap_from_top2
+from del_bench.models.layer_math import top_confidence
+from del_bench.numerics import gap_from_top2, widened
 from del_bench.transfer import to_list
 
 
 @dataclass
-
-
 class Draft:
     """What drafting leaves for verification, acceptance and accounting (one round)."""
 
@@ -51,8 +58,6 @@ class Draft:
 
 
 @dataclass
-
-
 class Verified:
     """The verification batch. Over a chain (_accept_greedy, _accept_sampling) the head runs over every row at once
     and the tokens stay on the device (targets); over a token tree row by row on demand (row), only up to the first
@@ -84,3 +89,97 @@ class Verified:
 def whole(layers: float) -> float:
     """Loaded layers as an int where they are whole (every method but SWIFT's odd sublayer counts)."""
     return int(layers) if float(layers).is_integer() else layers
+
+
+# ---- the draft head's host side, shared by the shapes --------------------------------------------------------------
+def candidate_of(engine, draft: Draft, logits: torch.Tensor, rng, method: Method) -> tuple[
+        torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """A row's draft candidate from its draft head's logits [V] (a batch computes every row's in one product), all on
+    the device: (the candidate token [1], its confidence [] where the method stops on one, the warped draft
+    distribution q [V] when sampling)."""
+    draft.logits = logits
+    draft.candidates += 1
+    if engine.sampling.do_sample:  # q: the warped draft distribution [V]
+        q = engine.sampling.probs(logits)
+        token = rng.sample(q)  # [1]
+    else:
+        q, token = None, logits.argmax(-1, keepdim=True)  # [1]
+    # the draft distribution's top probability: it does not depend on which token was sampled, so stopping on it
+    # keeps speculative sampling exact. On τ's scale, as shadow confidences are computed: in float32 for
+    # half-precision models (numerics.widened), and with shadow_vocab=K normalised over the first K ids and the
+    # top token (top_confidence) — both must compare like with like
+    top = None
+    if method.wants_confidence:
+        top = top_confidence(q if q is not None else widened(logits).softmax(-1), method.shadow_vocab)
+    return token, top, q
+
+
+def judge(draft: Draft, method: Method, token: torch.Tensor, q: torch.Tensor | None, candidate: int,
+          confidence: float) -> tuple[int | None, bool]:
+    """Once a candidate and its confidence are on the host: the method's stop decision, and the candidate joins the
+    draft unless dropped → (candidate, or None: dropped; keep drafting after it)."""
+    keep = decide(draft, method, candidate, confidence)
+    if keep is None:  # Algorithm 1: the candidate that stopped drafting is dropped
+        return None, False
+    keep_candidate(draft, token, q, candidate)
+    return candidate, keep
+
+
+def decide(draft: Draft, method: Method, candidate: int, confidence: float) -> bool | None:
+    """The method's stop decision on a candidate read with its confidence: True (keep drafting after it), False
+    (keep it, stop after), None (stop, and the candidate is dropped: drop_stopped_draft). Timed as policy."""
+    draft.confidences.append(confidence)
+    tp = time.perf_counter()
+    keep = method.keep_drafting(len(draft.ids), confidence)
+    draft.keep_s += time.perf_counter() - tp
+    return None if not keep and method.drop_stopped_draft else keep
+
+
+def keep_candidate(draft: Draft, token: torch.Tensor, q: torch.Tensor | None, candidate: int) -> None:
+    """A candidate joins the draft (its id on the host too where it was read: candidate ≥ 0)."""
+    draft.ids.append(token)
+    if candidate >= 0:
+        draft.drafts.append(candidate)
+    draft.draft_probs.append(q)
+
+
+# ---- draft shapes ------------------------------------------------------------------------------------------------
+SHAPES: dict[str, "DraftShape"] = {}
+
+
+class DraftShape:
+    """How a round drafts and verifies, for every row of a batch at once (engine/batch.py runs the round around it:
+    plan, then `draft`, `verify`, then acceptance, observation and records). Each row's round in flight is
+    `slot.round` (batch_work.RowRound): `draft` leaves its Draft there, `verify` its Verified. A schedule that is not
+    draft/verify rounds (`rounds = False`: AdaDecode's layer walk) does its rows' whole step in `step` instead,
+    recording their Rounds itself. Subclasses register under `name` when defined (one instance each)."""
+
+    name = ""
+    rounds = True
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if cls.name:
+            SHAPES[cls.name] = cls()
+
+    def draft(self, batch, slots: list) -> None:
+        raise NotImplementedError
+
+    def verify(self, batch, slots: list) -> None:
+        raise NotImplementedError
+
+    def step(self, batch, slots: list) -> None:
+        raise NotImplementedError
+
+
+def shape_named(name: str) -> DraftShape:
+    """The draft shape registered as `name`, importing del_bench.engine.<name> to register it the first time."""
+    if name not in SHAPES:
+        try:
+            importlib.import_module(f"del_bench.engine.{name}")
+        except ModuleNotFoundError as err:
+            raise ValueError(f"no draft shape {name!r} (registered: {', '.join(sorted(SHAPES))}; a shape is a "
+                             f"DraftShape subclass in del_bench/engine/{name}.py)") from err
+    if name not in SHAPES:
+        raise ValueError(f"del_bench/engine/{name}.py defines no DraftShape named {name!r}")
+    return SHAPES[name]

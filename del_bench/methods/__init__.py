@@ -4,8 +4,7 @@
 `name:`), so readers of records — `show`, the report, the benches — take a method's label, family and order from the
 method itself (Method.table_label, …) without an instance or a model. Classes register under their names when they
 are defined (Method.__init_subclass__); a name not registered yet is looked for by importing every module of this
-package. Method classes defined above this layer register the same way, when their module is imported: the bench's
-peers (transformers' own decoding as rows) are imported by the readers that meet their records, never named here.
+package — the peers too (peers.py: transformers' own decoding as rows beside ours).
 """
 
 from __future__ import annotations

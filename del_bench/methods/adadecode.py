@@ -1,6 +1,6 @@
 """AdaDecode (Wei et al., 2025): adaptive layer parallelism with early-exit heads at a few layers.
 
-Policy only; the schedule is the engine's (del_bench/engine/layer_parallel.py, `schedule = "layer_parallel"`):
+Policy only; the schedule is the engine's (del_bench/engine/layer_parallel.py, `draft_shape = "layer_parallel"`):
 a token is emitted at the first head layer whose head's top probability exceeds γ (App. D: 0.75), its deeper
 layers are deferred and run batched with the next token that reaches them, at most `max_outstanding` (5) early
 predictions are unverified at a time, and layer L verifies them (greedy equality or rejection sampling).
@@ -28,7 +28,7 @@ class AdaDecode(Method):
     name = "adadecode"
     label, family, order = "AdaDecode", EARLY_EXIT, 80
     config = AdaDecodeConfig
-    schedule = "layer_parallel"
+    draft_shape = "layer_parallel"
 
     def __init__(self, gamma: float = 0.75, head_layers: list[int] | None = None, max_outstanding: int = 5, **_):
         self.gamma = float(gamma)

@@ -180,7 +180,9 @@ class Method:
     wants_costs = False  # True: set_costs(layer_s, head_s) is called once with measured costs
     latency_contexts: tuple[int, ...] = ()  # wants_costs: also time layer 0's sublayers at these contexts (sublayer_s)
     shadow_vocab: int | None = None  # score shadow tokens over the first K vocabulary ids only (cheap)
-    schedule = "rounds"  # "rounds": draft/verify rounds; "layer_parallel": AdaDecode's step (engine/layer_parallel.py)
+    # how its rounds draft and verify: the engine's draft shape of this name (engine/steps.py: early_exit — layers
+    # 1..E and an exit head; skipping — every layer with sublayers skipped; layer_parallel — AdaDecode's layer walk)
+    draft_shape = "early_exit"
 
     def __init__(self, **_):  # config keys such as `name` and `tag` are not hyperparameters
         pass

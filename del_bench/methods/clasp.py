@@ -50,6 +50,7 @@ class CLaSpConfig(MethodConfig):
 class CLaSp(Method):
     name = "clasp"
     label, family, order = "CLaSp", LAYER_SKIPPING, 50
+    draft_shape = "skipping"
     config = CLaSpConfig
     wants_confidence = True  # stop after a draft below `confidence` (kept: drop_stopped_draft stays False)
 
@@ -70,7 +71,7 @@ class CLaSp(Method):
         super().start(num_layers)
         self.skip = SkipSet()  # the first round drafts with the full model
         self.rounds = 0  # rounds of this prompt verified so far
-        self._traced: SkipSet | None = None
+        self.traced_skip: SkipSet | None = None
 
     def plan(self) -> Plan:
         return skipping_plan(self, self.skip, self.gamma)

@@ -64,6 +64,7 @@ class KnapSpecConfig(MethodConfig):
 class KnapSpec(Method):
     name = "knapspec"
     label, family, order = "KnapSpec", LAYER_SKIPPING, 60
+    draft_shape = "skipping"
     config = KnapSpecConfig
     wants_confidence = True
     wants_costs = True  # the latency model (set_costs' sublayer_s)
@@ -115,7 +116,7 @@ class KnapSpec(Method):
         self.skip = SkipSet()  # rounds 1..warmup_rounds draft with the full model
         self.rounds = 0  # rounds of this prompt verified so far
         self.window: deque = deque(maxlen=self.window_rounds)  # (pos, [2L+1, W, D]) of the latest kept rounds
-        self._traced: SkipSet | None = None
+        self.traced_skip: SkipSet | None = None
 
     def plan(self) -> Plan:
         return skipping_plan(self, self.skip, self.gamma)

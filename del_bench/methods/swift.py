@@ -105,11 +105,11 @@ def compact(skip: SkipSet) -> str:
 
 def skipping_plan(method: Method, skip: SkipSet, max_draft: int) -> Plan:
     """A skipping round's plan (SWIFT, CLaSp, KnapSpec): its trace names the set (compact) on a prompt's first round and
-    whenever it changes; method._traced remembers the set named last (None at the start of a prompt)."""
+    whenever it changes; method.traced_skip remembers the set named last (None at the start of a prompt)."""
     trace = {}
-    if skip != method._traced:
+    if skip != method.traced_skip:
         trace["skip_set"] = compact(skip)
-        method._traced = skip
+        method.traced_skip = skip
     return Plan(exit_layer=None, max_draft=max_draft, skip=skip, trace=trace)
 
 
@@ -190,6 +190,7 @@ class SwiftConfig(MethodConfig):
 class Swift(Method):
     name = "swift"
     label, family, order = "SWIFT", LAYER_SKIPPING, 40
+    draft_shape = "skipping"
     config = SwiftConfig
     wants_confidence = True  # stop after a draft below `confidence` (kept: drop_stopped_draft stays False)
 
@@ -263,7 +264,7 @@ class Swift(Method):
             self.fixed = parse_skip_set(self.skip_set_arg)
         if self.scope == "prompt" or self._search_layers != num_layers:
             self._reset_search(num_layers)
-        self._traced: SkipSet | None = None  # the set this prompt's records last named
+        self.traced_skip: SkipSet | None = None  # the set this prompt's records last named
 
     def state(self) -> dict | None:
         """scope: run with the optimiser on: the search (set, scores, stop state, RNGs, the optimiser's points)."""
@@ -371,14 +372,24 @@ class Swift(Method):
         bo = self._optimizer()
         if self.bo_polish or len(bo.space) == 0:
             point = bo.suggest(self._utility)  # the package's: UCB's max over 10,000 random points, L-BFGS-polished
-        else:  # the same GP and UCB, maximised over 10,000 random points only (no L-BFGS polish)
+        else:  # the package's GP and UCB, maximised over 10,000 random points only (no L-BFGS polish)
+            gp = self._gaussian_process()
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                bo._gp.fit(bo.space.params, bo.space.target)
+                gp.fit(bo.space.params, bo.space.target)
             tries = self.rng.random((10_000, slot_count(self.num_layers)))
-            ucb = self._utility.utility(tries, gp=bo._gp, y_max=bo.space.target.max())
+            ucb = self._utility.utility(tries, gp=gp, y_max=bo.space.target.max())
             point = bo.space.array_to_params(tries[int(np.argmax(ucb))])
         return point, self._as_set(np.array([point[name] for name in self._names()]))
+
+    def _gaussian_process(self):
+        """The Gaussian process bayesian-optimization 1.5 fits (its BayesianOptimization's: a Matérn-5/2 kernel,
+        normalised targets, 5 optimiser restarts) with our alpha, seeded by the method's seed at every fit."""
+        from sklearn.gaussian_process import GaussianProcessRegressor
+        from sklearn.gaussian_process.kernels import Matern
+
+        return GaussianProcessRegressor(kernel=Matern(nu=2.5), alpha=self.gp_alpha, normalize_y=True,
+                                        n_restarts_optimizer=5, random_state=self.seed)
 
     def _optimizer(self):
         if self._bo is None:

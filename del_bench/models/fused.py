@@ -6,11 +6,7 @@ call pays its guards and wrapper), a whole-stack graph 0.63× — about the fuse
 of compiling per (layer range, batch width), and DEL picks a new E every round; and neither gives eager's bits. The
 C++ loop calls the same ATen kernels as the eager path with none of the Python between them, so it needs no shapes
 fixed ahead (one build serves every batch width, prefill, drafting, verification and token trees) and gives the same
-bits. `layers` (configs/run.yaml) chooses:
-- eager: the Python loop, the reference;
-- fused: the C++ loop, an error if it cannot be built or used for this model;
-- auto: fused where it builds, supports the model, and matches eager bit for bit on the model's own weights here;
-  else eager, with the reason logged.
+bits. `layers` (configs/run.yaml) chooses between it and the eager Python loop (engine/layer_path.install_loop).
 """
 
 from __future__ import annotations
@@ -21,7 +17,6 @@ import logging
 import os
 import shutil
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import cache
@@ -33,7 +28,6 @@ from del_bench.models.loading import cache_root
 
 log = logging.getLogger(__name__)
 
-LAYER_PATHS = ("auto", "fused", "eager")
 SOURCE = Path(__file__).with_name("fused_layers.cpp")
 
 
@@ -120,32 +114,20 @@ def unsupported(stack) -> str | None:
     return None
 
 
-def choose(stack, layers: str) -> tuple[object | None, str, float]:
-    """(the extension or None, "fused" | "eager", seconds spent building, loading and checking it) for `layers`."""
-    if layers not in LAYER_PATHS:
-        raise ValueError(f"layers={layers!r}: choose one of {', '.join(LAYER_PATHS)}")
-    if layers == "eager":
-        return None, "eager", 0.0
-    t0 = time.perf_counter()
+def built_for(stack):
+    """The extension, built (or loaded) and checked against the eager loop on this stack's own weights: FusedUnavailable
+    where it cannot serve the model here (engine/layer_path.install_loop decides what to do then)."""
+    reason = unsupported(stack)
+    if reason:
+        raise FusedUnavailable(reason)
+    ext = extension()
     try:
-        reason = unsupported(stack)
-        if reason:
-            raise FusedUnavailable(reason)
-        ext = extension()
-        try:
-            mismatch = check(stack, ext)
-        except RuntimeError as err:  # e.g. a stale build of other code, loaded after a failed rebuild
-            raise FusedUnavailable(f"the fused loop failed on this model ({err})") from err
-        if mismatch:
-            raise FusedUnavailable(mismatch)
-    except FusedUnavailable as err:
-        if layers == "fused":
-            raise
-        # loud: eager gives the same tokens but decodes slower, and speeds of the two loops never pair (run_key)
-        log.warning("layers=auto: the fused layer loop is unavailable, decoding with the eager loop (same tokens, "
-                    "slower; records say layer_path=eager, `layers=fused` makes this an error): %s", err)
-        return None, "eager", time.perf_counter() - t0
-    return ext, "fused", time.perf_counter() - t0
+        mismatch = check(stack, ext)
+    except RuntimeError as err:  # e.g. a stale build of other code, loaded after a failed rebuild
+        raise FusedUnavailable(f"the fused loop failed on this model ({err})") from err
+    if mismatch:
+        raise FusedUnavailable(mismatch)
+    return ext
 
 
 @torch.inference_mode()

@@ -251,6 +251,101 @@ std::vector<Tensor> forward_layers(Tensor h, const std::vector<Tensor>& weights,
   return outputs;
 }
 
+// The positions (rows of x) of the rows a sublayer runs for: every row's span where all run (an empty tensor), else
+// the concatenated spans of those whose flag is set
+Tensor rows_running(const std::vector<int64_t>& offsets, const std::vector<int64_t>& lens,
+                    const at::TensorAccessor<bool, 1>& runs, bool& all, bool& none, const at::Device& device) {
+  std::vector<int64_t> index;
+  all = true;
+  none = true;
+  for (size_t r = 0; r < lens.size(); ++r) {
+    if (!runs[r]) {
+      all = false;
+      continue;
+    }
+    none = false;
+    for (int64_t t = 0; t < lens[r]; ++t) index.push_back(offsets[r] + t);
+  }
+  if (all || none) return Tensor();
+  return at::tensor(index, at::TensorOptions().dtype(at::kLong)).to(device);
+}
+
+// Several rows of a batch (each a sequence of its own: its cache row, its positions) through layers [start, end), a
+// row running only the sublayers its flags say: the products over all the running rows' positions at once, each
+// row's RoPE, cache write and attention its own — the single-row ops (attention_sublayer) on its slice, so each row's
+// attention is what forward_layers would compute for it alone. A row that idles in a sublayer is not computed there.
+// x: [N, D] the rows' positions stacked (row r: lens[r] of them from its offset); k, v: every layer's cache
+// [B, KV, max_len, hd], row r's in row rows[r], written at pos[r] .. pos[r] + lens[r] − 1; runs: [2·(end − start),
+// R] bool on the CPU (layer start + j's attention at 2j, its MLP at 2j + 1); cos, sin: [Rk, N, 1, hd] each
+// position's own. Weights and the family's as forward_layers'. Returns x after the last layer [N, D], or with
+// `collect` after every layer.
+std::vector<Tensor> forward_rows(Tensor x, const std::vector<Tensor>& weights, const std::vector<Tensor>& k,
+                                 const std::vector<Tensor>& v, int64_t start, int64_t end,
+                                 const std::vector<int64_t>& rows, const std::vector<int64_t>& pos,
+                                 const std::vector<int64_t>& lens, const Tensor& runs, const Tensor& cos,
+                                 const Tensor& sin, int64_t H, int64_t KV, int64_t hd, double eps, double scale,
+                                 bool collect, bool exact, const std::vector<Tensor>& extras,
+                                 const std::vector<int64_t>& windows, const std::vector<int64_t>& ropes,
+                                 bool gemma_norm, bool gelu_tanh, double softcap) {
+  const Family family{gemma_norm, gelu_tanh, softcap};
+  const c10::optional<Tensor> no_mask;
+  std::vector<int64_t> offsets(lens.size(), 0);
+  for (size_t r = 1; r < lens.size(); ++r) offsets[r] = offsets[r - 1] + lens[r - 1];
+  auto flags = runs.accessor<bool, 2>();
+  std::vector<Tensor> outputs;
+  for (int64_t i = start; i < end; ++i) {
+    const int64_t j = i - start;
+    const Tensor* w = &weights[6 * i];
+    const Tensor* e = extras.empty() ? nullptr : &extras[EXTRAS * i];
+    const int64_t rope = ropes.empty() ? 0 : ropes[i];
+    const int64_t window = windows.empty() ? 0 : windows[i];
+    bool all, none;
+    // the attention: qkv over the running rows' positions at once, then each row's own RoPE, write and attention
+    Tensor index = rows_running(offsets, lens, flags[2 * j], all, none, x.device());
+    if (!none) {
+      Tensor h = all ? x : x.index_select(0, index);  // [n, D]
+      Tensor cs = all ? cos[rope] : cos[rope].index_select(0, index);  // [n, 1, hd]
+      Tensor sn = all ? sin[rope] : sin[rope].index_select(0, index);
+      const int64_t n = h.size(0);
+      Tensor qkv = biased_product(norm(h, w[0], eps, family), w[1], e, QKV_BIAS, c10::nullopt)
+                       .view({n, H + 2 * KV, hd});
+      Tensor qk = qkv.narrow(1, 0, H + KV);
+      if (has(e, Q_NORM))
+        qk = at::cat({norm(qk.narrow(1, 0, H), e[Q_NORM], eps, family),
+                      norm(qk.narrow(1, H, KV), e[K_NORM], eps, family)}, 1);
+      qk = qk * cs + at::roll(qk, {hd / 2}, {-1}) * sn;  // [n, H+KV, hd]
+      std::vector<Tensor> attn;
+      int64_t at_ = 0;
+      for (size_t r = 0; r < lens.size(); ++r) {
+        if (!flags[2 * j][r]) continue;
+        const int64_t T = lens[r], p = pos[r];
+        Tensor kr = k[i][rows[r]].unsqueeze(0), vr = v[i][rows[r]].unsqueeze(0);  // [1, KV, S, hd]
+        kr.narrow(2, p, T).copy_(qk.narrow(0, at_, T).narrow(1, H, KV).transpose(0, 1).unsqueeze(0));
+        vr.narrow(2, p, T).copy_(qkv.narrow(0, at_, T).narrow(1, H + KV, KV).transpose(0, 1).unsqueeze(0));
+        Tensor q = qk.narrow(0, at_, T).narrow(1, 0, H).transpose(0, 1).unsqueeze(0);  // [1, H, T, hd]
+        Tensor keys = kr.narrow(2, 0, p + T), values = vr.narrow(2, 0, p + T);
+        WindowMasks masks;
+        Tensor a = window == 0 && softcap == 0
+                       ? attend(q, keys, values, no_mask, p, scale, KV != H, exact)
+                       : attend_layer(q, keys, values, no_mask, p, scale, KV != H, exact, window, masks, family);
+        attn.push_back(a[0].transpose(0, 1).reshape({T, H * hd}));
+        at_ += T;
+      }
+      Tensor out = residual_product(h, at::cat(attn, 0), w[2], e, O_BIAS, ATTN_OUT_NORM, eps, family);
+      x = all ? out : x.index_copy(0, index, out);
+    }
+    index = rows_running(offsets, lens, flags[2 * j + 1], all, none, x.device());
+    if (!none) {
+      Tensor out = mlp_sublayer(all ? x : x.index_select(0, index), w, e, eps, family);
+      x = all ? out : x.index_copy(0, index, out);
+    }
+    if (collect) outputs.push_back(x);
+  }
+  if (!collect) outputs.push_back(x);
+  return outputs;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward_layers", &forward_layers, "LayerStack.forward_layers' decoder-layer loop");
+  m.def("forward_rows", &forward_rows, "a batch's rows through the layers, each its own positions and sublayers");
 }

@@ -11,8 +11,6 @@ model's own rotary module, SDPA); tests/test_engine.py proves the greedy outputs
 
 from __future__ import annotations
 
-import platform
-import statistics
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -20,9 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from del_bench.models import fused, shadow_scoring
+from del_bench.models import shadow_scoring
 from del_bench.models.families import LayerMath, decoder_of, resolve
 from del_bench.models.kv_cache import KVCache, TreeMask, WorkCounter
+from del_bench.models.layer_loops import LayerLoops
 from del_bench.models.layer_math import (
     Layer,
     attend,
@@ -30,16 +29,13 @@ from del_bench.models.layer_math import (
     fuse_rows,
     gemma_rms_norm,
     linear,
-    moved,
     rms_norm,
-    seconds_of,
     softcapped,
     synchronize,
     windowed,
 )
 from del_bench.models.loading import check_resident
 from del_bench.models.products import (
-    X_WT,
     X_WT_COPY,
     Products,
     time_products,
@@ -48,8 +44,8 @@ from del_bench.models.products import choose as choose_products
 from del_bench.numerics import HALF_DTYPES
 
 
-class LayerStack:
-    def __new__(cls, model: nn.Module, layers: str = "eager", products: str = "wt_x"):
+class LayerStack(LayerLoops):
+    def __new__(cls, model: nn.Module, products: str = "wt_x"):
         """A model of a family whose layer math is not Llama's (families.py) gets a FamilyLayerStack, whose layer
         methods apply its family's math: the choice is made once here, so the Llama loop has no per-op branch. A
         model_type no family describes is refused here (ConfigError naming the described ones)."""
@@ -57,10 +53,8 @@ class LayerStack:
             cls = FamilyLayerStack
         return super().__new__(cls)
 
-    def __init__(self, model: nn.Module, layers: str = "eager", products: str = "wt_x"):
-        """layers: the decoder-layer loop — eager (Python, the reference), fused (fused_layers.cpp) or auto (fused
-        where it builds and matches eager bit for bit here; del_bench/models/fused.py). `layer_path` says which
-        runs, `layer_setup_s` what building, loading and checking the fused loop took (apart from any decode).
+    def __init__(self, model: nn.Module, products: str = "wt_x"):
+        """The stack runs the eager loop until another is installed (use_loop; engine/path_choice.stack_of chooses).
         products: the matrix products' layout — wt_x (tuned by hand), x_wt (HF's) or auto (timed here, per shape
         class: models/products.py); `products` holds the choice and its timings (the run's setup records them)."""
         check_resident(model)  # offloaded or meta weights: one clear error here, not a device mismatch mid-decode
@@ -76,10 +70,8 @@ class LayerStack:
         self.eps: float = config.rms_norm_eps
         self.scale = self.math.scale  # head_dim ** -0.5, or Gemma's query_pre_attn_scalar ** -0.5
         self.dtype = inner.embed_tokens.weight.dtype
-        # half precision on CPU: a chain of several new positions over a cache (verification) attends row by row, so
-        # each row is the bits of a decode step (attend; in bfloat16 the products' rows are too, in float16 the CPU
-        # GEMM's bits change with the row count). Not on CUDA, where the GEMMs' kernels change with the row count as
-        # well, and a launch per row would cost more than it buys
+        # half precision on CPU: a chain over a cache attends row by row, each row a decode step's bits (attend). Not
+        # on CUDA, where the GEMMs' kernels change with the row count too and a launch per row would cost more
         self.exact_rows = self.dtype in HALF_DTYPES and inner.embed_tokens.weight.device.type == "cpu"
         head = model.get_output_embeddings()
         # One device rule (device_map across GPUs): each layer runs where its weights live, its KV cache beside it;
@@ -103,15 +95,14 @@ class LayerStack:
         self.use_products(self._choose_products(products))
         self.wide_products: Products | None = None  # a batch's width (tune_rows): batched decoding's ragged steps
         self._fused_family = self._fused_family_args()
-        self.fused, self.layer_path, self.layer_setup_s = fused.choose(self, layers)
+        self.use_loop(None, 0.0)
 
     def use_products(self, chosen: Products) -> None:
         """Run the matrix products in `chosen`'s layouts (at load; a resumed run: the layouts its first session chose,
         so that one run's records are one layout's bits). The head's one-row copy and the fused loop's matrices
         follow."""
         self.products = chosen
-        # a single head row as x @ W_t from a [D, V] copy where that layout was chosen (3.9 vs 5.1 ms for wt_x on
-        # SmolLM2 at 2 threads on the AMD host; make bench-parts): a second copy of the head, so only then
+        # a single head row as x @ W_t from a [D, V] copy where that layout was chosen: a second copy, so only then
         self.head_t = self.head_weight.t().contiguous() if chosen["head"].one == X_WT_COPY else None
         # the fused loop's arguments: 6 tensors per layer (fused_layers.cpp), in one flat list per row class (one row,
         # several), each matrix in that row class's layout: HF's [out, in] for wt_x, its transposed view for x_wt
@@ -123,32 +114,6 @@ class LayerStack:
         matrices, at the thread count, dtype and device at hand."""
         with torch.inference_mode():
             return choose_products(setting, self.dtype, time_products(self))
-
-    def _fused_layer(self, i: int, rows: int) -> tuple[torch.Tensor, ...]:
-        """Layer i's 6 tensors for the fused loop at `rows` rows (fused_layers.cpp's `product` reads the layout from
-        each matrix: [out, in] as stored computes W @ Xᵀ, the transposed view [in, out] x @ Wᵀ)."""
-        lay = self.layers[i]
-
-        def oriented(weight: torch.Tensor, shape: str) -> torch.Tensor:
-            return weight.t() if self.dtype in HALF_DTYPES or self.products[shape].at(rows) == X_WT else weight
-
-        return (lay.w_in_norm, oriented(lay.w_qkv, "qkv"), oriented(lay.w_o, "o"), lay.w_post_norm,
-                oriented(lay.w_gate_up, "gate_up"), oriented(lay.w_down, "down"))
-
-    def _fused_family_args(self) -> tuple:
-        """The fused loop's last six arguments, what the family adds to Llama's layer (fused_layers.cpp
-        forward_layers): per layer its optional tensors (an empty tensor where it has none), its window (0: none) and
-        rotary table, then the family's norm, activation and soft cap. Empty lists for Llama's layer, whose loop runs
-        Llama's ops unchanged."""
-        extras = [(lay.b_qkv, lay.w_q_norm, lay.w_k_norm, lay.b_o, lay.w_attn_out_norm, lay.b_gate_up, lay.b_down,
-                   lay.w_mlp_out_norm) for lay in self.layers]
-        none = torch.empty(0)
-        present = any(t is not None for layer in extras for t in layer)
-        flat = [none if t is None else t for layer in extras for t in layer] if present else []
-        windows = [lay.window or 0 for lay in self.layers]
-        ropes = [lay.rope for lay in self.layers]
-        return (flat, windows if any(windows) else [], ropes if any(ropes) else [], self.math.family.norm == "gemma",
-                self.math.activation == "gelu_pytorch_tanh", self.math.attention_softcap or 0.0)
 
     @contextmanager
     def counting(self) -> Iterator[WorkCounter]:
@@ -216,20 +181,6 @@ class LayerStack:
         `1.0 + self.weight.float()` at every call: the same bits, once)."""
         weight = norm.weight.detach()
         return 1.0 + weight.float() if self.math.family.norm == "gemma" else weight
-
-    # ---- costs (the engine measures its own path: engine/costs.py) -------------------------
-    def cost_device(self) -> str:
-        """What a measured cost depends on besides the model: the devices (a GPU's name; the CPU's and torch's threads),
-        the dtype and the decoder-layer loop. A costs.json recording another is never reused
-        (session.measured_costs)."""
-        names = [torch.cuda.get_device_name(d) if d.type == "cuda" else
-                 f"cpu {platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)"
-                 for d in self.devices]
-        return f"{' + '.join(dict.fromkeys(names))}, {str(self.dtype).removeprefix('torch.')}, {self.layer_path} layers"
-
-    def seconds(self, fn, reps: int, warmup: int = 1) -> list[float]:
-        """Seconds of each of `reps` calls of fn after `warmup` untimed ones, every device synchronised around each."""
-        return seconds_of(fn, reps, warmup, self.synchronize)
 
     # ---- pieces -----------------------------------------------------------------------------
     def new_cache(self, max_len: int, batch: int = 1) -> KVCache:
@@ -303,136 +254,15 @@ class LayerStack:
         sign = torch.cat([-torch.ones(half), torch.ones(half)]).to(sin)
         self._cos, self._sin = cos[0], sin[0] * sign
 
-    # ---- layers -----------------------------------------------------------------------------
-    def forward_layers(self, h: torch.Tensor, start: int, end: int, pos: int, cache: KVCache,
-                       collect: list | None = None, tree: TreeMask | None = None,
-                       keep: int | None = None) -> torch.Tensor:
-        """Run 0-based layers [start, end) on h: [1, T, D] holding positions pos .. pos+T-1.
-
-        Each layer writes its keys/values at those positions and attends to [0, pos+T). With `collect`,
-        every layer's output [1, T, D] is appended to it (DEL's shadow tokens read them); with `keep` too, only
-        its last `keep` positions [1, keep, D], copied, so no layer's whole output outlives the next layer (DEL's
-        prefill: (L−1)·w·D kept of a P-token prompt, not (L−1)·P·D). With `tree`, the T tokens are a token tree:
-        slots pos .. pos+T-1 still, but RoPE positions and the mask from the tree."""
-        T = h.shape[1]
-        trim = collect is not None and keep is not None and keep < T
-        cos, sin, mask = self.rope_and_mask(pos, T, h.device, tree)
-        if self.fused is not None and start < end:
-            if not trim:
-                return self._forward_fused(h, start, end, pos, cache, collect, cos, sin, mask)
-            for i in range(start, end):  # one layer a call, so each layer's whole output can go
-                h = self._forward_fused(h, i, i + 1, pos, cache, None, cos, sin, mask)
-                collect.append(h[:, -keep:].clone())
-            return h
-        for i in range(start, end):
-            if cache.lengths[i] < pos:
-                raise RuntimeError(f"layer {i} holds {cache.lengths[i]} positions; cannot write at {pos}")
-            if cos.device != self.layers[i].device:  # device_map: the layers moved on to another device
-                cos, sin, mask = moved(self.layers[i].device, cos, sin, mask)
-            h = self._layer(i, h, pos, cos, sin, mask, cache)
-            cache.lengths[i] = pos + T
-            if collect is not None:
-                collect.append(h[:, -keep:].clone() if trim else h)  # a clone: a view would keep all T rows alive
-        return h
-
-    def _forward_fused(self, h, start, end, pos, cache: KVCache, collect, cos, sin, mask) -> torch.Tensor:
-        """forward_layers through the C++ loop (fused_layers.cpp): the same ops on the same tensors, one call."""
-        short = min(cache.lengths[start:end])
-        if short < pos:
-            raise RuntimeError(f"layer {cache.lengths.index(short, start)} holds {short} positions; cannot write at "
-                               f"{pos}")
-        T = h.shape[1]
-        if self.counter is not None:  # the C++ loop runs every layer of [start, end) once, whole
-            self.counter.layers += end - start
-        weights = self._fused_weights[min(T, 2)]  # the layouts of one row, or of several
-        outs = self.fused.forward_layers(h[0], weights, cache.k, cache.v, start, end, pos, cos, sin, mask,
-                                         self.n_heads, self.n_kv_heads, self.head_dim, self.eps, self.scale,
-                                         collect is not None, self.exact_rows, *self._fused_family)  # each [T, D]
-        cache.lengths[start:end] = [pos + T] * (end - start)
-        if collect is None:
-            return outs[0][None]
-        collect.extend(out[None] for out in outs)  # [1, T, D] per layer
-        return collect[-1]
-
+    # ---- pieces the loops share ----------------------------------------------------------------
     def shadow_tokens(self, states: torch.Tensor, targets: torch.Tensor | None = None, vocab: int | None = None,
                       chunk: int = 64, layers: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """DEL's shadow tokens of states [N, D] (models/shadow_scoring.py): ([N] ids, [N] confidences)."""
         return shadow_scoring.shadow_tokens(self, states, targets, vocab, chunk, layers)
 
-    def forward_skipping(self, h: torch.Tensor, pos: int, cache: KVCache, skip_attn: frozenset[int],
-                         skip_mlp: frozenset[int], write: bool = True, collect: list | None = None) -> torch.Tensor:
-        """All layers on h: [1, T, D] (positions pos .. pos+T-1) with the sublayers named in skip_attn / skip_mlp
-        (0-based layer indices) skipped: SWIFT's draft model. A skipped sublayer is a pure passthrough (no norm,
-        no projection, no KV write); a layer's other sublayer still runs.
-
-        write=True (drafting): each attention that runs writes its KV at those positions and attends to every
-        entry its layer holds before them, so a draft sees the committed (full-model) KV plus this round's earlier
-        drafts in the layers whose attention it runs (the only layers it reads). Layers whose attention is skipped
-        keep their lengths. Verification later rewrites every layer at every drafted position.
-        write=False (the optimiser's teacher-forced pass over committed tokens): nothing is written; each
-        attention sees its layer's cached entries [0, pos) and the new keys of this pass (causally).
-        collect: the state after every sublayer, skipped or not, is appended ([1, T, D] each, 2·L of them: layer i's
-        attention then its MLP) — with nothing skipped, the full model's sublayer states (KnapSpec's selection)."""
-        T = h.shape[1]
-        cos, sin, mask = self.rope_and_mask(pos, T, h.device)
-        for i in range(self.num_layers):
-            if cos.device != self.layers[i].device:  # device_map: the layers moved on to another device
-                cos, sin, mask = moved(self.layers[i].device, cos, sin, mask)
-            if i not in skip_attn:
-                if cache.lengths[i] < pos:
-                    raise RuntimeError(f"layer {i} holds {cache.lengths[i]} positions; cannot attend at {pos}")
-                h = self._attention(i, h, pos, cos, sin, mask, cache, write)
-                if write:
-                    cache.lengths[i] = pos + T
-            if collect is not None:
-                collect.append(h)
-            if i not in skip_mlp:
-                h = self.layer_mlp(i, h)
-            if collect is not None:
-                collect.append(h)
-        return h
-
-    def forward_branches(self, h: torch.Tensor, sublayers: range, pos: int, cache: KVCache,
-                         tree: TreeMask) -> torch.Tensor:
-        """Sublayers `sublayers` (sublayer s: layer s // 2's attention for even s, its MLP for odd s) on h: [1, T, D], a
-        batch of independent branches (tree: TreeMask.branches) from position pos, writing nothing: each branch's
-        attention sees the layer's cached prefix [0, pos) and its own earlier tokens. A layer-skip selection's
-        candidate draft models (CLaSp, KnapSpec) run here, all candidates of one step in one batch."""
-        cos, sin, mask = self.rope_and_mask(pos, h.shape[1], h.device, tree)
-        for s in sublayers:
-            i = s // 2
-            if s % 2 == 0:
-                if cache.lengths[i] < pos:
-                    raise RuntimeError(f"layer {i} holds {cache.lengths[i]} positions; cannot attend at {pos}")
-                h = self._attention(i, h, pos, cos, sin, mask, cache, write=False)
-            else:
-                h = self.layer_mlp(i, h)
-        return h
-
-    @torch.inference_mode()
-    def measure_sublayers(self, contexts, warmup: int = 5, reps: int = 10) -> list[list[float]]:
-        """[[n, attention seconds, MLP seconds], …]: one token through layer 0's attention at n cached positions and
-        through its MLP (mean of `reps` after `warmup`), for each n in contexts — KnapSpec's latency model. Only
-        layer 0's cache is allocated (a long context costs one layer's KV, not L)."""
-        longest = max(contexts)
-        self._ensure_rope(longest + 1)
-        cache = KVCache(self, longest + 1, num_layers=1)
-        cache.k[0].normal_()
-        cache.v[0].normal_()
-        x = self.embed(torch.zeros(1, 1, dtype=torch.long, device=self.embed_weight.device))  # [1, 1, D]
-
-        def mean_s(fn) -> float:
-            return statistics.fmean(self.seconds(fn, reps, warmup))
-
-        out = []
-        for n in sorted(contexts):
-            cache.lengths[0] = n
-            cos, sin, mask = self.rope_and_mask(n, 1, x.device)
-            attn = mean_s(lambda n=n, cos=cos, sin=sin, mask=mask: self._attention(0, x, n, cos, sin, mask, cache,
-                                                                                   write=False))
-            mlp = mean_s(lambda: self.layer_mlp(0, x))
-            out.append([float(n), attn, mlp])
-        return out
+    def rope_rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [1, N, 1, hd] at positions [N] (the fused loop's tables: one per rotary kind)."""
+        return self._cos[positions][None, :, None, :], self._sin[positions][None, :, None, :]
 
     def rope_and_mask(self, pos: int, T: int, device, tree: TreeMask | None = None):
         """cos, sin [1, T, 1, hd] (broadcast over heads; sin signed, see _ensure_rope) and the attention mask
@@ -465,41 +295,6 @@ class LayerStack:
         rope_and_mask for a static-shape step (engine/compiled.py), each row at its own positions; the tables must
         cover them (new_cache)."""
         return self._cos[positions][:, :, None, :], self._sin[positions][:, :, None, :]
-
-    def _layer(self, i, h, pos, cos, sin, mask, cache: KVCache) -> torch.Tensor:
-        return self.layer_mlp(i, self._attention(i, h, pos, cos, sin, mask, cache))
-
-    def attention_inputs(self, i, h, cos, sin, mask):
-        """Layer i's tensors, and h, the RoPE tables and the mask on its device (only multi-device models move);
-        counts the attention sublayer while counting. → (layer, h, cos, sin, mask)"""
-        w = self.layers[i]
-        if self.counter is not None:
-            self.counter.layers += 0.5
-        if h.device != w.device:  # multi-device (device_map) models only
-            h, cos, sin = h.to(w.device), cos.to(w.device), sin.to(w.device)
-            mask = None if mask is None else mask.to(w.device)
-        return w, h, cos, sin, mask
-
-    def _attention(self, i, h, pos, cos, sin, mask, cache: KVCache, write: bool = True) -> torch.Tensor:
-        """h + attention(norm(h)) for layer i; with write=False the new keys/values stay out of the cache."""
-        w, h, cos, sin, mask = self.attention_inputs(i, h, cos, sin, mask)
-        q, k_new, v_new = self.project_qkv(w, h, cos, sin)
-        return self.attention_out(w, self.attend_cached(i, w, q, k_new, v_new, pos, mask, cache, write), h)
-
-    def attend_cached(self, i, w: Layer, q, k_new, v_new, pos: int, mask, cache: KVCache,
-                       write: bool = True) -> torch.Tensor:
-        """q [1, H, T, hd] (positions pos..) over layer i's cached keys [0, pos) and its own k_new, v_new
-        [1, KV, T, hd]: written into the cache first, or (write=False) joined to the cached prefix unwritten →
-        [1, H, T, hd]."""
-        end = pos + q.shape[2]
-        if write:
-            cache.k[i][:, :, pos:end] = k_new
-            cache.v[i][:, :, pos:end] = v_new
-            k, v = cache.k[i][:, :, :end], cache.v[i][:, :, :end]  # [1, KV, end, hd]
-        else:  # the cached prefix [0, pos) and this pass's own keys, [1, KV, end, hd]
-            k = torch.cat([cache.k[i][:, :, :pos], k_new], dim=2)
-            v = torch.cat([cache.v[i][:, :, :pos], v_new], dim=2)
-        return self._attend_layer(w, q, k, v, mask, pos)
 
     # ---- one decoder layer's math: the eager loop above and the static-shape steps (engine/compiled.py) both run
     # these, on h [B, T, D] (the eager loop: B = 1); FamilyLayerStack overrides them with its family's variations
@@ -556,12 +351,12 @@ class FamilyLayerStack(LayerStack):
     sandwich norms, window, rotary table live on Layer). The reference for the fused loop, which takes the same
     per-layer extras (_fused_family_args)."""
 
-    def __init__(self, model: nn.Module, layers: str = "eager", products: str = "wt_x"):
+    def __init__(self, model: nn.Module, products: str = "wt_x"):
         from transformers.activations import ACT2FN  # the MLP activation HF's own modules use
 
         self._act = ACT2FN[resolve(decoder_of(model)[0]).activation]
         self._window_memo: tuple = ()
-        super().__init__(model, layers, products)
+        super().__init__(model, products)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """ids: [1, T] → h: [1, T, D], times Gemma's embedding scale (HF: embedding(ids) * embed_scale)."""
@@ -599,6 +394,10 @@ class FamilyLayerStack(LayerStack):
 
     def rope_tables(self) -> list[torch.Tensor]:
         return [self._rope_kinds_cos, self._rope_kinds_sin]
+
+    def rope_rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """LayerStack's, with cos, sin [R, N, 1, hd]: one table per rotary kind."""
+        return self._rope_kinds_cos[:, positions, None, :], self._rope_kinds_sin[:, positions, None, :]
 
     def rope_at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """LayerStack's, with cos, sin [R, B, T, 1, hd]: one table per rotary kind (a layer reads cos[Layer.rope])."""

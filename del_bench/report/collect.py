@@ -25,9 +25,7 @@ from typing import Iterable
 
 import pandas as pd
 
-# the peers' method classes (transformers' own decoding, the benches' rows) register as they are imported: their
-# records, among the reference records, are then labelled as their classes say (records.method_entry)
-import del_bench.bench.peers  # noqa: F401
+from del_bench.averages import mean
 from del_bench.numerics import compare
 from del_bench.records import (
     RunKey,
@@ -68,11 +66,6 @@ def find_runs(roots: Iterable[str | Path] = DEFAULT_ROOTS) -> list[Path]:
     return sorted(found)
 
 
-def _mean(values: list) -> float:
-    values = [v for v in values if v is not None]
-    return sum(values) / len(values) if values else math.nan
-
-
 def _float(value) -> float:
     return math.nan if value is None else float(value)
 
@@ -85,8 +78,8 @@ def load_run(run_dir: str | Path) -> dict:
     samples = read_jsonl(run_dir / "samples.jsonl")
     key = run_key_of(summary, samples)
     # paper B.4: speed and eTPL are means over samples; recomputed from samples when present
-    tps = _mean([s.get("tokens_per_s") for s in samples]) if samples else summary.get("tokens_per_s")
-    etpl = _mean([s.get("etpl") for s in samples]) if samples else summary.get("etpl")
+    tps = mean([s.get("tokens_per_s") for s in samples], math.nan) if samples else summary.get("tokens_per_s")
+    etpl = mean([s.get("etpl") for s in samples], math.nan) if samples else summary.get("etpl")
     load = load_summary(samples) or {}
     setup = read_jsonl(run_dir / "setup.jsonl")
     entry = key.entry()

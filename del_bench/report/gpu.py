@@ -18,7 +18,7 @@ from pathlib import Path
 
 from . import tables
 from .collect import REFERENCE_ROOT
-from .render import Cell, Row, Table, write_table
+from .render import Cell, Table, TableRow, write_table
 
 RESULT = Path(REFERENCE_ROOT) / "gpu" / "bench_gpu_7b.json"  # relative to the repository, as make tables runs
 COLUMNS = [("tokens_per_s", "Speed"), ("speedup", "Speedup"), ("etpl", "eTPL"), ("token_acceptance", "acc/token"),
@@ -35,11 +35,11 @@ def gpu_table(path: Path = RESULT) -> Table | None:
     device = result["provenance"].get("device", "GPU")
     synthetic = result.get("synthetic") or {}
     block = ("gpu", device)
-    ours = [Row(block, result["model"], r["row"], f"ours: {device}, bf16",
+    ours = [TableRow(block, result["model"], r["row"], f"ours: {device}, bf16",
                 {key: Cell(mean=float(r[key]), runs=1, digits=DIGITS.get(key, 2))
                  for key, _ in COLUMNS if isinstance(r.get(key), (int, float))})
             for r in result["rows"] if "failure" not in r]
-    paper = [Row(("paper", "llama2-7b"), "llama2-7b", label, tables.paper_source("llama2-7b"), cells)
+    paper = [TableRow(("paper", "llama2-7b"), "llama2-7b", label, tables.paper_source("llama2-7b"), cells)
              for label, cells in _paper_rows()]
     agreement = (f" (agreement {synthetic['agreement']:.2f} at layer {synthetic['exit_layer']}, calibrated)"
                  if synthetic else "")

@@ -1,6 +1,6 @@
 """A report table as one structure — rows of cells — rendered to Markdown and LaTeX, so that both always agree.
 
-`Table`, `Row` and `Cell` are what del_bench/report/tables.py (Tables 1–6) and specbench.py build; here they are
+`Table`, `TableRow` and `Cell` are what del_bench/report/tables.py (Tables 1–6) and specbench.py build; here they are
 marked (best / second best per block and column, on the values as displayed), disambiguated (rows that would look
 the same get their method_tag) and rendered, each with the notes that belong under it: what the marks in its labels
 mean (`BUSY_MARK` and the others, set where the rows are built), what its methods say of their rows, and how to read
@@ -43,7 +43,7 @@ class Cell:
 
 
 @dataclass
-class Row:
+class TableRow:
     block: tuple  # rows of one block are ranked together (one model on one machine)
     model: str
     label: str
@@ -64,7 +64,7 @@ class Table:
     name: str
     title: str
     columns: list[tuple[str, str]]  # (key, header)
-    rows: list[Row] = field(default_factory=list)
+    rows: list[TableRow] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     unranked: set[str] = field(default_factory=set)  # columns left out of best/second marking
     marked: bool = True  # False: a table without best/second marks (Tables 4 and 5, as in the paper)

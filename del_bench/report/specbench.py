@@ -1,6 +1,6 @@
 """The Spec-Bench table: per model, methods × Spec-Bench's 6 groups + overall, computed as Spec-Bench computes them.
 
-    specbench_table(df, adhoc)       a Table (render.py's Row/Cell machinery), or None without Spec-Bench runs
+    specbench_table(df, adhoc)       a Table (render.py's TableRow/Cell machinery), or None without Spec-Bench runs
     write_specbench(df, out, adhoc)  results/tables/specbench.{md,tex}, only when there are such runs
 
 Runs: task `specbench`, of a `specbench*` experiment (run_key.experiments; runs of no experiment too when adhoc),
@@ -31,7 +31,7 @@ from del_bench.specbench import GROUP_LABELS, GROUPS, in_group
 
 from . import tables
 from .collect import CONFIG_KEYS, read_jsonl
-from .render import Cell, Row, Table, disambiguate, mark_best, write_table
+from .render import Cell, Table, TableRow, disambiguate, mark_best, write_table
 
 TASK = "specbench"
 COLUMN_GROUPS = [*GROUPS, "overall"]
@@ -130,7 +130,7 @@ def specbench_table(df: pd.DataFrame, adhoc: bool = True) -> Table | None:
         label = key["label"] + tables.lossless_note([r for _, r in group.iterrows()])
         block = tuple(key[k] for k in block_keys + ["variant"])
         source = tables.our_source(key["machine"], key["variant"], key["decoding"], key["max_new_tokens"])
-        out.rows.append(Row(block, key["model"], label, source, cells, ranked=key["method"] != "vanilla",
+        out.rows.append(TableRow(block, key["model"], label, source, cells, ranked=key["method"] != "vanilla",
                             tag=key["method_tag"], family=key["family"], note=key["note"]))
     out.notes += _notes(runs, metrics)
     return mark_best(disambiguate(out))

@@ -40,8 +40,8 @@ from .render import (
     LOSSLESS_COLUMN,
     UNSTEADY_MARK,
     Cell,
-    Row,
     Table,
+    TableRow,
     disambiguate,
     mark_best,
     write_table,
@@ -264,7 +264,7 @@ def wide_table(df: pd.DataFrame, table: int, cols: list[Col], title: str, overal
         label = key["label"] + batch_label(key.get("batch_size", 1)) + lossless_note(by_task.values())
         block = tuple(key[k] for k in ("model", "machine", "decoding", "max_new_tokens", "variant") if k in key)
         source = our_source(key["machine"], key["variant"], key.get("decoding", ""), key["max_new_tokens"])
-        out.rows.append(Row(block, key["model"], label + busy_mark(by_task.values()), source, cells,
+        out.rows.append(TableRow(block, key["model"], label + busy_mark(by_task.values()), source, cells,
                             ranked=key["method"] != "vanilla", tag=key["method_tag"], family=key["family"],
                             note=key["note"]))
         batched = int(key.get("batch_size", 1)) != 1  # the paper decoded one prompt at a time: its row follows B = 1
@@ -274,7 +274,7 @@ def wide_table(df: pd.DataFrame, table: int, cols: list[Col], title: str, overal
     return out
 
 
-def _paper_row(table, key, cols: list[Col], block, label) -> Row | None:
+def _paper_row(table, key, cols: list[Col], block, label) -> TableRow | None:
     """The paper's row for the same model and method config: one the paper prints under our row's label (so DEL only
     in the paper's configuration, at ω = 0.95: DEL-CPU and DEL(ω0.9) have none)."""
     if method_label(key["method"], {"exit_layer": key["exit_layer"], "gamma": key["gamma"]}) != key["label"]:
@@ -287,10 +287,10 @@ def _paper_row(table, key, cols: list[Col], block, label) -> Row | None:
         cells[c.key] = cell or Cell(text="–")
     if all(c.text == "–" for c in cells.values()):
         return None
-    return Row(block, key["model"], label, paper_source(key["model"]), cells)
+    return TableRow(block, key["model"], label, paper_source(key["model"]), cells)
 
 
-def paper_block(table: int, model: str, cols: list[Col]) -> list[Row]:
+def paper_block(table: int, model: str, cols: list[Col]) -> list[TableRow]:
     """Every row the paper prints for `model` in `table` (Tables 4 and 5: shown whatever we ran)."""
     pv = paper_values()
     pv = pv[(pv.table == str(table)) & (pv.model == model)]
@@ -303,7 +303,7 @@ def paper_block(table: int, model: str, cols: list[Col]) -> list[Row]:
             task, setting, metric = c.paper()
             cells[c.key] = paper_cell(table, model, task, method, e, g, metric, setting) or Cell(text="–")
         label = method_label(method, {"exit_layer": e, "gamma": g})
-        rows.append(Row(("paper", model), model, label, paper_source(model), cells))
+        rows.append(TableRow(("paper", model), model, label, paper_source(model), cells))
     return rows
 
 
@@ -340,9 +340,9 @@ def table3(df: pd.DataFrame) -> Table:
                       "Table 3: speed (tokens/s) and speedup on all seven tasks")
 
 
-def _by_model(ours: list[Row], paper_models: list[str], paper_rows) -> list[Row]:
+def _by_model(ours: list[TableRow], paper_models: list[str], paper_rows) -> list[TableRow]:
     """Our rows grouped by model, each model's paper block after its own rows; paper-only models last."""
-    rows: list[Row] = []
+    rows: list[TableRow] = []
     models = sorted({r.model for r in ours})
     for model in models + [m for m in paper_models if m not in models]:
         rows += [r for r in ours if r.model == model]
@@ -371,7 +371,7 @@ def table4(df: pd.DataFrame) -> Table:
     base = wide_table(df[shown], 4, speed_cols, "", paper_rows=False)
     out = Table("table4", "Table 4: DEL's gain over LS vs SWIFT's gain over Vanilla",
                 [(c.key, c.header) for c in cols] + [LOSSLESS_COLUMN], notes=base.notes, marked=False)
-    ours: list[Row] = []
+    ours: list[TableRow] = []
     blocks = list(dict.fromkeys(r.block for r in base.rows))
     for block in blocks:
         rows = [r for r in base.rows if r.block == block]
@@ -384,7 +384,7 @@ def table4(df: pd.DataFrame) -> Table:
         ls = max(pick, key=_ls_score, default=None)
         if not any(r.label.startswith("SWIFT") for r in skipping):
             cells = {c.key: Cell(text="no SWIFT runs" if c.metric == "speedup" else "–") for c in cols}
-            skipping.insert(0, Row(block, rows[0].model, "SWIFT", rows[0].source, cells))
+            skipping.insert(0, TableRow(block, rows[0].model, "SWIFT", rows[0].source, cells))
         for r in rows:
             for t in TABLE4_TASKS:
                 if r.family == LAYER_SKIPPING:
@@ -404,7 +404,7 @@ def table4(df: pd.DataFrame) -> Table:
     return out
 
 
-def _ls_score(row: Row) -> tuple:
+def _ls_score(row: TableRow) -> tuple:
     values = [c.number() for k, c in row.cells.items() if k.endswith(":speedup") and c.number() is not None]
     return (len(values), sum(values) / len(values) if values else 0.0, row.label)
 
@@ -491,13 +491,13 @@ def table6(df: pd.DataFrame) -> Table:
             label = f"{TASK_LABELS.get(b.task, b.task)} " + (f"ω={_num(rec.omega):g}" if is_del else "ω=- (Vanilla)")
             label += lossless_note([rec])
             cells = {m: _cell(rec, m) for m, _ in columns} | {LOSSLESS: lossless_cell([rec])}
-            out.rows.append(Row(block, b.model, label + busy_mark([rec]),
+            out.rows.append(TableRow(block, b.model, label + busy_mark([rec]),
                                 our_source(b.machine, b.variant, b.decoding, b.max_new_tokens), cells, ranked=is_del,
                                 tag=rec["method_tag"]))
             setting = f"omega={_num(rec.omega):g}" if is_del else ""
             paper = {m: paper_cell(6, b.model, b.task, rec["method"], metric=m, setting=setting) for m, _ in columns}
             if any(paper.values()):
-                out.rows.append(Row(block, b.model, label, paper_source(b.model),
+                out.rows.append(TableRow(block, b.model, label, paper_source(b.model),
                                     {m: c or Cell(text="–") for m, c in paper.items()}))
     if not out.rows:
         out.notes.append("No DEL runs at two or more ω were found.")

@@ -27,6 +27,7 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import torch
 
@@ -185,6 +186,30 @@ class HFForwardLoop(Peer):
         return out, ()
 
 
+class Serial:
+    """A peer's decoder as the runner drives its rows (runner.rows_of): one prompt at a time, a batch of one (its
+    layer path: the stack's loop it would have run; a peer runs no graphs)."""
+
+    size, slot, cache = 1, 0, None
+
+    def __init__(self, decoder: "PeerDecoder", layer_path: str):
+        self.decoder, self.path = decoder, SimpleNamespace(name=layer_path, graphs=None)
+        self.engines = [decoder]
+
+    def run(self, jobs, decode) -> dict:
+        """Every job (a generator of Requests) run to its end, one generation at a time."""
+        for job in jobs:
+            requests = decode(self, job)
+            try:
+                request = next(requests)
+                while True:
+                    request = requests.send(self.decoder.generate(request.prompt_ids, request.method,
+                                                                  request.max_new_tokens, request.seed))
+            except StopIteration:
+                pass
+        return {}
+
+
 class PeerDecoder:
     """The runner's engine for a peer row: `generate` as our Engine's, decoded by transformers."""
 
@@ -193,6 +218,9 @@ class PeerDecoder:
     def __init__(self, peer: Peer, model, eos_ids: set[int], stop):
         self.peer, self.model, self.eos_ids, self.stop = peer, model, set(eos_ids), stop
         self.device = model.lm_head.weight.device
+
+    def serial(self, layer_path: str) -> Serial:
+        return Serial(self, layer_path)
 
     def synchronize(self) -> None:
         if self.device.type == "cuda":
