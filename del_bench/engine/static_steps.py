@@ -6,9 +6,10 @@ is a new shape, so a graph would have to be rebuilt (or guard on the position) e
 change:
 
 - positions are a device tensor [B, T] (each row its own); the KV cache is the engine's preallocated one
-  (LayerStack.new_cache: [B, KV, max_len, hd] a layer), written with `scatter_` at each row's positions and read
-  whole under a mask [B, 1, T, max_len] (`static_mask`: key slot j is seen by the query at position p iff j ≤ p, and
-  for a windowed layer j > p − W), so stale or padded slots beyond p never are;
+  (LayerStack.new_cache: [B, KV, max_len, hd] a layer), written in place at each row's positions (`write_slots`:
+  index_put_, so a compiled step stores T positions, never a copy of the cache) and read whole under a mask
+  [B, 1, T, max_len] (`static_mask`: key slot j is seen by the query at position p iff j ≤ p, and for a windowed
+  layer j > p − W), so stale or padded slots beyond p never are;
 - a step is a sublayer (attention: the cache write and the masked attention; MLP) or a chain of whole layers, at a
   width T padded to the next of a few buckets (padded rows write KV past the last real position, which the next real
   step overwrites before any query's mask reaches it).
@@ -41,6 +42,15 @@ def static_mask(positions: torch.Tensor, max_len: int, window: int | None = None
     return seen if window is None else seen & (keys > query - window)
 
 
+def write_slots(cache: torch.Tensor, slots: torch.Tensor, new: torch.Tensor) -> None:
+    """new [B, KV, T, hd] into cache [B, KV, S, hd] at each row's slots [B, T], in place: index_put_, which inductor
+    keeps in place (a compiled step stores T positions). scatter_ would not be: functionalised, it becomes an
+    out-of-place scatter into a copy of the whole layer's cache and a copy back, every step
+    (tests/test_step_kernels.py)."""
+    rows = torch.arange(cache.shape[0], device=slots.device)[:, None]  # [B, 1]
+    cache[rows, :, slots] = new.transpose(1, 2)  # [B, T, KV, hd]: the indexed dimensions come first
+
+
 def grouped_attention(q, k, v, bias, scale: float) -> torch.Tensor:
     """SDPA's math as grouped matrix products: q [B, H, T, hd] over k, v [B, KV, S, hd] with an additive mask bias
     [B, 1, T, S] (0 where a key is seen, −inf where not) → [B, H, T, hd]; query head h reads key head h // (H / KV),
@@ -69,9 +79,8 @@ class StaticSteps:
         st = self.stack
         q, k_new, v_new = st.project_qkv(w, h, cos, sin)  # q [B, H, T, hd]; k_new, v_new [B, KV, T, hd]
         at = positions if write is None else write
-        index = at[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])  # [B, KV, T, hd]
-        k.scatter_(2, index, k_new)
-        v.scatter_(2, index, v_new)
+        write_slots(k, at, k_new)
+        write_slots(v, at, v_new)
         if mask is None:
             mask = static_mask(positions, k.shape[2], w.window)
         if mask.dtype == torch.bool:
