@@ -15,6 +15,7 @@ from torch._inductor.compile_fx import compile_fx
 
 from del_bench.engine import static_steps
 from del_bench.engine.compiled import RECOMPILE_LIMIT
+from del_bench.engine.graph_runners import attended_views
 from del_bench.engine.static_steps import StaticSteps, StepFunctions, adopt
 from del_bench.models.layer_stack import LayerStack
 from tests.conftest import tiny_model
@@ -79,20 +80,20 @@ def layer_step(stack, dynamic: bool):
     path) or marked dynamic (the CPU's compiled path)."""
     fns = StepFunctions(StaticSteps(stack), inductor)
     cache = stack.new_cache(64)
-    adopt(cache, static_addresses=not dynamic)
+    adopt(cache)
+    (k,), (v,) = attended_views(cache, [0], 64, dynamic)
     h = torch.randn(1, 1, stack.embed_weight.shape[1])
-    return fns.layer, (stack.layers[0], h, torch.tensor([[5]]), cache.k[0], cache.v[0])
+    return fns.layer, (stack.layers[0], h, torch.tensor([[5]]), k, v)
 
 
 def rows_step(stack, batch: int = 2):
     """A batch's width-1 layer step (rows_layer) at B rows, compiled by inductor, and its arguments."""
     fns = StepFunctions(StaticSteps(stack), inductor)
     cache = stack.new_cache(64, batch=batch)
-    adopt(cache, static_addresses=True)
+    adopt(cache)
     h = torch.randn(batch, 1, stack.embed_weight.shape[1])
     live = torch.tensor([True, False][:batch])
-    return fns.rows_layer, (stack.layers[0], h, torch.tensor([[5], [9]][:batch]), live, live, cache.k[0], cache.v[0],
-                            63)
+    return fns.rows_layer, (stack.layers[0], h, torch.tensor([[5], [63]][:batch]), live, live, cache.k[0], cache.v[0])
 
 
 @pytest.mark.parametrize("case", ["static", "dynamic", "rows"])

@@ -375,7 +375,7 @@ def count_launches(stack: LayerStack, backend) -> int:
 
     device = stack.layers[0].device
     cache = stack.new_cache(64)
-    adopt(cache, static_addresses=True)
+    adopt(cache)
     with inductor_config.patch({"cpp.enable_kernel_profile": True}):  # each C++ kernel a profiler event
         layer = StepFunctions(StaticSteps(stack), backend).layer
         h = torch.randn(1, 1, stack.embed_weight.shape[1], dtype=stack.dtype, device=device)

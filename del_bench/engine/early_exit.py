@@ -134,7 +134,7 @@ def _layers_rows(batch, slots: list) -> None:
     collect = "layers" if slots[0].round.draft.early is not None else None
     h = batch.stack.embed(torch.cat([s.round.token.view(1, 1) for s in slots], dim=1))  # [1, n, D]
     inputs = {s: (h[:, i : i + 1], s.round.pos) for i, s in enumerate(slots)}
-    out, states = batch.step(0, deepest, inputs, lambda s, i: (i < s.round.depth,) * 2, collect)
+    out, states = batch.step(0, deepest, inputs, {s: (0, s.round.depth) for s in slots}, collect)
     for s in slots:
         r = s.round
         r.draft.exit_states.append(out[s])  # [1, 1, D]: its state at its own depth (it idled above)
@@ -180,7 +180,7 @@ def verify_rows(batch, slots: list) -> None:
         lowest = min(s.round.depth for s in joining)
         collect = "layers" if joining[0].round.draft.early is not None else None
         inputs = {s: (torch.cat(s.round.draft.exit_states, dim=1), s.round.n - 1) for s in joining}  # [1, d+1, D]
-        out, states = batch.step(lowest, L, inputs, lambda s, i: (i >= s.round.depth,) * 2, collect)
+        out, states = batch.step(lowest, L, inputs, {s: (s.round.depth, L) for s in joining}, collect)
     for s in slots:
         r = s.round
         T = len(r.draft.exit_states)

@@ -47,7 +47,7 @@ import torch
 from del_bench.engine import compiled, early_exit, skipping
 from del_bench.engine.decode import Acceptance, Decoding, Engine, Request, RoundPlan
 from del_bench.engine.sampling import Sampling
-from del_bench.engine.static_steps import RowSteps, padded
+from del_bench.engine.static_steps import RowSkips, RowSteps, StepRows, padded
 from del_bench.engine.steps import Draft, Verified
 from del_bench.methods.base import Method
 from del_bench.models.kv_cache import KVCache
@@ -321,14 +321,17 @@ class Lockstep:
 
     def _fit(self, length: int) -> None:
         """A cache of at least length + 1 slots (the last is the scratch slot): a longer one replaces it, every row's
-        filled positions copied and its view re-pointed (graphs' caches do not grow: RowSteps runs eagerly then)."""
+        filled positions copied and its view re-pointed — on graphs, the one their graphs are made again on
+        (Graphs.grow: recorded and logged, never a silent fall to eager steps)."""
         if self.cache.max_len >= length + 1:
             return
-        bigger = _zeroed(self.stack.new_cache(length + 1, batch=self.size))
+        if self.graphs is not None:
+            bigger = self.graphs.grow(length)
+        else:
+            bigger = _zeroed(self.stack.new_cache(length + 1, batch=self.size))
         for old, new in zip(self.cache.k + self.cache.v, bigger.k + bigger.v):
             new[:, :, : self.cache.max_len - 1] = old[:, :, :-1]  # not the old scratch slot
         self.cache = self.steps.cache = bigger
-        self.steps.graphs = None
         for slot in self.slots:
             self.cache.row(slot.index, slot.engine.cache)
 
@@ -413,41 +416,50 @@ class Lockstep:
 
     # ---- the batch's steps and their accounting ----------------------------------------------------------------
     def step(self, start: int, end: int, inputs: dict[Slot, tuple[torch.Tensor, int]],
-             live: Callable[[Slot, int], tuple[bool, bool]], collect: str | None = None
+             spans: dict[Slot, tuple[int, int]], collect: str | None = None, skips: RowSkips | None = None
              ) -> tuple[dict[Slot, torch.Tensor], list[torch.Tensor]]:
-        """One batched step: each slot of `inputs` — (h [1, T_r, D], its first position) — through layers
-        [start, end), running layer i's attention and MLP where live(slot, i) says so; every other row idles.
-        → (each slot's output [1, T_r, D], the states collected [B, W, D] each: "layers" or "sublayers")."""
+        """One batched step: each slot of `inputs` — (h [1, T_r, D], its first position) — through the layers
+        spans[slot] = [lo, hi) of [start, end), with `skips` (skips_of: a skipping draft's) only the sublayers its
+        skip set keeps; every other row idles. What the step uploads is each row's first position, width and span
+        (StepRows): the device makes the positions and masks. → (each slot's output [1, T_r, D], the states
+        collected [B, W, D] each: "layers" or "sublayers")."""
         W = max(h.shape[1] for h, _ in inputs.values())
         some = next(iter(inputs.values()))[0]
         rows = self.slots[: self.running]  # the running rows, first (_compact): the step's batch on a CPU
         h = torch.cat([padded(inputs[s][0], W) if s in inputs else some.new_zeros(1, W, some.shape[2])
                        for s in rows])  # [m, W, D]
-        positions = [[inputs[s][1] + t if s in inputs and t < inputs[s][0].shape[1] else -1 for t in range(W)]
-                     for s in rows]
-        flags = [[live(s, i) if s in inputs else (False, False) for s in rows] for i in range(start, end)]
-        runs = [[f[kind] for f in layer] for layer in flags for kind in (0, 1)]  # [2n][m]
-        out, states, ran, computed = self.steps.run(start, end, h, positions, None if all(map(all, runs)) else runs,
-                                                    self._held, collect)
-        self._share(runs, ran, computed)
+        idle = (0, 0)
+        step = StepRows([inputs[s][1] if s in inputs else 0 for s in rows],
+                        [inputs[s][0].shape[1] if s in inputs else 0 for s in rows],
+                        [spans.get(s, idle)[0] for s in rows], [spans.get(s, idle)[1] for s in rows],
+                        held=self._held, skips=skips)
+        out, states, ran, computed = self.steps.run(start, end, h, step, collect)
+        self._share(step, start, end, ran, computed)
         return {s: out[s.index : s.index + 1, : inputs[s][0].shape[1]] for s in inputs}, states
 
-    def _share(self, runs: list[list[bool]], ran: list[bool], computed: int) -> None:
+    def skips_of(self, slots: list[Slot]) -> RowSkips:
+        """The skip sets of a skipping round's rows (their plans'), on the device once a round (RowSkips; a row not
+        among `slots` keeps every sublayer, and idles by its span)."""
+        planned = {s.index: s.round.plan.plan.skip for s in slots}
+        skips = [(frozenset(planned[i].attn), frozenset(planned[i].mlp)) if i in planned else (frozenset(),) * 2
+                 for i in range(self.size)]
+        return RowSkips.of(skips, self.size, self.stack.num_layers, self.stack.layers[0].device)
+
+    def _share(self, step: StepRows, start: int, end: int, ran: list[bool], computed: int) -> None:
         """The loads of a step: each sublayer computed ½ for the batch, shared by the rows that ran it; the other
         rows computed (the graphs compute all B) count ½ each as idle work (an empty slot's in the batch's total)."""
-        for live, done in zip(runs, ran):
-            if not done:
-                continue
-            self.loaded_layers += 0.5
-            users = sum(live)
-            for slot, on in zip(self.slots[:computed], [*live, *[False] * (computed - len(live))]):
-                if on:
-                    slot.loaded_layers += 0.5 / users
-                else:
-                    slot.idle_layers += 0.5
-                    self.idle_layers += 0.5
+        users = step.users(start, end)
+        loads = [0.5 / u if done and u else 0.0 for u, done in zip(users, ran)]
+        done = sum(ran)
+        self.loaded_layers += 0.5 * done
+        for b, slot in enumerate(self.slots[:computed]):
+            mine = step.sublayers_of(b, start, end) if b < step.rows else range(0)
+            share = sum(loads[mine.start : mine.stop]) if isinstance(mine, range) else sum(loads[j] for j in mine)
+            slot.loaded_layers += share
+            slot.idle_layers += 0.5 * (done - len(mine))
+            self.idle_layers += 0.5 * (done - len(mine))
         if self.stack.counter is not None:  # what really ran, for the tests' counter (the steps are not the loop)
-            self.stack.counter.layers += sum(ran) / 2
+            self.stack.counter.layers += done / 2
 
     def _alone(self, slot: Slot, layers: float) -> None:
         """`layers` a row loaded on its own (its prefill, a selection's or an optimiser's pass)."""

@@ -110,15 +110,12 @@ def draft_rows(batch, slots: list) -> None:
     for slot in slots:
         slot.round.draft = Draft()
     drafting = [s for s in slots if s.round.plan.budget > 0]
+    skips = batch.skips_of(drafting) if drafting else None  # on the device once a round
+    L = batch.stack.num_layers
     while drafting:
         h = batch.stack.embed(torch.cat([s.round.token.view(1, 1) for s in drafting], dim=1))  # [1, n, D]
         inputs = {s: (h[:, i : i + 1], s.round.pos) for i, s in enumerate(drafting)}
-
-        def runs(s, i: int) -> tuple[bool, bool]:
-            skip = s.round.plan.plan.skip
-            return i not in skip.attn, i not in skip.mlp
-
-        out, _ = batch.step(0, batch.stack.num_layers, inputs, runs)
+        out, _ = batch.step(0, L, inputs, {s: (0, L) for s in drafting}, skips=skips)
         for s in drafting:
             s.round.draft.exit_states.append(out[s])  # [1, 1, D]
         drafting = _candidates_rows(batch, drafting)
@@ -164,7 +161,7 @@ def verify_rows(batch, slots: list) -> None:
         r = s.round
         ids = torch.cat([r.pending.view(-1), *(i.view(-1) for i in r.draft.ids)])[None]  # [1, d+1]
         inputs[s] = (st.embed(ids), r.n - 1)
-    out, states = batch.step(0, L, inputs, lambda s, i: (True, True), collect)
+    out, states = batch.step(0, L, inputs, {s: (0, L) for s in slots}, collect)
     for s in slots:
         h, T, keep = inputs[s][0], inputs[s][0].shape[1], keeps[s]
         kept = None
