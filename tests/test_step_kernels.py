@@ -1,8 +1,8 @@
-"""What inductor makes of the static steps (engine/static_steps.py), read from its post-grad graph: the FX graph after
-inductor's own passes (its reinplacing included), as it prints it for TORCH_LOGS=post_grad_graphs. The compile is
-stopped there — no kernel is generated, so each check takes a second, and none needs a GPU: the graphs a CUDA run
-compiles are these graphs (static shapes at the captured cache's lengths; the CPU's compiled path marks the attended
-length dynamic)."""
+"""What inductor is asked for and what it makes of the static steps (engine/static_steps.py), the latter read from
+its post-grad graph: the FX graph after inductor's own passes (its reinplacing included), as it prints it for
+TORCH_LOGS=post_grad_graphs. The compile is stopped there — no kernel is generated, so each check takes a second, and
+none needs a GPU: the graphs a CUDA run compiles are these graphs (static shapes at the captured cache's lengths; the
+CPU's compiled path marks the attended length dynamic)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ import torch
 from torch._inductor.compile_fx import compile_fx
 
 from del_bench.engine import static_steps
-from del_bench.engine.compiled import RECOMPILE_LIMIT
+from del_bench.engine.compiled import RECOMPILE_LIMIT, Graphs
 from del_bench.engine.graph_runners import attended_views
-from del_bench.engine.static_steps import StaticSteps, StepFunctions, adopt
+from del_bench.engine.static_steps import CUDA_INDUCTOR_OPTIONS, StaticSteps, StepFunctions, adopt, inductor_options
 from del_bench.models.layer_stack import LayerStack
 from tests.conftest import tiny_model
 
@@ -116,3 +116,23 @@ def test_the_check_sees_a_scatter_write(stack, monkeypatch):
     monkeypatch.setattr(static_steps, "write_slots", scatter_write)
     fn, args = layer_step(stack, dynamic=False)
     assert inplace_on_inputs(post_grad_graph(fn, *args)) == ["copy_", "copy_"]
+
+
+def test_compiles_for_cuda_ask_inductor_for_tuned_kernels_and_the_setup_line_says_so(stack, monkeypatch):
+    """For CUDA the step functions are compiled with gpt-fast's inductor settings (coordinate-descent tuning: a
+    width-1 product becomes a tuned reduction fused with its neighbours; unique kernel names; the FX graph cache) —
+    torch.compile takes them (it checks each name when called, no GPU needed) — and the graphs' setup line records
+    them; on a CPU nothing is asked (the defaults: no slower compile) and the line says so."""
+    calls, compile_ = [], torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: calls.append(kwargs) or compile_(fn, **kwargs))
+    cuda = StepFunctions(StaticSteps(stack), "inductor", device_type="cuda")
+    assert [call.get("options") for call in calls] == [CUDA_INDUCTOR_OPTIONS] * 4  # layer, attention, mlp, rows_layer
+    assert CUDA_INDUCTOR_OPTIONS == {"coordinate_descent_tuning": True, "triton.unique_kernel_names": True,
+                                     "fx_graph_cache": True}
+    cpu = StepFunctions(StaticSteps(stack), "inductor")
+    assert cpu.options == {} and all("options" not in call for call in calls[4:])
+    assert inductor_options(inductor, "cuda") == {}  # another backend is not inductor's to configure
+    graphs = Graphs(stack)  # compile=on on this CPU
+    assert graphs.setup() == {"inductor_options": {}}
+    graphs.functions = cuda
+    assert graphs.setup() == {"inductor_options": CUDA_INDUCTOR_OPTIONS}

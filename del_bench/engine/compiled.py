@@ -108,9 +108,10 @@ class Graphs:
         return len(self.runner.made)
 
     def setup(self) -> dict:
-        """What a run's setup line says of the graphs beyond their kind and count: for captured graphs the captured
-        cache's slots and the attended lengths they were made for."""
-        out: dict = {}
+        """What a run's setup line says of the graphs beyond their kind and count: the inductor settings their
+        kernels were compiled with (inductor_options: gpt-fast's for CUDA, none elsewhere), and for captured graphs the
+        captured cache's slots and the attended lengths they were made for."""
+        out: dict = {"inductor_options": self.functions.options} if self.functions.fused else {}
         if self.cache is not None and self.runner.static_lengths:
             out.update(cache_slots=self.cache.max_len, attended_lengths=attended_lengths(self.cache.max_len))
         return out

@@ -35,6 +35,8 @@ from del_bench.numerics import is_half
 from del_bench.transfer import upload
 
 CACHE_QUANTUM = 256  # a captured cache's length is a multiple of it; the attended lengths start at it and double
+# what inductor is asked for when it compiles the steps for CUDA: gpt-fast's settings (inductor_options)
+CUDA_INDUCTOR_OPTIONS = {"coordinate_descent_tuning": True, "triton.unique_kernel_names": True, "fx_graph_cache": True}
 
 
 def attended_lengths(max_len: int) -> list[int]:
@@ -198,6 +200,16 @@ def live_sublayers(lo: torch.Tensor, hi: torch.Tensor, keep: torch.Tensor | None
     return live if keep is None else live & keep[:, 2 * start : 2 * end].T
 
 
+def inductor_options(backend, device_type: str) -> dict:
+    """What inductor is asked for when it compiles the steps for `device_type`. On CUDA gpt-fast's settings:
+    coordinate-descent tuning of the Triton kernels — with it inductor also lowers a single-row product (a width-1
+    step's GEMV) as a reduction it tunes and fuses with its neighbours' pointwise work, instead of a cuBLAS kernel
+    beside separate ones — unique kernel names (a profile tells the kernels apart), and the FX graph cache (a later
+    process reuses the compiled graphs). Elsewhere none: on a CPU coordinate descent changes nothing there and the
+    defaults compile fastest."""
+    return dict(CUDA_INDUCTOR_OPTIONS) if backend == "inductor" and device_type == "cuda" else {}
+
+
 class StaticSteps:
     """The step functions of one LayerStack over a static cache: pure tensor code (no host read, no Python-side
     state), so a graph can capture them. h [B, T, D], positions [B, T] (long, on the layers' device); k, v: each layer's
@@ -299,15 +311,20 @@ class StaticSteps:
 class StepFunctions:
     """What a runner calls for a step: StaticSteps' own functions (`backend` None: the eager kernels, op by op) or
     the same functions compiled by torch.compile (`backend`: inductor fuses each layer's norms, RoPE, cache writes,
-    mask and residual adds into a few kernels beside the matrix products and the attention). One compiled function
-    per step kind, guarded on shapes only, so a width's graph serves every layer (the layer's tensors are arguments):
-    compile time grows with the widths and attended lengths, not the layers."""
+    mask and residual adds into a few kernels beside the matrix products and the attention; for CUDA with
+    inductor_options). One compiled function per step kind, guarded on shapes only, so a width's graph serves every
+    layer (the layer's tensors are arguments): compile time grows with the widths and attended lengths, not the
+    layers."""
 
-    def __init__(self, steps: StaticSteps, backend=None):
+    def __init__(self, steps: StaticSteps, backend=None, device_type: str | None = None):
+        """device_type: what the functions are compiled for (default: where the stack's layers are)."""
         self.steps, self.backend = steps, backend
+        self.options = inductor_options(backend, device_type or steps.stack.layers[0].device.type)
+        extra = {"options": self.options} if self.options else {}
 
         def made(fn):
-            return fn if backend is None else torch.compile(fn, fullgraph=True, dynamic=False, backend=backend)
+            return fn if backend is None else torch.compile(fn, fullgraph=True, dynamic=False, backend=backend,
+                                                            **extra)
 
         self.layer, self.attention, self.mlp = made(steps.layer), made(steps.attention_at), made(steps.mlp)
         self.rows_layer = made(steps.rows_layer)
