@@ -288,12 +288,13 @@ def test_the_cuda_graph_runner_replays_the_engines_steps(stack_and_prompt, name,
     assert engine.cache is not graphs.cache and "were captured on" in caplog.text
 
 
-@pytest.mark.parametrize("name", ["vanilla", "del", "swift"])
+@pytest.mark.parametrize("name", ["vanilla", "del"])
 def test_captured_graphs_attend_to_their_length_across_a_boundary(stack_and_prompt, name, monkeypatch):
     """CUDA graphs per attended length (the runner replayed on the CPU): on a cache captured for 512 slots a graph
     is made for 256 and for 512, each a view of the one cache; a decode that crosses slot 256 replays the 256-slot
     graphs, then the 512-slot ones — every replay attending over the smallest length that holds its slots — with
-    the eager engine's tokens (chains, DEL's collecting chains, SWIFT's sublayer steps)."""
+    the eager engine's tokens (chains, DEL's collecting chains; sublayer steps take their length the same way:
+    test_every_method_on_the_graphs_gives_eager_tokens[swift])."""
     stack, prompt = stack_and_prompt
     prompt, method = long_prompt(prompt), METHODS[name]
     reference = decode(stack, prompt, method)
@@ -472,7 +473,7 @@ def test_a_batchs_graphs_are_the_chains_its_rounds_can_call(stack_and_prompt):
     assert graphs.cache.k[0].shape[:3] == (2, stack.n_kv_heads, compiled.CACHE_QUANTUM)
 
 
-@pytest.mark.parametrize("case", ["vanilla", "del", "clasp"])
+@pytest.mark.parametrize("case", ["vanilla", "clasp"])
 def test_a_batchs_graphs_grow_with_a_longer_request_and_attend_to_their_length(case, monkeypatch, caplog):
     """A batch's CUDA graphs (replayed on the CPU) captured for short requests (a cache of 256 slots): a request too
     long for it, admitted mid-run, has the graphs made again on a longer captured cache (Graphs.grow: recorded in

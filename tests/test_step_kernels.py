@@ -109,7 +109,7 @@ def test_a_compiled_step_writes_its_positions_not_a_copy_of_the_cache(stack, cas
 
 
 def test_the_check_sees_a_scatter_write(stack, monkeypatch):
-    """The check above is not vacuous: with the cache written by scatter_ (as before) it sees the copies back."""
+    """The check above is not vacuous: with the cache written by scatter_ it sees the copies back."""
     def scatter_write(cache, slots, new):
         cache.scatter_(2, slots[:, None, :, None].expand(-1, cache.shape[1], -1, cache.shape[3]), new)
 
