@@ -126,6 +126,16 @@ def test_the_summary_says_the_tree_and_packs_the_records(tmp_path, capsys):
     assert node.tree_state()["commit"]  # this checkout's
 
 
+def test_the_cuda_step_selects_the_tests_that_need_a_gpu():
+    """`pytest -m cuda` (the pytest_cuda step) takes the tests skipped without a CUDA device (conftest marks them) —
+    the lossless tests' CUDA half — and not the CPU tests whose names mention CUDA (the CUDA-graph runner replayed)."""
+    listed = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "cuda and not slow",
+                             "-p", "no:cacheprovider", "tests/test_engine.py", "tests/test_compiled.py"],
+                            capture_output=True, text=True, cwd=REPO, timeout=300).stdout
+    ids = [line for line in listed.splitlines() if "::" in line]
+    assert ids and all(i.startswith("tests/test_engine.py::") and "[cuda-" in i for i in ids)
+
+
 def test_a_step_stops_at_its_first_failing_command(tmp_path):
     node = gpu_node()
     step = node.Step("two", 30, [["sh", "-c", "exit 3"], ["sh", "-c", f"touch {tmp_path / 'ran'}"]], "two commands")
