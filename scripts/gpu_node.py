@@ -7,12 +7,15 @@
       no wheel and is built from its sdist. --print: only say what it would run.
   python3 scripts/gpu_node.py check [OUT_DIR] [--dry-run] [--list] [--steps a,b] [--budget S] [--wheels DIR]
       On the GPU node, from the checkout (make gpu-check): installs DEST's wheels into a target folder (pip
-      --no-index --no-deps --target; on PYTHONPATH with the checkout for every step, offline), then runs STEPS,
-      each a subprocess with its own timeout (its process group killed at the limit) and the whole within --budget
-      seconds (default 480: 8 minutes), logging to OUT_DIR/<step>.log beside its result files. OUT_DIR: the
-      argument, else $OUT (a lent device's output folder), else results/runs/gpu-check. A step that fails or
-      times out is reported and the next one runs; a summary of every step and of what its results say comes
-      last (stdout and OUT_DIR/summary.json); the exit status is 1 only then, if any step did not pass.
+      --no-index --no-deps --target; on PYTHONPATH with the checkout for every step, offline), then runs STEPS in
+      the order of what their figures are worth, each a subprocess with its own timeout (its process group killed
+      at the limit; each bench writes its result file as it goes) and the whole within --budget seconds (default
+      540: 9 minutes), logging to OUT_DIR/<step>.log beside its result files. OUT_DIR: the argument, else $OUT (a
+      lent device's output folder), else results/runs/gpu-check. A step that fails or times out is reported and the
+      next one runs; then the steps' run records are packed into OUT_DIR/records.tar.gz (one file: a lent device
+      returns few), and a summary of every step, of what its results say and of the tree they were measured from
+      (its commit; a tree that differs from it is not passed, unless --allow-dirty) comes last (stdout and
+      OUT_DIR/summary.json); the exit status is 1 only then, if anything did not pass.
       --dry-run: every step tiny on the CPU, the CUDA-only ones skipped (tests/test_gpu_node.py runs it).
 
 Standard library only: it runs before the wheels it installs are there.
@@ -28,6 +31,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 import xml.etree.ElementTree as ET
@@ -132,10 +136,11 @@ class Step:
 
 
 def steps(out: Path, python: str, dry: bool, runs: Path) -> list[Step]:
-    """The checks, in the order of what their figures are worth (a budget spent early leaves the best measured).
-    Real: the sizes one H100 runs in the budget; dry: tiny, on the CPU, eager loop. Each step writes its result file
-    as it goes (bench gpu after every prompt's rows); run records go under `runs`, apart from OUT_DIR (a lent
-    device returns a few files of it)."""
+    """The checks, in the order of what their figures are worth (a budget spent early leaves the best measured), each
+    timeout its own budget: together 520 s of the default 540 (9 minutes: a lent machine's 15, less its ~3-minute
+    start, leaves a rerun of a step room). Real: the sizes an H200 should run in them (estimates: not yet run there);
+    dry: tiny, on the CPU, eager loop. Each step writes its result file as it goes (bench gpu after every prompt's
+    rows); run records go under `runs`, apart from OUT_DIR (packed into records.tar.gz at the end)."""
     py = [python]
     bench = [*py, "-m", "del_bench", "bench"]
     device = ["--device", "cpu" if dry else "cuda"]
@@ -144,51 +149,73 @@ def steps(out: Path, python: str, dry: bool, runs: Path) -> list[Step]:
     synthetic_7b = small(["--model", "synthetic-llama2-7b", "--dtype", "bfloat16"],
                          ["--model", "synthetic-testbed", "--dtype", "float32"])
     return [
-        Step("env", 60, [[*py, "-c", ENV_CHECK, "cpu" if dry else "cuda", *WHEELS.values(), *IMAGE_MODULES,
+        Step("env", 30, [[*py, "-c", ENV_CHECK, "cpu" if dry else "cuda", *WHEELS.values(), *IMAGE_MODULES,
                           "del_bench"]], "versions, the device, every module importable"),
         # the headline: a Llama-2-7B-shaped synthetic model (agreement 0.8 at E = 8) — Vanilla eager vs captured
-        # (unfused graphs) vs fused graphs against the HBM roofline, LS and DEL on the fused graphs measured against
-        # the memory-bound prediction, per-prompt speeds, host reads a round, kernel launches a layer, = generate
-        Step("bench_gpu_7b", 250, [[*bench, "gpu", *synthetic_7b, *device, "--root", str(runs / "bench_gpu_7b"),
+        # (unfused graphs) vs fused graphs against the roofline (the data sheet's and the one probed in the run), LS
+        # and DEL on the fused graphs against the memory-bound prediction, Vanilla and LS at B = 8 on the fused
+        # graphs, every row's outputs against generate's (near-tie rule), kernel launches a layer
+        Step("bench_gpu_7b", 300, [[*bench, "gpu", *synthetic_7b, *device, "--root", str(runs / "bench_gpu_7b"),
                                     "--out", str(out / "bench_gpu_7b.json"), "--loop", "eager",
-                                    "--captured", small("graphs,on", "on"), "--vanilla-only", "graphs", "--no-peers",
-                                    *small(["--prompts", "3", "--max-new-tokens", "64", "--configs", "8:4",
-                                            "--del-lookahead", "4"],
+                                    "--captured", small("graphs,on", "on"), "--peers", "generate",
+                                    "--vanilla-only", small("off,graphs", "off"),
+                                    *small(["--prompts", "8", "--max-new-tokens", "48", "--configs", "8:4",
+                                            "--batch", "8"],
                                            ["--prompts", "2", "--prompt-len", "6", "--max-new-tokens", "4",
-                                            "--configs", "4:2", *tiny_cpu])]],
-             "bench gpu on synthetic-llama2-7b: Vanilla eager / graphs / fused graphs, LS and DEL eager and fused",
-             results=["bench_gpu_7b.json"]),
-        Step("pytest_cuda", 150, [[*py, "-m", "pytest", "-q", "-m", "not slow", "-k", "cuda", "-p", "no:cacheprovider",
-                                   f"--junitxml={out / 'pytest_cuda.xml'}"]], "the CUDA tests (pytest -k cuda)",
+                                            "--configs", "4:2", "--batch", "2", *tiny_cpu])]],
+             "bench gpu on synthetic-llama2-7b: Vanilla eager / graphs / fused graphs, LS and DEL fused, Vanilla and "
+             "LS at B = 8 fused, each against generate", results=["bench_gpu_7b.json"]),
+        # the tests that need a GPU (conftest marks them `cuda`): the lossless tests on CUDA and the device tests; the
+        # bench's captured rows at a tiny shape left out (bench_gpu_7b checks them at 7B: their compiles cost a minute)
+        Step("pytest_cuda", 90, [[*py, "-m", "pytest", "-q", "-m", "cuda and not slow", "-k",
+                                  "not half_precision_eager_and_captured", "-p", "no:cacheprovider", "--durations=5",
+                                  f"--junitxml={out / 'pytest_cuda.xml'}"]], "the CUDA tests (pytest -m cuda)",
              cuda_only=True, results=["pytest_cuda.xml"]),
-        Step("profile", 90, [[*py, "-m", "del_bench", "bench", "profile", "--out", str(out / "profile.json"),
-                              *small(["--limit", "3", "--max-new-tokens", "16", "--set", "model=synthetic-llama2-7b",
-                                      "model.device=cuda", "model.dtype=bfloat16", "method=vanilla", "compile=off",
-                                      "layers=eager", "warmup=steady", "task.sandbox.allow_root_fallback=true"],
-                                     ["--limit", "2", "--max-new-tokens", "4", "--set", "model=tiny-random",
-                                      "layers=eager", "threads=1", "warmup_tokens=2"])]],
-             "what a cold prompt pays: eager Vanilla's first timed prompts profiled against its last",
-             results=["profile.json"]),
-        Step("half_lossless_testbed", 90, [[*bench, "half-lossless", "--model", "testbed", *device, "--dtype",
+        Step("half_lossless_testbed", 60, [[*bench, "half-lossless", "--model", "testbed", *device, "--dtype",
                                             "bfloat16", "--layers", "eager",
-                                            *small(["--prompts", "2", "--max-new-tokens", "32", "--compile", "on"],
+                                            *small(["--prompts", "1", "--max-new-tokens", "24", "--compile", "on"],
                                                    ["--prompts", "1", "--max-new-tokens", "4"]),
                                             "--out", str(out / "half_lossless_testbed.json")]],
              "every method on the fused CUDA graphs vs generate in bf16 on the testbed",
              results=["half_lossless_testbed.json"]),
-        # batched rounds as tensors (engine/lockstep.py) on the 7B shape: Vanilla at B = 8 against B = 1, LS at B = 8
-        # against the speedup its batch's loads predict; the batch's graphs captured per (B, width bucket)
-        Step("bench_batch_7b", 240, [[*bench, "batch", "--no-del", "--root", str(runs / "bench_batch_7b"),
-                                      "--out", str(out / "bench_batch_7b.json"),
-                                      *small(["--batch-sizes", "1,8", "--limit", "8", "--max-new-tokens", "64"],
-                                             ["--batch-sizes", "1,2", "--limit", "2", "--max-new-tokens", "4",
-                                              "--set", "warmup_tokens=2"]),
-                                      "--random", *synthetic_7b, *device, "--loop", "eager",
-                                      *small(["--configs", "8:4"], ["--prompt-len", "6", "--configs", "4:2",
-                                                                     *tiny_cpu])]],
-             "bench batch on synthetic-llama2-7b: Vanilla at B = 8 vs B = 1, LS at B = 8 measured ÷ predicted",
-             results=["bench_batch_7b.json"]),
+        Step("profile", 40, [[*py, "-m", "del_bench", "bench", "profile", "--out", str(out / "profile.json"),
+                              *small(["--limit", "3", "--max-new-tokens", "16", "--set", "model=testbed",
+                                      "model.device=cuda", "model.dtype=bfloat16", "method=vanilla", "compile=off",
+                                      "layers=eager", "warmup=steady", "task.sandbox.allow_root_fallback=true"],
+                                     ["--limit", "2", "--max-new-tokens", "4", "--set", "model=tiny-random",
+                                      "layers=eager", "threads=1", "warmup_tokens=2"])]],
+             "what a cold prompt pays: eager Vanilla's first timed prompts profiled against its last (the testbed)",
+             results=["profile.json"]),
     ]
+
+
+def pack_records(runs: Path, out: Path) -> dict:
+    """The steps' run records (every run's samples, rounds, summary and setup lines) as OUT_DIR/records.tar.gz: one
+    file, whatever a lent device returns of OUT_DIR."""
+    files = sorted(p for p in runs.rglob("*") if p.is_file()) if runs.is_dir() else []
+    if not files:
+        return {"status": "skipped", "why": f"no run records under {runs}"}
+    target = out / "records.tar.gz"
+    with tarfile.open(target, "w:gz") as tar:
+        for path in files:
+            tar.add(path, arcname=str(path.relative_to(runs)))
+    return {"status": "passed", "file": str(target), "files": len(files), "bytes": target.stat().st_size}
+
+
+def tree_state(repo: Path = REPO) -> dict:
+    """The checkout's commit and the files that differ from it (tracked or untracked, ignored ones and results/
+    aside, as the records' provenance counts them): figures from a tree that differs are not the commit's."""
+    def git(*args):
+        try:
+            done = subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, timeout=20)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return done.stdout if done.returncode == 0 else None
+
+    commit = git("rev-parse", "--verify", "HEAD")
+    changed = git("status", "--porcelain", "--", ".", ":(exclude)results")
+    return {"commit": commit.strip() if commit else None,
+            "changed": None if changed is None else [line[3:] for line in changed.splitlines()]}
 
 
 def child_env(site: Path | None) -> dict:
@@ -279,7 +306,9 @@ def digest(out: Path, name: str) -> list[str]:
                 f"near-ties {s['near_ties']}, real departures {s['real_departures']} ({data.get('layer_path')})"]
     if data.get("bench") == "gpu":
         synthetic = data.get("synthetic") or {}
-        lines = [f"bandwidth {data['bandwidth_gbps']:.3g} GB/s ({data['bandwidth_source']}), model made in "
+        probe = data.get("probe") or {}
+        probed = f", probed {probe['gbps']:.3g} GB/s ({probe.get('timer')})" if probe else ""
+        lines = [f"bandwidth {data['bandwidth_gbps']:.3g} GB/s ({data['bandwidth_source']}){probed}, model made in "
                  f"{data.get('build_s', 0):.1f} s, loop {data['layer_path']}, kernel launches a layer "
                  f"{data.get('launches_per_layer')}"]
         if synthetic:
@@ -290,8 +319,11 @@ def digest(out: Path, name: str) -> list[str]:
                 lines.append(f"{r['row']}: not run — {r['failure'][:160]}")
                 continue
             graphs = f", graphs {'yes' if r.get('graphs') else 'no'}" if r.get("path") != "eager" else ""
-            lines.append(f"{r['row']}: {r['tokens_per_s']:.1f} tok/s, 1st/rest {fmt(r.get('first_over_rest'))}, "
-                         f"roofline {fmt(r.get('roofline_x'))}, speedup {fmt(r.get('speedup'))} (pred. "
+            batch = (f" (B={r['batch_size']}: {fmt(r.get('throughput'))} tok/s a batch, ×B=1 {fmt(r.get('scaling'))})"
+                     if (r.get("batch_size") or 1) > 1 else "")
+            lines.append(f"{r['row']}: {r['tokens_per_s']:.1f} tok/s{batch}, 1st/rest {fmt(r.get('first_over_rest'))}, "
+                         f"roofline {fmt(r.get('roofline_x'))} (probe {fmt(r.get('roofline_probe_x'))}), "
+                         f"speedup {fmt(r.get('speedup'))} (pred. "
                          f"{fmt(r.get('bytes_predicted_speedup'))}, meas/pred "
                          f"{fmt(r.get('measured_over_bytes_predicted'))}), acc/token {fmt(r.get('token_acceptance'))}"
                          f", reads/round {fmt(r.get('host_reads_per_round'))}, = generate "
@@ -325,7 +357,8 @@ def cmd_check(argv: list[str]) -> int:
     ap.add_argument("--dry-run", action="store_true", help="every step tiny on the CPU, CUDA-only steps skipped")
     ap.add_argument("--list", action="store_true", help="print the steps and their commands, run nothing")
     ap.add_argument("--steps", default=None, help="comma-separated: run only these")
-    ap.add_argument("--budget", type=float, default=480, help="seconds for all steps together")
+    ap.add_argument("--budget", type=float, default=540, help="seconds for all steps together (default: %(default)s)")
+    ap.add_argument("--allow-dirty", action="store_true", help="a tree that differs from its commit still passes")
     ap.add_argument("--wheels", default=str(REPO / ".gpu-whl"), help="the wheels to install (make gpu-wheels)")
     ap.add_argument("--site", default=None, help="where to install them (default: a temporary folder)")
     ap.add_argument("--python", default=sys.executable, help="the interpreter every step runs")
@@ -350,7 +383,10 @@ def cmd_check(argv: list[str]) -> int:
         return 0
     out.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + args.budget
-    report = {"dry_run": args.dry_run, "budget_s": args.budget, "steps": {}}
+    tree = tree_state()
+    report = {"dry_run": args.dry_run, "budget_s": args.budget, "tree": tree, "steps": {}}
+    print(f"tree: {tree['commit'] or 'no commit'}" + (f", {len(tree['changed'])} files differ from it"
+                                                       if tree["changed"] else ""), flush=True)
     if not args.steps or "wheels" in args.steps.split(","):
         wheels = install_wheels(Path(args.wheels), args.site and Path(args.site), args.python, out, args.dry_run)
         report["steps"]["wheels"] = wheels
@@ -364,7 +400,8 @@ def cmd_check(argv: list[str]) -> int:
             print(f"== {s.name}: {s.what}", flush=True)
             report["steps"][s.name] = {**run_step(s, out, env, deadline), "results": s.results}
         show(s.name, report["steps"][s.name], tail(report["steps"][s.name].get("log")))
-    return summarise(report, out, plan)
+    report["records"] = pack_records(runs, out)
+    return summarise(report, out, plan, strict_tree=not (args.dry_run or args.allow_dirty))
 
 
 def tail(log: str | None, lines: int = 6, width: int = 200) -> list[str]:
@@ -381,10 +418,19 @@ def show(name: str, result: dict, lines: list[str]) -> None:
     print(f"[{result['status']}] {name}{took}{why}" + "".join(f"\n    {line}" for line in lines), flush=True)
 
 
-def summarise(report: dict, out: Path, plan: list[Step]) -> int:
-    """Print and write (summary.json) every step's status and what its results say; 1 if any step did not pass."""
+def summarise(report: dict, out: Path, plan: list[Step], strict_tree: bool = True) -> int:
+    """Print and write (summary.json) every step's status and what its results say, the records packed and the tree
+    measured from; 1 if any step did not pass, or (strict_tree) the tree is no commit's."""
     print(f"\n==== gpu-check summary ({'dry run, ' if report['dry_run'] else ''}results in {out})")
     bad = []
+    tree, records = report.get("tree") or {}, report.get("records") or {}
+    clean = bool(tree.get("commit")) and tree.get("changed") == []
+    print(f"[{'clean' if clean else 'not clean'}] tree at {tree.get('commit') or 'an unknown commit'}"
+          + "".join(f"\n    differs: {path}" for path in (tree.get("changed") or [])[:10]))
+    if strict_tree and not clean:
+        bad.append("tree")
+    print(f"[{records.get('status', 'skipped')}] records: " + (f"{records['files']} files in {records['file']}"
+                                                              if "file" in records else records.get("why", "none")))
     for name, result in report["steps"].items():
         step = next((s for s in plan if s.name == name), None)
         result["digest"] = [line for f in (step.results if step else []) for line in digest(out, f)]

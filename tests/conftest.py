@@ -25,6 +25,19 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="no CUDA device here: the lossless tests ran on CPU only"))]
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cuda: runs only where a CUDA device is (marked at collection: conftest)")
+
+
+def pytest_collection_modifyitems(items):
+    """Mark `cuda` every test that runs only where a CUDA device is — skipped without one, the reason saying so
+    (DEVICES' "cuda" half, and the tests like it) — so a GPU node runs them alone (`pytest -m cuda`, make gpu-check),
+    not the CPU tests whose names merely mention CUDA (the CUDA-graph runner replayed on the CPU)."""
+    for item in items:
+        if any(m.name == "skipif" and "CUDA" in str(m.kwargs.get("reason", "")) for m in item.iter_markers()):
+            item.add_marker(pytest.mark.cuda)
+
+
 # A hung test (a lock nobody will release, a child that never answers) must end the run, red, with where it hung —
 # not run CI into its time limit with nothing printed, as a leftover build lock once did (models/fused.build_lock).
 # pytest's faulthandler_timeout (pyproject.toml) prints the stacks first; this ends the process a little after.

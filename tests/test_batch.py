@@ -10,6 +10,7 @@ decoded twice gives the same records; and the batch's loads are counted where th
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 
@@ -18,10 +19,11 @@ import torch
 
 from del_bench import runner, session
 from del_bench.__main__ import format_table
+from del_bench.engine import static_steps
 from del_bench.engine.batch import Batch
 from del_bench.engine.decode import Engine, Request
 from del_bench.engine.sampling import Sampling
-from del_bench.engine.static_steps import RowSteps
+from del_bench.engine.static_steps import RowSkips, RowSteps, StepRows, live_sublayers, row_positions
 from del_bench.errors import ConfigError
 from del_bench.methods.peers import peer_method
 from del_bench.models.layer_stack import LayerStack
@@ -157,10 +159,11 @@ def test_half_precision_rows_follow_the_near_tie_rule_against_batch1(case):
 
 # ---- mutants: a row that leaks into a neighbour fails the checks above ------------------------------------------
 def _swap_first_two_rows_positions(original):
-    def mutant(self, start, end, h, positions, *args, **kwargs):
-        if len(positions) > 1:
-            positions = [positions[1], positions[0], *positions[2:]]
-        return original(self, start, end, h, positions, *args, **kwargs)
+    def mutant(self, start, end, h, rows, *args, **kwargs):
+        if rows.rows > 1:
+            rows = dataclasses.replace(rows, first=[rows.first[1], rows.first[0], *rows.first[2:]],
+                                       count=[rows.count[1], rows.count[0], *rows.count[2:]])
+        return original(self, start, end, h, rows, *args, **kwargs)
     return mutant
 
 
@@ -408,9 +411,9 @@ def test_once_the_jobs_run_out_the_running_rows_move_down_and_steps_run_them_alo
     stack, prompts, eos, refs = setup
     widths, run = [], RowSteps.run
 
-    def spy(self, start, end, h, positions, *args, **kwargs):
+    def spy(self, start, end, h, rows, *args, **kwargs):
         widths.append(h.shape[0])
-        return run(self, start, end, h, positions, *args, **kwargs)
+        return run(self, start, end, h, rows, *args, **kwargs)
 
     monkeypatch.setattr(RowSteps, "run", spy)
     gens, stats, _ = batched(stack, prompts, eos, method("vanilla"))
@@ -438,3 +441,50 @@ def test_one_host_read_a_round_for_the_whole_batch_counted_independently(setup):
     assert counted.total == stats["reads"] == stats["rounds"] + 2 * len(prompts)
     assert math.isclose(sum(r for r, _ in shares), stats["reads"])
     assert math.isclose(sum(n for _, n in shares), stats["rounds"] + len(prompts))
+
+
+# ---- what a step uploads: each row's first position, width and layers; the masks made on the device ----------------
+def test_the_device_masks_are_what_the_host_decided():
+    """From a step's 4B uploaded ints (and a skipping round's skip sets) the device makes each row's positions and
+    which rows run each sublayer; they are exactly what the host counts from the same StepRows (its loads, which
+    sublayers it computes): random rows, spans, widths and skip sets, with and without skips, for chains that begin
+    and end anywhere."""
+    gen = torch.Generator().manual_seed(0)
+    L, B, W = 6, 5, 4
+    for trial in range(40):
+        def ints(low, high):
+            return torch.randint(low, high, (B,), generator=gen).tolist()
+        lo, span, count = ints(0, L), ints(0, L + 1), ints(0, W + 1)
+        skips = None
+        if trial % 2:
+            sets = [(frozenset(i for i in range(L) if torch.rand(1, generator=gen) < 0.3),
+                     frozenset(i for i in range(L) if torch.rand(1, generator=gen) < 0.3)) for _ in range(B)]
+            skips = RowSkips.of(sets, B, L, torch.device("cpu"))
+        rows = StepRows(ints(0, 50), count, lo, [min(L, a + d) for a, d in zip(lo, span)], held=60, skips=skips)
+        start, end = sorted(torch.randint(0, L + 1, (2,), generator=gen).tolist())
+        if start == end:
+            continue
+        first, n, low, high = static_steps.upload(rows.values(), torch.device("cpu")).view(4, B)
+        live = live_sublayers(low, high, None if skips is None else skips.keep, start, end)  # [2n, B]
+        for b in range(B):
+            assert live[:, b].nonzero().flatten().tolist() == list(rows.sublayers_of(b, start, end))
+        assert live.sum(1).tolist() == rows.users(start, end)
+        at = row_positions(first, n, W, 63)
+        for b in range(B):
+            assert at[b].tolist() == [rows.first[b] + t if t < rows.count[b] else 63 for t in range(W)]
+
+
+@pytest.mark.parametrize("case", ["del", "clasp"])
+def test_a_step_uploads_4_ints_a_row_and_a_skipping_round_its_skip_sets_once(setup, case, monkeypatch):
+    """What the host sends the device for a batch's steps: one upload of each row's first position, width and layer
+    range a step (4 ints a row, whatever the depth), and a skipping round's skip sets [B, 2L] once a round — not a
+    flag per row and sublayer a step."""
+    stack, prompts, eos, _ = setup
+    sizes, upload = [], static_steps.upload
+    monkeypatch.setattr(static_steps, "upload", lambda values, device: sizes.append(len(values)) or upload(values,
+                                                                                                        device))
+    _, stats, _ = batched(stack, prompts, eos, method(case))
+    per_round = 2 * stack.num_layers * B
+    steps = [n for n in sizes if n != per_round]
+    assert steps and all(n % 4 == 0 and n <= 4 * B for n in steps)
+    assert 0 < sizes.count(per_round) <= stats["rounds"] if case == "clasp" else per_round not in sizes

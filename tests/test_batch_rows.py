@@ -20,7 +20,7 @@ from del_bench.engine.decode import Engine, Request
 from del_bench.engine.layer_path import LayerPath
 from del_bench.engine.path_choice import stack_of
 from del_bench.engine.sampling import Sampling
-from del_bench.engine.static_steps import RowSteps
+from del_bench.engine.static_steps import RowSteps, StepRows
 from del_bench.methods.dynamic_exit import DEL
 from del_bench.methods.ls import LayerSkip
 from del_bench.methods.swift import Swift
@@ -114,8 +114,9 @@ def test_an_idle_row_writes_only_the_scratch_slot_beyond_what_any_row_holds():
     for k in cache.k + cache.v:
         k.normal_()
     before = [k.clone() for k in cache.k + cache.v]
-    h = torch.randn(3, 1, stack.norm_weight.shape[0], dtype=stack.dtype)  # [3, 1, D]; row 2 idles (position −1)
-    RowSteps(stack, cache).run(0, stack.num_layers, h, [[5], [6], [-1]], None, 100, None)
+    h = torch.randn(3, 1, stack.norm_weight.shape[0], dtype=stack.dtype)  # [3, 1, D]; row 2 idles (no position)
+    L = stack.num_layers
+    RowSteps(stack, cache).run(0, L, h, StepRows([5, 6, 0], [1, 1, 0], [0, 0, 0], [L, L, 0], held=100))
     for old, new in zip(before, cache.k + cache.v):
         changed = (old != new).any(-1).any(1)  # [3, S]: slots written, per row
         assert changed[0].nonzero().flatten().tolist() == [5] and changed[1].nonzero().flatten().tolist() == [6]
@@ -131,9 +132,9 @@ def test_the_scratch_slot_lies_beyond_every_rows_draft_budget(monkeypatch):
     prompts = [tiny_model()[1](p)["input_ids"] for p in PROMPTS]
     log, run, round_ = [], RowSteps.run, Batch._round
 
-    def spy(self, start, end, h, positions, live, held, *args, **kwargs):
-        log[-1].append((held, max(p for row in positions for p in row)))
-        return run(self, start, end, h, positions, live, held, *args, **kwargs)
+    def spy(self, start, end, h, rows, *args, **kwargs):
+        log[-1].append((rows.held, max(f + c - 1 for f, c in zip(rows.first, rows.count))))
+        return run(self, start, end, h, rows, *args, **kwargs)
 
     def rounds(self, slots):
         log.append([])

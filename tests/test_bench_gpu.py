@@ -19,10 +19,11 @@ TINY = ["--shape", "tiny", "--threads", "1", "--loop", "eager"]  # eager: no bui
 SMALL = ["--prompts", "2", "--prompt-len", "6", "--max-new-tokens", "6", "--configs", "1:2", "--probe-mb", "8"]
 
 
-def run_bench(tmp_path, *argv):
+def run_bench(tmp_path, *argv, **kwargs):
     out = tmp_path / "gpu.json"
     report = bench_gpu.bench(bench_gpu.parse_args([*TINY, *SMALL, *argv, "--out", str(out),
-                                                   "--root", str(tmp_path / "runs"), "--set", "warmup_tokens=2"]))
+                                                   "--root", str(tmp_path / "runs"), "--set", "warmup_tokens=2"]),
+                             **kwargs)
     assert json.loads(out.read_text())["rows"] == json.loads(json.dumps(report["rows"]))
     return report, {r["row"]: r for r in report["rows"]}
 
@@ -33,7 +34,8 @@ def test_bench_gpu_runs_every_row_at_a_tiny_shape(tmp_path, capsys):
     report, rows = run_bench(tmp_path, "--device", "cpu", "--dtype", "float32", "--captured", "off")
     assert list(rows) == ["Vanilla (eager)", "LS(E1-γ2) (eager)", "DEL (eager)", "HF generate †",
                           "HF assistant_early_exit(E1-γ2) †"]
-    assert report["bandwidth_source"] == "GEMV probe" and report["bandwidth_gbps"] > 0
+    assert report["bandwidth_source"] == "GEMV probe" and report["bandwidth_gbps"] == report["probe"]["gbps"] > 0
+    assert report["probe"]["timer"] == "host clock" and report["probe"]["median_gbps"] <= report["probe"]["gbps"]
     for name, r in rows.items():
         samples = read_jsonl(tmp_path / "runs" / r["method_tag"] / "samples.jsonl")
         assert len(samples) == 2 and all(s["generated_tokens"] == 6 for s in samples), name  # no EOS: to the end
@@ -84,6 +86,48 @@ def test_bench_gpu_half_precision_eager_and_captured_rows(device, tmp_path, caps
         assert all("failure" not in r and r["graphs"] for r in captured), [r.get("failure") for r in captured]
     else:
         assert captured == []
+
+
+def test_every_row_is_also_a_fraction_of_the_bandwidth_probed_in_the_same_run(tmp_path, capsys):
+    """The roofline measured, not assumed: the bench probes a weight-sized GEMV in the run (here a stand-in probe
+    reporting 50 GB/s; on CUDA probe_bandwidth times it with CUDA events) and each row's roofline and HBM fraction
+    are given against it beside those against the data sheet's figure (here --bandwidth 200)."""
+    asked = []
+
+    def probe(device, dtype, megabytes):
+        asked.append((device.type, dtype, megabytes))
+        return {"gbps": 50.0, "median_gbps": 40.0, "megabytes": megabytes, "dtype": "float32", "timer": "stand-in"}
+
+    report, rows = run_bench(tmp_path, "--device", "cpu", "--dtype", "float32", "--captured", "off", "--no-del",
+                             "--bandwidth", "200", probe=probe)
+    assert asked == [("cpu", torch.float32, 8)] and report["probe"]["gbps"] == 50.0
+    assert report["bandwidth_gbps"] == 200.0 and report["bandwidth_source"] == "--bandwidth"
+    for name, r in rows.items():
+        assert r["roofline_probe_x"] == pytest.approx(4 * r["roofline_x"]), name  # 200 / 50
+        if "†" not in name:
+            assert r["hbm_probe_fraction"] == pytest.approx(4 * r["hbm_fraction"]), name
+    out = capsys.readouterr().out
+    assert "50 GB/s probed (8 MiB float32 GEMV, stand-in)" in out and "HBM/probe" in out
+
+
+def test_batched_rows_are_checked_against_generate_and_scaled_over_batch_1(tmp_path):
+    """--batch B: Vanilla and LS at batch_size=B after the other rows, B prompts at a time, each held to generate and
+    to its path's Vanilla (float32: equal), its speedup by throughput over Vanilla at B, its scaling over itself at
+    batch size 1, its roofline by throughput."""
+    report, rows = run_bench(tmp_path, "--device", "cpu", "--dtype", "float32", "--captured", "off", "--no-del",
+                             "--peers", "generate", "--batch", "2")
+    assert list(rows) == ["Vanilla (eager)", "LS(E1-γ2) (eager)", "HF generate †", "Vanilla B=2 (eager)",
+                          "LS(E1-γ2) B=2 (eager)"]
+    vanilla, ls, alone = rows["Vanilla B=2 (eager)"], rows["LS(E1-γ2) B=2 (eager)"], rows["LS(E1-γ2) (eager)"]
+    for r in (vanilla, ls):
+        assert r["batch_size"] == 2 and r["equal_generate"] == "2/2" and r["equal_vanilla"] == "2/2", r["row"]
+        one = rows["Vanilla (eager)"]  # the same prompts and lengths: the same bytes a token
+        assert r["roofline_x"] / r["throughput"] == pytest.approx(one["roofline_x"] / one["tokens_per_s"]), r["row"]
+    assert ls["speedup"] == pytest.approx(ls["throughput"] / vanilla["throughput"])
+    assert ls["scaling"] == pytest.approx(ls["throughput"] / alone["throughput"])
+    assert alone["batch_size"] == 1 and "scaling" not in alone
+    with pytest.raises(SystemExit):
+        bench_gpu.parse_args([*TINY, "--batch", "4", "--prompts", "2"])
 
 
 def test_the_random_model_is_made_on_the_device_in_the_dtype_and_by_the_seed():

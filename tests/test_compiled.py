@@ -26,7 +26,7 @@ from del_bench.engine.decode import Engine, Request
 from del_bench.engine.graph_runners import CudaGraphRunner
 from del_bench.engine.layer_path import LayerPath
 from del_bench.engine.sampling import Sampling
-from del_bench.engine.static_steps import StaticSteps, static_mask
+from del_bench.engine.static_steps import RowSteps, StaticSteps, attended, attended_lengths, static_mask
 from del_bench.methods.clasp import CLaSp
 from del_bench.methods.dynamic_exit import DEL
 from del_bench.methods.knapspec import KnapSpec
@@ -46,6 +46,7 @@ from tests.test_families import FAMILIES, PROMPTS, hf_greedy, tiny_family
 BACKEND = "eager"
 PROMPT = "def add(a, b):\n"
 TOKENS = 24
+LONG = 250  # a prompt this long decodes across the first attended length (256 slots) within TOKENS
 METHODS = {"vanilla": Vanilla(), "ls": LayerSkip(1, 5), "del": DEL(), "swift": Swift(context_window=8, seed=0),
            "clasp": CLaSp(skip_layers=1, interval=4), "knapspec": KnapSpec(warmup_rounds=1, interval=4)}
 
@@ -54,6 +55,41 @@ METHODS = {"vanilla": Vanilla(), "ls": LayerSkip(1, 5), "del": DEL(), "swift": S
 def stack_and_prompt():
     model, tok = tiny_model()
     return LayerStack(model), tok(PROMPT)["input_ids"]
+
+
+def long_prompt(prompt: list[int]) -> list[int]:
+    return (prompt * (LONG // len(prompt) + 1))[:LONG]
+
+
+def attended_spy(functions, monkeypatch) -> list[tuple[int, torch.Tensor]]:
+    """Every step the graphs' functions run, recorded as (the key slots it attends over, its positions): chains,
+    sublayer steps and a batch's chains (read after the decode: no host read inside a step)."""
+    seen: list[tuple[int, torch.Tensor]] = []
+    chain, attention, rows = functions.chain, functions.attention, functions.rows
+
+    def chain_spy(ws, h, positions, ks, vs, *args, **kwargs):
+        seen.append((ks[0].shape[2], positions.clone()))
+        return chain(ws, h, positions, ks, vs, *args, **kwargs)
+
+    def attention_spy(w, h, positions, k, v):
+        seen.append((k.shape[2], positions.clone()))
+        return attention(w, h, positions, k, v)
+
+    def rows_spy(ws, h, positions, live, ks, vs, *args, **kwargs):
+        seen.append((ks[0].shape[2], positions.clone()))
+        return rows(ws, h, positions, live, ks, vs, *args, **kwargs)
+
+    for name, spy in (("chain", chain_spy), ("attention", attention_spy), ("rows", rows_spy)):
+        monkeypatch.setattr(functions, name, spy)
+    return seen
+
+
+def assert_attends_to_its_length(seen, max_len: int) -> set[int]:
+    """Each step attended over the smallest attended length that holds the slots it used (positions 0..max): no more
+    keys than that. → the lengths seen."""
+    for length, positions in seen:
+        assert length == attended(int(positions.max()) + 1, max_len), (length, positions.max())
+    return {length for length, _ in seen}
 
 
 def decode(stack, prompt, method, tokens: int = TOKENS, graphs=None) -> list[int]:
@@ -94,15 +130,24 @@ def test_bucket_and_mask():
     assert mask[1, 0].tolist() == [[True, False, False, False, False], [True, True, False, False, False]]
     windowed = static_mask(torch.tensor([[4]]), 6, window=2)  # the last 2 positions, itself included
     assert windowed[0, 0, 0].tolist() == [False, False, False, True, True, False]
+    # the attended lengths: 256, doubling, then the cache's own; a step attends over the smallest holding its slots
+    assert attended_lengths(1024) == [256, 512, 1024] and attended_lengths(768) == [256, 512, 768]
+    assert attended_lengths(64) == [64]
+    assert [attended(n, 768) for n in (1, 256, 257, 513, 768)] == [256, 256, 512, 768, 768]
+    with pytest.raises(ValueError, match="using 769 slots of a cache of 768"):
+        attended(769, 768)
 
 
 @pytest.mark.parametrize("name", METHODS, ids=list(METHODS))
-def test_every_method_on_the_graphs_gives_eager_tokens(stack_and_prompt, name):
+def test_every_method_on_the_graphs_gives_eager_tokens(stack_and_prompt, name, monkeypatch):
     """compile=on, whole graphs (fullgraph): each method's greedy output is the eager engine's (float64), the layers
     counted where they ran are the rounds' own, every step the method calls was prepared (no graph made inside the
     decode: the compile counter stands still) and the graphs served it — early-exit chains, DEL's layer-by-layer
-    steps with every layer's state kept, the skipping drafts' sublayer steps."""
+    steps with every layer's state kept, the skipping drafts' sublayer steps. The prompt's decode crosses from the
+    first attended length (256 slots) to the next: each step attends over the smallest that holds its slots, and one
+    graph serves both (the length is dynamic on this path)."""
     stack, prompt = stack_and_prompt
+    prompt = long_prompt(prompt)
     method = METHODS[name]
     set_costs(method, stack)
     reference = decode(stack, prompt, method)
@@ -112,12 +157,14 @@ def test_every_method_on_the_graphs_gives_eager_tokens(stack_and_prompt, name):
     frames = counter.frame_count
     assert info["compiled"] and info["graph_kind"] == "compiled" and info["compile_s"] > 0
     assert set(vars(stack)) == own  # the engine holds its graphs: nothing of them is stored on the model's stack
+    seen = attended_spy(graphs.functions, monkeypatch)
+    engine = Engine(stack, Sampling(), set(), path=LayerPath(stack, graphs))
     with stack.counting() as work:
-        engine = Engine(stack, Sampling(), set(), path=LayerPath(stack, graphs))
         gen = engine.generate(prompt, copy.deepcopy(method), TOKENS, seed=0)
     assert gen.output_ids == reference
     assert work.layers == sum(r.loaded_layers for r in gen.rounds)
     assert counter.frame_count == frames  # prepared: nothing compiles inside a timed decode
+    assert assert_attends_to_its_length(seen, engine.cache.max_len) == {256, 512}
     assert set(graphs.declined) <= {"steps wider than 32 positions", "steps of a shape not prepared",
                                     "a padded step past the cache's last slot"}
     assert graphs.declined.get("steps of a shape not prepared", 0) <= 1  # the prefill alone
@@ -240,6 +287,36 @@ def test_the_cuda_graph_runner_replays_the_engines_steps(stack_and_prompt, name,
         assert engine.generate(long_prompt, copy.deepcopy(method), 4, seed=0).output_ids == \
             decode(stack, long_prompt, method)[:4]
     assert engine.cache is not graphs.cache and "were captured on" in caplog.text
+
+
+@pytest.mark.parametrize("name", ["vanilla", "del"])
+def test_captured_graphs_attend_to_their_length_across_a_boundary(stack_and_prompt, name, monkeypatch):
+    """CUDA graphs per attended length (the runner replayed on the CPU): on a cache captured for 512 slots a graph
+    is made for 256 and for 512, each a view of the one cache; a decode that crosses slot 256 replays the 256-slot
+    graphs, then the 512-slot ones — every replay attending over the smallest length that holds its slots — with
+    the eager engine's tokens (chains, DEL's collecting chains; sublayer steps take their length the same way:
+    test_every_method_on_the_graphs_gives_eager_tokens[swift])."""
+    stack, prompt = stack_and_prompt
+    prompt, method = long_prompt(prompt), METHODS[name]
+    reference = decode(stack, prompt, method)
+    graphs, info = path_choice.choose_graphs(stack, "on", method, TOKENS, cache_len=len(prompt) + TOKENS + 1,
+                                             capture=True, runner=Replayed, backend=CompileCounterWithBackend(BACKEND))
+    assert info["cache_slots"] == 512 and info["attended_lengths"] == [256, 512]
+    assert {key[-1] for key in graphs.runner.made} == {256, 512}  # a graph per length, each prepared
+    seen = attended_spy(graphs.functions, monkeypatch)
+    engine = Engine(stack, Sampling(), set(), path=LayerPath(stack, graphs))
+    assert engine.generate(prompt, copy.deepcopy(method), TOKENS, seed=0).output_ids == reference
+    assert engine.cache is graphs.cache and not graphs.declined.get("steps of a shape not prepared", 0) > 1
+    assert assert_attends_to_its_length(seen, graphs.cache.max_len) == {256, 512}
+
+
+def test_an_idle_query_sees_the_scratch_slot_alone():
+    """A batch's row or column with no position sits at the scratch slot (the attended view's last): with idle=True
+    its query sees that slot alone, so it reads no real key; a real query's mask is unchanged."""
+    mask = static_mask(torch.tensor([[2, 7], [7, 7]]), 8, idle=True)  # [B=2, 1, T=2, S=8]; slot 7: the scratch
+    assert mask[0, 0, 0].tolist() == [True] * 3 + [False] * 5
+    assert mask[0, 0, 1].tolist() == mask[1, 0, 0].tolist() == [False] * 7 + [True]
+    assert static_mask(torch.tensor([[7]]), 8)[0, 0, 0].all()  # without idle: a real query at slot 7 sees all
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
@@ -396,3 +473,39 @@ def test_a_batchs_graphs_are_the_chains_its_rounds_can_call(stack_and_prompt):
     widths = [b for b in compiled.BUCKETS if b <= 4]
     assert graphs.graphs == L + (L - 1) * len(widths)
     assert graphs.cache.k[0].shape[:3] == (2, stack.n_kv_heads, compiled.CACHE_QUANTUM)
+
+
+@pytest.mark.parametrize("case", ["vanilla", "clasp"])
+def test_a_batchs_graphs_grow_with_a_longer_request_and_attend_to_their_length(case, monkeypatch, caplog):
+    """A batch's CUDA graphs (replayed on the CPU) captured for short requests (a cache of 256 slots): a request too
+    long for it, admitted mid-run, has the graphs made again on a longer captured cache (Graphs.grow: recorded in
+    `regrown`, logged) — never the eager steps — the other row's filled slots carried over; its decode crosses slot
+    256, each step's graph attending over a view of 256 or 512 slots whose last, the scratch slot, lies beyond every
+    real position; every row's tokens are its batch-1 ones."""
+    model, tok = tiny_model()
+    stack = LayerStack(model)
+    short = [tok(p)["input_ids"] for p in test_batch.PROMPTS[:3]]
+    prompts, budgets = [*short, long_prompt(short[0])], [6, 9, 12, TOKENS]
+    m = method(case)
+    engine = Engine(stack, Sampling(), set())
+    alone = [engine.generate(p, copy.deepcopy(m), n, seed=i).output_ids for i, (p, n) in enumerate(zip(prompts,
+                                                                                                         budgets))]
+    graphs, _ = path_choice.make_graphs(stack, "on", m, max(budgets), 80, CompileCounterWithBackend(BACKEND),
+                                        capture=True, runner=Replayed, batch=2)
+    assert graphs.cache.max_len == 256
+    batch = Batch(stack, 2, Sampling(), set(), cache_len=80, path=LayerPath(stack, graphs))
+    seen = attended_spy(graphs.functions, monkeypatch)
+    monkeypatch.setattr(RowSteps, "_eager", lambda *a, **k: pytest.fail("a batch's step ran eagerly"))
+    out = {}
+
+    def decode(slot, i):
+        out[i] = (yield Request(prompts[i], copy.deepcopy(m), budgets[i], seed=i)).output_ids
+
+    with caplog.at_level(logging.WARNING):
+        batch.run(range(len(prompts)), decode)
+    assert [out[i] for i in range(len(prompts))] == alone
+    assert graphs.regrown == [(256, 512)] and "made again on 512" in caplog.text
+    assert batch.cache is graphs.cache and graphs.cache.max_len == 512 and not graphs.declined
+    for length, positions in seen:
+        assert int(positions[positions != length - 1].max()) < length - 1
+    assert {length for length, _ in seen} == {256, 512}

@@ -32,7 +32,7 @@ if [ -n "$STUB_FAIL" ] && [[ "$*" == *"$STUB_FAIL"* ]]; then exit 3; fi
 if [ -n "$STUB_SLEEP" ] && [[ "$*" == *"$STUB_SLEEP"* ]]; then sleep 60 & echo $! > "$STUB_PID"; wait; fi
 exit 0
 """
-NON_CUDA = ["env", "bench_gpu_7b", "profile", "half_lossless_testbed", "bench_batch_7b"]
+NON_CUDA = ["env", "bench_gpu_7b", "half_lossless_testbed", "profile"]
 
 
 def gpu_node():
@@ -63,7 +63,7 @@ def test_the_carried_wheels_are_installed_offline_and_put_first_on_the_path(tmp_
     wheels.mkdir()
     (wheels / "pkg-1.0-py3-none-any.whl").write_text("")
     rc, stdout, calls = check(tmp_path, "--steps", "wheels,env", "--wheels", str(wheels), "--site",
-                              str(tmp_path / "site"), dry=False)
+                              str(tmp_path / "site"), "--allow-dirty", dry=False)
     install, env = calls.splitlines()[0], calls.split("-c ")[1]
     assert f"-m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target {tmp_path}/site "\
            f"{wheels}/pkg-1.0-py3-none-any.whl" in install
@@ -77,15 +77,63 @@ def test_a_failing_step_is_reported_and_the_others_still_run(tmp_path):
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     status = {name: r["status"] for name, r in summary["steps"].items()}
     assert status == {"wheels": "skipped", "env": "passed", "bench_gpu_7b": "passed", "pytest_cuda": "skipped",
-                      "profile": "failed", "half_lossless_testbed": "passed", "bench_batch_7b": "passed"}
+                      "half_lossless_testbed": "passed", "profile": "failed"}
     assert summary["not_passed"] == ["profile"]
     assert stdout.rstrip().endswith("==== not passed: profile")
     assert all((tmp_path / "out" / f"{name}.log").is_file() for name in NON_CUDA)
     # in order, every command of every step but the CUDA-only ones (a dry run), those after the failure too
-    order = [calls.index(marker) for marker in ("missing", "bench gpu --model synthetic", "bench profile",
-                                                "half-lossless --model testbed", "bench batch --no-del")]
+    order = [calls.index(marker) for marker in ("missing", "bench gpu --model synthetic",
+                                                "half-lossless --model testbed", "bench profile")]
     assert order == sorted(order) and "-m pytest" not in calls
     assert f"--root {tmp_path / 'out' / 'runs'}" in calls  # run records apart from the result files
+
+
+def test_the_budgets_fit_a_lent_machine_and_the_headline_checks_every_row_against_generate(tmp_path):
+    """Every step's timeout is its own budget; together within the default budget (540 s: a lent machine's 15
+    minutes less its start, a rerun's room left), the most valuable first; the 7B bench has generate's row (every
+    other row is held to it) and a B = 8 row on the 7B shape."""
+    node = gpu_node()
+    plan = node.steps(tmp_path, "python3", False, tmp_path / "runs")
+    assert sum(s.timeout_s for s in plan) <= 540 and plan[1].name == "bench_gpu_7b"
+    args = bench_gpu.parse_args(plan[1].commands[0][5:])
+    assert args.peers == "generate" and args.batch == 8 and args.prompts >= 8 and args.model == "synthetic-llama2-7b"
+    budget = subprocess.run([sys.executable, str(SCRIPT), "check", "--help"], capture_output=True, text=True).stdout
+    assert "540" in budget
+
+
+def test_the_summary_says_the_tree_and_packs_the_records(tmp_path, capsys):
+    """Figures from a tree that differs from its commit are not passed (unless allowed: --allow-dirty, a dry run);
+    the run records travel as one archive."""
+    node = gpu_node()
+    runs = tmp_path / "runs"
+    (runs / "bench" / "vanilla").mkdir(parents=True)
+    (runs / "bench" / "vanilla" / "samples.jsonl").write_text("{}\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    records = node.pack_records(runs, out)
+    assert records["files"] == 1 and (out / "records.tar.gz").is_file()
+    import tarfile
+    with tarfile.open(out / "records.tar.gz") as tar:
+        assert tar.getnames() == ["bench/vanilla/samples.jsonl"]
+    assert node.pack_records(tmp_path / "none", out)["status"] == "skipped"
+    report = {"dry_run": False, "tree": {"commit": "abc", "changed": ["del_bench/x.py"]}, "records": records,
+              "steps": {}}
+    assert node.summarise(dict(report), out, []) == 1
+    assert json.loads((out / "summary.json").read_text())["not_passed"] == ["tree"]
+    assert node.summarise(dict(report), out, [], strict_tree=False) == 0
+    clean = {**report, "tree": {"commit": "abc", "changed": []}}
+    assert node.summarise(clean, out, []) == 0 and "[clean] tree at abc" in capsys.readouterr().out
+    assert node.tree_state()["commit"]  # this checkout's
+
+
+def test_the_cuda_step_selects_the_tests_that_need_a_gpu():
+    """`pytest -m cuda` (the pytest_cuda step) takes the tests skipped without a CUDA device (conftest marks them) —
+    the lossless tests' CUDA half — and not the CPU tests whose names mention CUDA (the CUDA-graph runner replayed)."""
+    listed = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "cuda and not slow",
+                             "-p", "no:cacheprovider", "tests/test_engine.py", "tests/test_compiled.py"],
+                            capture_output=True, text=True, cwd=REPO, timeout=300).stdout
+    ids = [line for line in listed.splitlines() if "::" in line]
+    assert ids and all(i.startswith("tests/test_engine.py::") and "[cuda-" in i for i in ids)
 
 
 def test_a_step_stops_at_its_first_failing_command(tmp_path):
@@ -194,4 +242,7 @@ def test_gpu_check_dry_run_end_to_end(tmp_path):
     assert summary["not_passed"] == [] and all(summary["steps"][name]["digest"] for name in NON_CUDA[1:])
     rows = json.loads((tmp_path / "bench_gpu_7b.json").read_text())["rows"]
     assert [r["row"] for r in rows if r["path"] == "fused graphs"] == [
-        "Vanilla (fused graphs)", "LS(E4-γ2) (fused graphs)", "DEL (fused graphs)"]
+        "Vanilla (fused graphs)", "LS(E4-γ2) (fused graphs)", "DEL (fused graphs)", "Vanilla B=2 (fused graphs)",
+        "LS(E4-γ2) B=2 (fused graphs)"]
+    assert all(r["equal_generate"] == "2/2" for r in rows if "†" not in r["row"])  # float32: every row equal
+    assert summary["records"]["files"] > 0 and summary["tree"]["commit"]

@@ -20,18 +20,20 @@ as on a trained model) gets the same random prompts. Or a model config (`--model
 testbed, its held-out code prompts; `--task` another task).
 
 Per row, from its records: tok/s (mean over prompts); per-prompt speed (tok/s prompt by prompt in decode order; the
-first timed prompt ÷ the median of the rest: far below 1, the warm-up left decoding short of steady state);
-roofline (tok/s ÷ the memory-bandwidth roofline of one-token decoding: bandwidth ÷ the bytes a token streams — every
-layer's weights, the final norm and LM head, the KV cache at the samples' mean context; a speculative row can exceed
-1); HBM (our rows: the bytes our loop streamed ÷ seconds ÷ bandwidth: loaded layers × a layer's bytes + (rounds +
-drafted) × the head's); eTPL, α; speedup over its path's Vanilla; pred. (the memory-bound prediction: its tokens
-per streamed byte ÷ its path's Vanilla's) and meas/pred; host reads a round; peak memory; "= generate" and
-"= Vanilla" (the Vanilla of the row's own path): outputs equal, first departing at a near-tie of the reference's
-logits (allowed in half precision: del_bench/numerics.py, the reference's recorded top2_gap_ulps) or really
-departing. Bandwidth: --bandwidth GB/s, else the device's data-sheet figure, else a GEMV probe. And, once, the
-kernel launches of one decoder layer at a decode position, eager and fused (`launches_per_layer`). Random weights
-rarely agree across depths: on them the rows measure mechanics (a round's cost, the roofline, memory); a synthetic
-model's rows measure what each method's drafting pays at a real layer's cost.
+first timed prompt ÷ the median of the rest: far below 1, the warm-up left decoding short of steady state); roofline
+(tok/s ÷ the memory-bandwidth roofline of one-token decoding: bandwidth ÷ the bytes a token streams — every layer's
+weights, the final norm and LM head, the KV cache at the samples' mean context; a speculative row can exceed 1); HBM
+(our rows: the bytes our loop streamed ÷ seconds ÷ bandwidth: loaded layers × a layer's bytes + (rounds + drafted) ×
+the head's); each of the two also as a fraction of the bandwidth measured in the same run (/probe, HBM/probe: a GEMV
+over a weight larger than the caches, in the model's dtype, timed with CUDA events after a warm-up — what one-token
+decoding can stream at best here, beside the data sheet's figure); eTPL, α; speedup over its path's Vanilla; pred.
+(the memory-bound prediction: its tokens per streamed byte ÷ its path's Vanilla's) and meas/pred; host reads a round;
+peak memory; "= generate" and "= Vanilla" (the Vanilla of the row's own path): outputs equal, first departing at a
+near-tie of the reference's logits (allowed in half precision: del_bench/numerics.py, the reference's recorded
+top2_gap_ulps) or really departing. Bandwidth: --bandwidth GB/s, else the device's data-sheet figure, else the
+probe's. And, once, the kernel launches of one decoder layer at a decode position, eager and fused
+(`launches_per_layer`). Random weights rarely agree across depths: on them the rows measure mechanics (a round's cost,
+the roofline, memory); a synthetic model's rows measure what each method's drafting pays at a real layer's cost.
 """
 
 from __future__ import annotations
@@ -49,15 +51,17 @@ from del_bench.methods.peers import peer_method
 from del_bench.models.layer_stack import LayerStack
 from del_bench.models.loading import DTYPES, AnyIdTokenizer, Loaded
 from del_bench.models.synthetic import SHAPES, llama_config, random_llama, random_text
-from del_bench.records import is_peer, read_jsonl
+from del_bench.records import is_peer, read_jsonl, throughput
 
 NOMINAL_GBPS = (  # (substring of torch.cuda.get_device_name, GB/s): HBM bandwidth from the vendors' data sheets
     ("H200", 4800.0), ("H100 PCIe", 2000.0), ("H100 NVL", 3900.0), ("H100", 3350.0),  # first match wins
     ("A100-SXM4-80GB", 2039.0), ("A100 80GB PCIe", 1935.0), ("A100", 1555.0),
     ("L40S", 864.0), ("A10G", 600.0), ("A10", 600.0), ("L4", 300.0), ("V100", 900.0),
 )
-COLUMNS = ["row", "tok/s", ("1st/rest", "first_over_rest", ".2f", 8), ("roofline", "roofline_x", ".3g", 8),
-           ("HBM", "hbm_fraction", ".2f", 5), "eTPL", "α", ("speedup", "speedup", ".2f", 7),
+COLUMNS = ["row", "tok/s", ("B", "batch_size", "d", 2), ("batch tok/s", "throughput", ".1f", 11),
+           ("×B=1", "scaling", "x", 6), ("1st/rest", "first_over_rest", ".2f", 8), ("roofline", "roofline_x", ".3g", 8),
+           ("/probe", "roofline_probe_x", ".3g", 6), ("HBM", "hbm_fraction", ".2f", 5),
+           ("HBM/probe", "hbm_probe_fraction", ".2f", 9), "eTPL", "α", ("speedup", "speedup", ".2f", 7),
            ("acc/token", "token_acceptance", ".2f", 9), ("pred.", "bytes_predicted_speedup", ".2f", 5),
            ("meas/pred", "measured_over_bytes_predicted", ".2f", 9),
            ("reads/rd", "host_reads_per_round", ".2f", 8), ("peak GiB", "peak_gib", ".2f", 8),
@@ -93,12 +97,21 @@ def parse_args(argv=None):
     ap.add_argument("--del-lookahead", type=int, default=None, metavar="K",
                     help="also DEL reading its stop decisions K candidates at a time (method.lookahead): fewer host "
                     "reads, the candidates drafted past a stop paid for")
-    ap.add_argument("--no-peers", action="store_true", help="leave out transformers' rows (then no '= generate')")
+    ap.add_argument("--peers", default="all", choices=("all", "generate", "none"),
+                    help="transformers' rows: generate and assistant_early_exit, generate alone (the '= generate' "
+                    "reference), or none (then no '= generate')")
+    ap.add_argument("--no-peers", dest="peers", action="store_const", const="none", help="--peers none")
+    ap.add_argument("--batch", type=int, default=1, metavar="B",
+                    help="also Vanilla and LS at batch_size=B (lockstep; on the fused graphs' path where it runs, "
+                    "else the first captured path's, else eager), after the other rows, B prompts at a time")
     ap.add_argument("--bandwidth", type=float, default=None, help="GB/s (default: the device's nominal, or a probe)")
-    ap.add_argument("--probe-mb", type=int, default=512, help="matrix size of the GEMV bandwidth probe")
+    ap.add_argument("--probe-mb", type=int, default=512, help="the GEMV bandwidth probe's weight (MiB; more than the "
+                    "GPU's L2, so every rep reads it from memory)")
     ap.add_argument("--threads", type=int, default=2, help="torch threads on CPU")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    if args.batch > 1 and args.prompts < args.batch:
+        ap.error(f"--batch {args.batch} needs --prompts {args.batch} or more (its slots filled)")
     for name, value in SHAPES[args.shape].items():  # the random shape resolved: what the result file's settings say
         if args.model == "random" and getattr(args, name) is None:
             setattr(args, name, value)
@@ -140,23 +153,46 @@ def nominal_gbps(device_name: str) -> float | None:
 
 
 @torch.inference_mode()
-def probe_bandwidth(device: torch.device, dtype: torch.dtype, megabytes: int, reps: int = 10) -> float:
-    """GB/s of y = W @ x over a W of `megabytes` (larger than the caches): what one-token decoding streams at best."""
+def probe_bandwidth(device: torch.device, dtype: torch.dtype, megabytes: int, reps: int = 20) -> dict:
+    """What one-token decoding can stream here at best: y = W @ x over a W of `megabytes` MiB in `dtype` (more than the
+    caches hold, so every rep reads it from memory), timed after a warm-up — on CUDA with CUDA events around each rep
+    (no host clock, no launch gap), elsewhere by the host clock around a synchronised call. → {gbps (the fastest rep),
+    median_gbps, megabytes, dtype, timer}."""
     cols = 4096
     rows = max(1, megabytes * 2**20 // (cols * torch.tensor([], dtype=dtype).element_size()))
     w = torch.randn(rows, cols, dtype=dtype, device=device)
     x = torch.randn(cols, 1, dtype=dtype, device=device)
+    y = torch.empty(rows, 1, dtype=dtype, device=device)
+    cuda = device.type == "cuda"
+    seconds = event_seconds(lambda: torch.mm(w, x, out=y), reps) if cuda else \
+        h.timings(lambda: torch.mm(w, x, out=y), reps, warmup=2)
+    size = w.numel() * w.element_size() / 1e9
+    return {"gbps": size / min(seconds), "median_gbps": size / statistics.median(seconds), "megabytes": megabytes,
+            "dtype": str(dtype).removeprefix("torch."), "timer": "cuda events" if cuda else "host clock"}
 
-    return w.numel() * w.element_size() / min(h.timings(lambda: torch.mm(w, x), reps, warmup=1)) / 1e9
+
+def event_seconds(fn, reps: int, warmup: int = 3) -> list[float]:
+    """Seconds of each of `reps` calls of fn on the current CUDA stream by CUDA events, after `warmup` calls."""
+    for _ in range(warmup):
+        fn()
+    marks = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for start, end in marks:
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return [start.elapsed_time(end) / 1e3 for start, end in marks]
 
 
-def bandwidth(args, device: torch.device) -> tuple[float, str]:
+def bandwidth(args, device: torch.device, probed: dict) -> tuple[float, str]:
+    """The bandwidth the rows' roofline and HBM columns divide by: --bandwidth, else the data sheet's, else the
+    probe's (probed: probe_bandwidth's result, measured in the same run either way: the /probe columns)."""
     if args.bandwidth is not None:
         return args.bandwidth, "--bandwidth"
     nominal = nominal_gbps(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
     if nominal is not None:
         return nominal, "nominal"
-    return probe_bandwidth(device, DTYPES[args.dtype], args.probe_mb), "GEMV probe"
+    return probed["gbps"], "GEMV probe"
 
 
 def stream_bytes(model) -> dict:
@@ -172,20 +208,36 @@ def stream_bytes(model) -> dict:
 
 def streamed(sample: dict, sizes: dict) -> float:
     """The bytes a sample's decoding streamed at least once from memory: its loaded layers' weights, and the head's
-    once per head call (each round's verification, each draft) — the memory-bound cost model's count."""
+    once per head call (each round's verification, each draft) — the memory-bound cost model's count. A batched
+    sample: its share of the batch's loads and head passes (what the batch streamed once for all its rows)."""
+    if sample.get("batch"):
+        return sample["batch"]["loaded_layers"] * sizes["layer"] + sample["batch"]["head_passes"] * sizes["head"]
     return sample["loaded_layers"] * sizes["layer"] + (sample["rounds"] + sample["drafted"]) * sizes["head"]
 
 
-def with_figures(r: dict, sizes: dict, gbps: float, generate_dir: str | None, vanilla_dir: str | None) -> dict:
-    """The row's per-prompt speed, roofline, HBM fraction, tokens per streamed byte, host reads a round, peak memory
-    and its outputs against generate's and its path's Vanilla's (harness.lossless_vs: the near-tie rule), from its
-    records."""
+def batch_size_of(samples: list[dict]) -> int:
+    return max((s.get("batch") or {}).get("size", 1) for s in samples)
+
+
+def with_figures(r: dict, sizes: dict, gbps: float, probe_gbps: float, generate_dir: str | None,
+                 vanilla_dir: str | None) -> dict:
+    """The row's per-prompt speed, roofline and HBM fraction (of `gbps`, and of the probe's `probe_gbps`), tokens per
+    streamed byte, host reads a round, peak memory and its outputs against generate's and its path's Vanilla's
+    (harness.lossless_vs: the near-tie rule), from its records."""
     samples = read_jsonl(Path(r["out_dir"]) / "samples.jsonl")
     context = statistics.fmean(len(s["prompt_ids"]) + s["generated_tokens"] / 2 for s in samples)
     token_bytes = sizes["layer"] * sizes["num_layers"] + sizes["head"] + sizes["kv_per_position"] * context
-    r["roofline_x"] = r["tokens_per_s"] / (gbps * 1e9 / token_bytes)
+    r["batch_size"], r["throughput"] = batch_size_of(samples), throughput(samples)
+    speed = r["tokens_per_s"] if r["batch_size"] == 1 else r["throughput"]  # a batch: its tokens ÷ its seconds
+    r["roofline_x"] = speed / (gbps * 1e9 / token_bytes)
+    r["roofline_probe_x"] = speed / (probe_gbps * 1e9 / token_bytes)
     if not is_peer(r["method"]):  # our rows: what our loop streamed
-        r["hbm_fraction"] = statistics.fmean(streamed(s, sizes) / s["wall_s"] for s in samples) / (gbps * 1e9)
+        if r["batch_size"] == 1:
+            rate = statistics.fmean(streamed(s, sizes) / s["wall_s"] for s in samples)  # bytes a second
+        else:  # the batch's loads over its wall seconds
+            rate = sum(streamed(s, sizes) for s in samples) * r["throughput"] / sum(s["generated_tokens"]
+                                                                                     for s in samples)
+        r["hbm_fraction"], r["hbm_probe_fraction"] = rate / (gbps * 1e9), rate / (probe_gbps * 1e9)
         r["tokens_per_gb"] = statistics.fmean(s["generated_tokens"] / streamed(s, sizes) * 1e9 for s in samples)
         rounds = [x for x in read_jsonl(Path(r["out_dir"]) / "rounds.jsonl") if x["round"] > 0]
         r["host_reads_per_round"] = statistics.fmean(x["host_syncs"] for x in rounds) if rounds else None
@@ -208,15 +260,26 @@ def token_acceptance(rounds: list[dict]) -> float | None:
 
 
 def with_prediction(rows: list[dict]) -> None:
-    """Each of our rows' memory-bound prediction: its tokens per streamed byte ÷ its path's Vanilla's (what its
-    speedup would be if time were bytes), and its measured speedup ÷ that."""
-    vanilla = {r["path"]: r.get("tokens_per_gb") for r in rows if r.get("method") == "vanilla"}
+    """Each of our rows' memory-bound prediction: its tokens per streamed byte ÷ its path's Vanilla's at its batch
+    size (what its speedup would be if time were bytes), and its measured speedup ÷ that; a batched row's speedup by
+    throughput over that Vanilla's, and its scaling (`×B=1`): its throughput over the same method's at batch size 1
+    on its path."""
+    vanilla = {(r["path"], r.get("batch_size")): r for r in rows if r.get("method") == "vanilla"}
+    alone = {(r["path"], r.get("method_tag")): r for r in rows if r.get("batch_size") == 1}
     for r in rows:
-        base = vanilla.get(r.get("path"))
+        if r.get("batch_size", 1) > 1:
+            partner, single = vanilla.get((r["path"], r["batch_size"])), alone.get((r["path"], r.get("method_tag")))
+            r["speedup"] = ratio(r["throughput"], partner and partner["throughput"])
+            r["scaling"] = ratio(r["throughput"], single and single["throughput"])
+        base = (vanilla.get((r.get("path"), r.get("batch_size"))) or {}).get("tokens_per_gb")
         if r.get("tokens_per_gb") and base:
             r["bytes_predicted_speedup"] = r["tokens_per_gb"] / base
             if r.get("speedup") is not None:
                 r["measured_over_bytes_predicted"] = r["speedup"] / r["bytes_predicted_speedup"]
+
+
+def ratio(value, base) -> float | None:
+    return value / base if value is not None and base else None
 
 
 def compile_state(summary: dict) -> dict:
@@ -262,8 +325,10 @@ def setup_model(args, device: torch.device) -> tuple[list[str], object, dict]:
     return base, load, {"build_s": time.perf_counter() - t0, "model": loaded.model, "stack": stack}
 
 
-def make_rows(args, base: list[str], load, grid: list[tuple[int, int]]) -> dict[str, list[h.BenchRow]]:
-    """The rows by path: eager (ours with compile=off and the peers) and captured (ours with --captured)."""
+def make_rows(args, base: list[str], load, grid: list[tuple[int, int]]) -> tuple[dict[str, list[h.BenchRow]], list]:
+    """The rows by path — eager (ours with compile=off and the peers) and captured (ours with --captured) — and the
+    batched ones among them (--batch: Vanilla and LS at batch_size=B on the fused graphs' path, else the first
+    captured one's, else eager)."""
     def row(label, *overrides, method=None, suffix="", may_fail=False):
         return h.row(label, args.root, args.experiment, *base, *overrides, load=load, method=method, suffix=suffix,
                      may_fail=may_fail)
@@ -283,58 +348,79 @@ def make_rows(args, base: list[str], load, grid: list[tuple[int, int]]) -> dict[
                                 f"method.tag=del-lookahead{k}", f"compile={setting}", **options))
         return rows
 
-    peers = [] if args.no_peers else [
-        row("HF generate †", "compile=off", method=peer_method("hf_generate")),
-        *(row(f"HF assistant_early_exit(E{e}-γ{g}) †", "compile=off",
-              method=peer_method("hf_assistant_early_exit", exit_layer=e, gamma=g)) for e, g in grid)]
-    return {"eager": [*ours("off"), *peers], **{PATH_LABELS[setting]: ours(setting) for setting in args.captured}}
+    def batched(setting: str) -> list[h.BenchRow]:
+        B, path = args.batch, PATH_LABELS[setting]
+        options = dict(suffix=f"-compile_{setting}-b{B}", may_fail=setting != "off")
+        methods = [("Vanilla", ["method=vanilla"]), *((f"LS(E{e}-γ{g})", h.ls_args("ls", e, g)) for e, g in grid[:1])]
+        return [row(f"{label} B={B} ({path})", *overrides, f"compile={setting}", f"batch_size={B}", **options)
+                for label, overrides in methods]
+
+    peers = [row("HF generate †", "compile=off", method=peer_method("hf_generate"))] if args.peers != "none" else []
+    if args.peers == "all":
+        peers += [row(f"HF assistant_early_exit(E{e}-γ{g}) †", "compile=off",
+                      method=peer_method("hf_assistant_early_exit", exit_layer=e, gamma=g)) for e, g in grid]
+    by_path = {"eager": [*ours("off"), *peers], **{PATH_LABELS[setting]: ours(setting) for setting in args.captured}}
+    if args.batch <= 1:
+        return by_path, []
+    setting = "on" if "on" in args.captured else (args.captured or ["off"])[0]
+    extra = batched(setting)
+    by_path[PATH_LABELS[setting] if setting != "off" else "eager"] += extra
+    return by_path, extra
 
 
-def bench(args) -> dict:
+def bench(args, probe=probe_bandwidth) -> dict:
     """The bench's rows and figures (what it prints and writes; the result file is rewritten after every prompt's
-    rows, so a bench stopped at its time limit leaves what it measured)."""
+    rows, so a bench stopped at its time limit leaves what it measured). probe: (device, dtype, MiB) → its figures
+    (probe_bandwidth; tests pass their own)."""
     device = torch.device(args.device)
     base, load, model_info = setup_model(args, device)
     model, stack = model_info["model"], model_info["stack"]
     L = model.config.num_hidden_layers
     grid = h.grid_of(args.configs or (f"{max(1, L // 4)}:6" if args.model == "random" else None), args.model,
                      whole=False)
-    by_path = make_rows(args, base, load, grid)
-    gbps, source = bandwidth(args, device)
+    by_path, batched = make_rows(args, base, load, grid)
+    probed = probe(device, DTYPES[args.dtype], args.probe_mb)  # with the model loaded, as its rows decode
+    gbps, source = bandwidth(args, device, probed)
     sizes = stream_bytes(model)
     shape = (f"{args.layers} layers × {args.hidden} ({args.heads}/{args.kv_heads} heads, {args.intermediate} MLP, "
              f"{args.vocab} vocab), random" if args.model == "random" else f"{args.model} ({L} layers)")
     print(f"{shape}, {args.dtype} on {device}, made in {model_info['build_s']:.1f} s; our loop: {stack.layer_path}; "
-          f"bandwidth {gbps:.3g} GB/s ({source})", flush=True)
+          f"bandwidth {gbps:.3g} GB/s ({source}), {probed['gbps']:.3g} GB/s probed ({probed['megabytes']} MiB "
+          f"{probed['dtype']} GEMV, {probed['timer']})", flush=True)
     report = {"model": args.model, "layer_path": stack.layer_path, "build_s": model_info["build_s"],
               "synthetic": getattr(model, "synthetic", None), "bandwidth_gbps": gbps, "bandwidth_source": source,
+              "probe": probed,
               "bytes": sizes, "launches_per_layer": launches(stack, args), "rows": []}
     print(f"kernel launches a layer (one decode token): {report['launches_per_layer']}", flush=True)
     h.write_result(args.out, "gpu", vars(args), **report)
-    rows = [r for path in by_path.values() for r in path]
+    rows = [r for path in by_path.values() for r in path if all(r is not b for b in batched)]
     prompts_done = iter(range(args.prompts + 1))
 
     def write_so_far():
         if next(prompts_done):  # before prompt i > 0: the figures of prompts 0 .. i-1
-            report["rows"] = results_of(by_path, sizes, gbps)
+            report["rows"] = results_of(by_path, sizes, gbps, probed['gbps'])
             h.write_result(args.out, "gpu", vars(args), **report)
 
     h.run_rows(rows, args.prompts, before_prompt=write_so_far)
-    report["rows"] = results_of(by_path, sizes, gbps)
+    if batched:  # after every other row's figures are written: B prompts at a time, so each batch's slots fill
+        report["rows"] = results_of(by_path, sizes, gbps, probed['gbps'])
+        h.write_result(args.out, "gpu", vars(args), **report)
+        h.run_rows(batched, args.prompts, step=args.batch)
+    report["rows"] = results_of(by_path, sizes, gbps, probed['gbps'])
     h.print_table(report["rows"], COLUMNS)
     print_notes(report["rows"])
     h.write_result(args.out, "gpu", vars(args), **report)
     return report
 
 
-def results_of(by_path: dict[str, list[h.BenchRow]], sizes: dict, gbps: float) -> list[dict]:
+def results_of(by_path: dict[str, list[h.BenchRow]], sizes: dict, gbps: float, probe_gbps: float) -> list[dict]:
     """Every row's figures from its records so far (a row that failed: its failure)."""
-    ran = h.finished([r for path in by_path.values() for r in path])
+    ran = [r for r in h.finished([r for path in by_path.values() for r in path]) if r.summary]  # run so far
     table = dict(zip(map(id, ran), h.table(ran)))
 
-    def out_dir_of(path: str, method: str) -> str | None:
+    def out_dir_of(path: str, method: str) -> str | None:  # the path's run of `method` one prompt at a time
         return next((table[id(r)]["out_dir"] for r in by_path[path] if id(r) in table
-                     and table[id(r)]["method"] == method), None)
+                     and table[id(r)]["method"] == method and int(r.cfg.get("batch_size", 1)) == 1), None)
 
     generate_dir = out_dir_of("eager", "hf_generate")
     results = []
@@ -344,7 +430,7 @@ def results_of(by_path: dict[str, list[h.BenchRow]], sizes: dict, gbps: float) -
             if r.failure:
                 results.append({"row": r.label, "path": path, "failure": r.failure, "out_dir": r.cfg.out_dir})
             elif id(r) in table:
-                t = with_figures({**table[id(r)], "path": path}, sizes, gbps, generate_dir, vanilla_dir)
+                t = with_figures({**table[id(r)], "path": path}, sizes, gbps, probe_gbps, generate_dir, vanilla_dir)
                 results.append(t if is_peer(t["method"]) else {**t, **compile_state(r.summary)})
     with_prediction(results)
     return results
@@ -376,7 +462,7 @@ def count_launches(stack: LayerStack, backend) -> int:
 
     device = stack.layers[0].device
     cache = stack.new_cache(64)
-    adopt(cache, static_addresses=True)
+    adopt(cache)
     with inductor_config.patch({"cpp.enable_kernel_profile": True}):  # each C++ kernel a profiler event
         layer = StepFunctions(StaticSteps(stack), backend).layer
         h = torch.randn(1, 1, stack.embed_weight.shape[1], dtype=stack.dtype, device=device)

@@ -1,11 +1,13 @@
 """Static-shape steps replayed as graphs: the engine's decode steps without a launch (or Python) per op.
 
 The steps (engine/static_steps.py) are pure tensor code over a static cache — positions a device tensor, the cache
-written by scatter and read whole under a mask, widths padded to a few buckets (`BUCKETS`) — so their shapes never
-change and a graph can hold them. `Graphs` runs them one of two ways (engine/graph_runners.py): on CUDA captured as
-CUDA graphs and replayed (one launch a step; one static buffer per width, so any sequence of steps composes — the
-whole depth for Vanilla, layers 1..E then E+1..L for any E, any skip set — on the one cache they were captured on),
-elsewhere compiled whole by torch.compile (`fullgraph=True`).
+written in place at them and read up to an attended length (256 slots, doubling: static_steps.attended) under a mask,
+widths padded to a few buckets (`BUCKETS`) — so their shapes change only at those lengths and a graph can hold them.
+`Graphs` runs them one of two ways (engine/graph_runners.py): on CUDA captured as CUDA graphs and replayed (one launch
+a step; a graph per (step, width, attended length); one static buffer per width, so any sequence of steps composes —
+the whole depth for Vanilla, layers 1..E then E+1..L for any E, any skip set — on the one cache they were captured
+on, each length's graphs a view of its first slots), elsewhere compiled whole by torch.compile (`fullgraph=True`; the
+attended length dynamic: one graph for all).
 
 Either way the bits are not the eager loop's (a masked attention over the whole cache reduces over other lengths; a
 compiled graph reorders reductions), so engine/path_choice.py checks a run's graphs by the rule every method is held to
@@ -35,7 +37,7 @@ from del_bench.engine.graph_runners import (  # noqa: F401 (CACHE_QUANTUM: part 
     Step,
     collects_in_graph,
 )
-from del_bench.engine.static_steps import StaticSteps, StepFunctions
+from del_bench.engine.static_steps import StaticSteps, StepFunctions, StepRows, attended, attended_lengths
 from del_bench.methods.base import LAYER_SKIPPING
 from del_bench.models.kv_cache import KVCache
 from del_bench.models.layer_stack import LayerStack
@@ -69,9 +71,10 @@ class Graphs:
     steps' kernels — fused by torch.compile with `backend` (inductor: `fuse`, the default) or the eager ones — or,
     without capture, the steps compiled by torch.compile with `backend` (tests pass dynamo's own).
 
-    A graph is made on the first call of a (step, width) before `frozen` (prepare: before any timed decode);
-    afterwards a call no graph was made for returns None and the stack runs its own loop. `compile_s` sums the
-    seconds spent making graphs, `graphs` counts them."""
+    A graph is made on the first call of a (step, width, attended length) before `frozen` (prepare: before any timed
+    decode); afterwards a call no graph was made for returns None and the stack runs its own loop. `compile_s` sums the
+    seconds spent making graphs, `graphs` counts them; `regrown` lists a batch's captured caches that a request
+    outgrew (grow: the graphs made again on a longer one)."""
 
     def __init__(self, stack: LayerStack, backend="inductor", capture: bool | None = None, buckets=BUCKETS,
                  runner: type | None = None, fuse: bool = True, batch: int = 1):
@@ -88,6 +91,8 @@ class Graphs:
         self.frozen = False  # True (prepare): no graph is made inside a timed decode
         self.compile_s = 0.0
         self.declined: dict[str, int] = {}  # calls the graphs could not take, by reason (a wider batch, …)
+        self.shape: StepShapes | None = None  # what prepare made the graphs for
+        self.regrown: list[tuple[int, int]] = []  # (from, to) slots: a batch's captured cache grown mid-run
 
     @property
     def kind(self) -> str:
@@ -104,6 +109,15 @@ class Graphs:
     @property
     def graphs(self) -> int:
         return len(self.runner.made)
+
+    def setup(self) -> dict:
+        """What a run's setup line says of the graphs beyond their kind and count: the inductor settings their
+        kernels were compiled with (inductor_options: gpt-fast's for CUDA, none elsewhere), and for captured graphs the
+        captured cache's slots and the attended lengths they were made for."""
+        out: dict = {"inductor_options": self.functions.options} if self.functions.fused else {}
+        if self.cache is not None and self.runner.static_lengths:
+            out.update(cache_slots=self.cache.max_len, attended_lengths=attended_lengths(self.cache.max_len))
+        return out
 
     @property
     def cache(self) -> KVCache | None:
@@ -135,7 +149,10 @@ class Graphs:
         if start >= end:
             return None
         chain = ("layers", start, end)
-        if (chain, self._width(h), collects_in_graph(chain, collect)) in self.runner.made:
+        width = self._width(h)
+        need = pos + (width or 0)
+        length = attended(need, cache.max_len) if width and need <= cache.max_len else 0
+        if self._key(chain, width, collects_in_graph(chain, collect), length) in self.runner.made:
             plan = [chain]
         else:
             plan = [("layers", i, i + 1) for i in range(start, end)]
@@ -170,12 +187,22 @@ class Graphs:
     def _width(self, h: torch.Tensor) -> int | None:
         return bucket_of(h.shape[1], self.buckets)
 
-    def rows(self, start: int, end: int, h: torch.Tensor, positions: list[list[int]], live: list[list[bool]] | None,
-             cache: KVCache, collect: str | None) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
-        """RowSteps.run on the graphs: a batch's chain [start, end) as one graph of its (B, width bucket) — its
-        positions and which rows run which sublayers uploaded into the graph's buffers — or None where no graph takes
-        it (a width beyond the buckets, a chain keeping every sublayer's state, a shape not prepared, another
-        cache): RowSteps runs it eagerly. → (the output [B, T, D], each layer's output where collect asks)."""
+    def _key(self, step: Step, width: int, collects: bool, length: int) -> tuple:
+        """A graph's key: per attended length where the runner captures one per length (CUDA graphs)."""
+        return step, width, collects, length if self.runner.static_lengths else None
+
+    def lengths(self, max_len: int) -> list[int]:
+        """The attended lengths prepare makes graphs for on a cache of max_len slots: every one for CUDA graphs; one
+        (the first) where one graph serves them all."""
+        lengths = attended_lengths(max_len)
+        return lengths if self.runner.static_lengths else lengths[:1]
+
+    def rows(self, start: int, end: int, h: torch.Tensor, rows: StepRows, cache: KVCache, collect: str | None
+             ) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
+        """RowSteps.run on the graphs: a batch's chain [start, end) as one graph of its (B, width bucket, attended
+        length) — what the host decided for each row (StepRows) uploaded into the graph's buffers — or None where no
+        graph takes it (a width beyond the buckets, a chain keeping every sublayer's state, a shape not prepared,
+        another cache): RowSteps runs it eagerly. → (the output [B, T, D], each layer's output where collect asks)."""
         width = self._width(h)
         if width is None:
             self.decline(f"steps wider than {self.buckets[-1]} positions", expected=True)
@@ -185,14 +212,18 @@ class Graphs:
             return None
         if not self.runner.takes(cache):
             return None
+        if rows.reach > cache.max_len:
+            self._decline(f"a step reaching slot {rows.reach - 1} of a cache of {cache.max_len}")
+            return None
+        length = attended(rows.reach, cache.max_len)
         step, collects = ("rows", start, end), collect is not None
-        made = (step, width, collects) in self.runner.made
+        made = self._key(step, width, collects, length) in self.runner.made
         if not made and self.frozen:
             self.decline("steps of a shape not prepared", expected=True)
             return None
         t0 = time.perf_counter()
         with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
-            out = self.runner.run_rows(step, h, positions, live, width, cache, collects)
+            out = self.runner.run_rows(step, h, rows, width, length, cache, collects)
         if not made:
             self.stack.synchronize()
             self.compile_s += time.perf_counter() - t0
@@ -211,7 +242,9 @@ class Graphs:
         for i in cache_layers(plan):
             if cache.lengths[i] < pos:
                 raise RuntimeError(f"layer {i} holds {cache.lengths[i]} positions; cannot write at {pos}")
-        missing = [s for s in plan if (s, width, collects_in_graph(s, collect)) not in self.runner.made]
+        length = attended(pos + width, cache.max_len)  # the slots the step attends over: every one in use
+        made = self.runner.made
+        missing = [s for s in plan if self._key(s, width, collects_in_graph(s, collect), length) not in made]
         if missing and self.frozen:
             self.decline("steps of a shape not prepared", expected=True)
             return None
@@ -219,7 +252,7 @@ class Graphs:
         try:
             t0 = time.perf_counter()
             with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
-                out = self.runner.run(plan, h, pos, width, cache, collect)
+                out = self.runner.run(plan, h, pos, width, length, cache, collect)
             if missing:
                 self.stack.synchronize()
                 self.compile_s += time.perf_counter() - t0
@@ -230,33 +263,53 @@ class Graphs:
     # ---- before the timed decode -----------------------------------------------------------------------------
     @torch.inference_mode()  # as the engine decodes: a graph made outside it would not serve it
     def prepare(self, shape: "StepShapes", cache_len: int) -> None:
-        """Make, before any timed decode, every graph a method of this shape can call, on a cache of cache_len slots
-        (CUDA graphs: the cache the engine then decodes in), then freeze."""
+        """Make, before any timed decode, every graph a method of this shape can call at every attended length, on a
+        cache of cache_len slots (CUDA graphs: the cache the engine then decodes in), then freeze."""
         cache = self.runner.cache_of(cache_len)
-        D = self.stack.embed_weight.shape[1]
+        D, L = self.stack.embed_weight.shape[1], self.stack.num_layers
         device = self.stack.layers[0].device
-        for plan, width, collects in shape.plans(self.stack.num_layers, self.buckets):
-            cache.crop(0)
-            h = torch.zeros(1, width, D, dtype=self.stack.dtype, device=device)
-            self._run(plan, h, 0, cache, [] if collects else None)
+        for plan, width, collects in shape.plans(L, self.buckets):
+            for length in self.lengths(cache.max_len):
+                pos = max(0, min(length, cache.max_len) - width)  # the step's last slot: the length's last
+                cache.lengths = [pos] * L
+                h = torch.zeros(1, width, D, dtype=self.stack.dtype, device=device)
+                self._run(plan, h, pos, cache, [] if collects else None)
         cache.crop(0)
         self.runner.clear(cache)
-        self.frozen = True
+        self.shape, self.frozen = shape, True
 
     @torch.inference_mode()
     def prepare_rows(self, shape: "StepShapes", cache_len: int) -> None:
         """prepare for a batch of self.batch rows (engine/batch.py): every chain its rounds can call at every width
-        they can take (StepShapes.row_plans), on a cache of B rows and cache_len + 1 slots (the last: RowSteps'
-        scratch slot), then freeze."""
+        they can take (StepShapes.row_plans) and every attended length, on a cache of B rows and cache_len + 1 slots
+        (the last: RowSteps' scratch slot), then freeze."""
         cache = self.runner.cache_of(cache_len + 1)
         D, B = self.stack.embed_weight.shape[1], self.batch
         device = self.stack.layers[0].device
         for (_, start, end), width, collects in shape.row_plans(self.stack.num_layers, self.buckets):
-            h = torch.zeros(B, width, D, dtype=self.stack.dtype, device=device)
-            self.rows(start, end, h, [list(range(width))] * B, None, cache, "layers" if collects else None)
+            for length in self.lengths(cache.max_len):
+                h = torch.zeros(B, width, D, dtype=self.stack.dtype, device=device)
+                rows = StepRows([0] * B, [width] * B, [start] * B, [end] * B, held=length - 1)  # reach: the length
+                self.rows(start, end, h, rows, cache, "layers" if collects else None)
         cache.crop(0)
         self.runner.clear(cache)
-        self.frozen = True
+        self.shape, self.frozen = shape, True
+
+    @torch.inference_mode()
+    def grow(self, cache_len: int) -> KVCache:
+        """A batch's graphs made again on a captured cache of cache_len + 1 slots or more (a request outgrew the one
+        they were captured on): every graph of the shape prepared, the time in compile_s, the growth in `regrown`
+        and logged. → the new cache (the caller copies its rows' filled slots into it)."""
+        old = self.runner.cache
+        t0 = time.perf_counter()
+        self.runner, self.frozen = type(self.runner)(self), False
+        self.prepare_rows(self.shape, cache_len)
+        self.compile_s += time.perf_counter() - t0
+        self.regrown.append((old.max_len if old is not None else 0, self.runner.cache.max_len))
+        log.warning("graph-captured steps: a request needs %d cache slots, the graphs were captured on %s: made again "
+                    "on %d (%.1f s)", cache_len + 1, old.max_len if old is not None else "none",
+                    self.runner.cache.max_len, time.perf_counter() - t0)
+        return self.runner.cache
 
 
 def cache_layers(plan: list[Step]) -> list[int]:

@@ -1,14 +1,16 @@
 """The two ways Graphs (engine/compiled.py) runs the static steps (engine/static_steps.py):
 
-- CudaGraphRunner: on CUDA, captured as CUDA graphs (`torch.cuda.CUDAGraph`, one per (step, width), captured from
-  the steps' kernels — inductor's fused ones, or the eager ones — before any timed decode) and replayed: one launch a
-  step instead of ~20 a layer. The graphs read and write one static buffer per width (the rows' states and
-  positions), so any sequence of steps composes without copies — the whole depth for Vanilla, layers 1..E then
-  E+1..L for any E (DEL picks one every round), any skip set (SWIFT, CLaSp, KnapSpec drafts: sublayer steps) — and
-  the cache they write is the one they were captured on (allocated at `prepare` for the run's longest prompt +
-  max_new_tokens; the engine decodes in it);
+- CudaGraphRunner: on CUDA, captured as CUDA graphs (`torch.cuda.CUDAGraph`, one per (step, width, attended length),
+  captured from the steps' kernels — inductor's fused ones, or the eager ones — before any timed decode) and
+  replayed: one launch a step instead of ~20 a layer. The graphs read and write one static buffer per width (the
+  rows' states and positions), so any sequence of steps composes without copies — the whole depth for Vanilla,
+  layers 1..E then E+1..L for any E (DEL picks one every round), any skip set (SWIFT, CLaSp, KnapSpec drafts:
+  sublayer steps) — and the cache they write is the one they were captured on (allocated at `prepare` for the run's
+  longest prompt + max_new_tokens; the engine decodes in it), each graph attending over a view of its first slots
+  (static_steps.attended: the smallest of 256, 512, … that holds every slot in use);
 - CompiledRunner: elsewhere compiled whole by torch.compile (`fullgraph=True`: a graph break is an error; inductor's
-  C++ kernels on CPU), the layer's tensors passed as arguments so one graph serves every layer of a shape.
+  C++ kernels on CPU), the layer's tensors passed as arguments so one graph serves every layer of a shape, and the
+  attended length marked dynamic so one graph serves every length too.
 """
 
 from __future__ import annotations
@@ -18,13 +20,14 @@ from collections.abc import Callable
 
 import torch
 
-from del_bench.engine.static_steps import adopt, memo, padded
+from del_bench.engine.static_steps import CACHE_QUANTUM, StepRows, adopt, live_sublayers, memo, padded, row_positions
 from del_bench.models.kv_cache import KVCache
 from del_bench.transfer import upload
 
-CACHE_QUANTUM = 256  # the captured cache's length is the run's longest need rounded up to this
+__all__ = ["CACHE_QUANTUM", "CompiledRunner", "CudaGraphRunner", "Step", "collects_in_graph"]
 
-# a step: ("layers", start, end) — whole layers [start, end) — or ("attn", i) / ("mlp", i) — one sublayer
+# a step: ("layers", start, end) — whole layers [start, end) — or ("attn", i) / ("mlp", i) — one sublayer; a batch's:
+# ("rows", start, end)
 Step = tuple
 
 
@@ -35,35 +38,34 @@ def collects_in_graph(step: Step, collect: list | None) -> bool:
     return collect is not None and step[0] == "layers" and step[2] - step[1] > 1
 
 
-def row_inputs(positions: list[list[int]], live: list[list[bool]] | None, width: int, start: int, end: int,
-               layers: int, scratch: int) -> list[int]:
-    """What a batch's step uploads into its graph's buffers: each row's positions padded to width (−1, none: the
-    scratch slot), then which rows run each of the model's 2L sublayers (0 outside the chain)."""
-    flat = [p if p >= 0 else scratch for row in positions for p in [*row, *[-1] * (width - len(row))]]
-    B = len(positions)
-    bits = [0] * (2 * layers * B)
-    for i in range(2 * start, 2 * end):
-        for b in range(B):
-            bits[i * B + b] = 1 if live is None else int(live[i - 2 * start][b])
-    return flat + bits
+def attended_views(cache: KVCache, layers, length: int, dynamic: bool) -> tuple[list, list]:
+    """Each layer's keys and values [B, KV, length, hd]: views of the cache's first `length` slots (dynamic: their
+    length marked dynamic, so one compiled graph serves every attended length)."""
+    ks, vs = [cache.k[i][:, :, :length] for i in layers], [cache.v[i][:, :, :length] for i in layers]
+    if dynamic:
+        for t in (*ks, *vs):
+            torch._dynamo.mark_dynamic(t, 2)
+    return ks, vs
 
 
 class CompiledRunner:
     """Graphs by torch.compile(fullgraph=True), run as they are (no capture): the layer's tensors (a Layer) and its
     cache are arguments, so one graph serves every layer of a shape (dynamo guards on shapes, not on which
-    tensors)."""
+    tensors), and every attended length (marked dynamic)."""
+
+    static_lengths = False  # one graph for every attended length
 
     def __init__(self, graphs):
         self.graphs = graphs
-        self.made: set[tuple] = set()  # (step, width, collects) keys run at least once
+        self.made: set[tuple] = set()  # (step, width, collects, None) keys run at least once
         self.cache = None
-        self._adopted: weakref.WeakSet = weakref.WeakSet()  # caches whose length is marked dynamic
+        self._adopted: weakref.WeakSet = weakref.WeakSet()  # caches whose slots were zeroed
         self._rope = None
 
     def cache_of(self, cache_len: int) -> KVCache:
         cache = self.graphs.stack.new_cache(cache_len, batch=self.graphs.batch)
         if self.graphs.batch > 1:  # a batch's: every slot its mask covers finite (adopt)
-            adopt(cache, static_addresses=True)
+            adopt(cache)
             self.cache = cache
         return cache
 
@@ -73,31 +75,34 @@ class CompiledRunner:
     def clear(self, cache: KVCache) -> None:
         pass
 
-    def run_rows(self, step: Step, h, positions, live, width: int, cache: KVCache, collects: bool):
-        stack, fns = self.graphs.stack, self.graphs.functions
-        B, T, _ = h.shape
-        _, start, end = step
-        scratch = cache.max_len - 1
-        values = upload(row_inputs(positions, live, width, start, end, stack.num_layers, scratch), h.device)
-        at = values[: B * width].view(B, width)
-        on = (values[B * width :].view(2 * stack.num_layers, B) != 0)[2 * start : 2 * end]
-        layers = range(start, end)
-        states: list | None = [] if collects else None
-        out = fns.rows([stack.layers[i] for i in layers], padded(h, width), at, on, [cache.k[i] for i in layers],
-                       [cache.v[i] for i in layers], scratch, states)
-        self.made.add((step, width, collects))
-        return out[:, :T], [state[:, :T] for state in states or []]
-
-    def run(self, plan, h, pos: int, width: int, cache: KVCache, collect) -> torch.Tensor:
-        stack, fns = self.graphs.stack, self.graphs.functions
-        if cache not in self._adopted:
-            adopt(cache, static_addresses=False)
-            self._adopted.add(cache)
-        tables = stack.rope_tables()
+    def _tables(self) -> None:
+        tables = self.graphs.stack.rope_tables()
         if tables[0] is not self._rope:  # a longer table (new_cache): its length dynamic too
             self._rope = tables[0]
             for table in tables:
                 torch._dynamo.mark_dynamic(table, table.dim() - 2)
+
+    def run_rows(self, step: Step, h, rows: StepRows, width: int, length: int, cache: KVCache, collects: bool):
+        stack, fns = self.graphs.stack, self.graphs.functions
+        B, T, _ = h.shape
+        _, start, end = step
+        self._tables()
+        first, count, lo, hi = upload(rows.values(), h.device).view(4, B)  # one upload: 4B ints
+        at = row_positions(first, count, width, length - 1)  # [B, width]
+        live = live_sublayers(lo, hi, None if rows.skips is None else rows.skips.keep, start, end)  # [2n, B]
+        layers = range(start, end)
+        ks, vs = attended_views(cache, layers, length, dynamic=True)
+        states: list | None = [] if collects else None
+        out = fns.rows([stack.layers[i] for i in layers], padded(h, width), at, live, ks, vs, states)
+        self.made.add((step, width, collects, None))
+        return out[:, :T], [state[:, :T] for state in states or []]
+
+    def run(self, plan, h, pos: int, width: int, length: int, cache: KVCache, collect) -> torch.Tensor:
+        stack, fns = self.graphs.stack, self.graphs.functions
+        if cache not in self._adopted:
+            adopt(cache)
+            self._adopted.add(cache)
+        self._tables()
         T = h.shape[1]
         positions = torch.arange(pos, pos + width, device=h.device)[None]  # [1, width]
         x = padded(h, width)
@@ -106,25 +111,33 @@ class CompiledRunner:
             if kind == "layers":
                 layers = range(first, step[2])
                 states = [] if collect is not None else None
-                x = fns.chain([stack.layers[i] for i in layers], x, positions, [cache.k[i] for i in layers],
-                              [cache.v[i] for i in layers], states)
+                ks, vs = attended_views(cache, layers, length, dynamic=True)
+                x = fns.chain([stack.layers[i] for i in layers], x, positions, ks, vs, states)
                 if states is not None:
                     collect.extend(state[:, :T] for state in states)
             else:
                 w = stack.layers[first]
-                x = fns.attention(w, x, positions, cache.k[first], cache.v[first]) if kind == "attn" else fns.mlp(w, x)
+                if kind == "attn":
+                    (k,), (v,) = attended_views(cache, [first], length, dynamic=True)
+                    x = fns.attention(w, x, positions, k, v)
+                else:
+                    x = fns.mlp(w, x)
                 if collect is not None:
                     collect.append(x[:, :T])
-            self.made.add((step, width, collects_in_graph(step, collect)))
+            self.made.add((step, width, collects_in_graph(step, collect), None))
         return x[:, :T]
 
 
 class CudaGraphRunner:
     """Graphs captured with torch.cuda.CUDAGraph from the steps' kernels (inductor's where the functions are compiled,
-    else the eager ones). Each graph of a width reads and writes that width's static buffers in place — the rows'
-    states [B, width, D] and positions [B, width] (B = 1, or a batch's: Graphs.batch; a batch's graphs also read
-    which rows run each sublayer, [2L, B]), and for a chain that keeps its states, every layer's output
-    [n, B, width, D] — and one cache, so any sequence of steps replays with one copy in and one copy out."""
+    else the eager ones), one per (step, width, attended length). Each graph of a width reads and writes that width's
+    static buffers in place — the rows' states [B, width, D] and positions [B, width] (B = 1, or a batch's:
+    Graphs.batch; a batch's graphs read instead each row's first position, count and layers [4, B] and the round's
+    skip sets [B, 2L], and make the positions and each sublayer's rows from them), and for a chain that keeps its
+    states, every layer's output [n, B, width, D] — and one cache, so any sequence of steps replays with one copy in
+    and one copy out."""
+
+    static_lengths = True  # a graph per attended length: each reads its own view of the captured cache
 
     def __init__(self, graphs):
         self.graphs = graphs
@@ -133,7 +146,9 @@ class CudaGraphRunner:
         self.pool = None
         self.buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.states: dict[int, torch.Tensor] = {}  # width → [L, B, width, D]: a collecting chain's layers' outputs
-        self.live: torch.Tensor | None = None  # a batch's: which rows run each sublayer (_live)
+        self.row_values: torch.Tensor | None = None  # a batch's [4, B]: first, count, lo, hi (StepRows)
+        self.keep: torch.Tensor | None = None  # a batch's [B, 2L] bool: the sublayers each row's skip set keeps
+        self._keep_from = None  # the RowSkips (or None: every sublayer) keep holds now
 
     def cache_of(self, cache_len: int) -> KVCache:
         """The cache every graph is captured on (its addresses are baked into the graphs): one per stack and length,
@@ -144,7 +159,7 @@ class CudaGraphRunner:
             caches = memo(stack).setdefault("captured_caches", {})
             if (length, B) not in caches:
                 caches[length, B] = stack.new_cache(length, batch=B)
-                adopt(caches[length, B], static_addresses=True)
+                adopt(caches[length, B])
             self.cache = caches[length, B]
             self._tables = stack.rope_tables()  # a longer table later must not free the one the graphs read
         return self.cache
@@ -171,13 +186,15 @@ class CudaGraphRunner:
                                    torch.zeros(B, width, dtype=torch.long, device=device))
         return self.buffers[width]
 
-    def _live(self) -> torch.Tensor:
-        """A batch's [2L, B] bool: which rows run each sublayer (every width's graphs read it: a step uploads it)."""
-        if self.live is None:
-            stack = self.graphs.stack
-            self.live = torch.ones(2 * stack.num_layers, self.graphs.batch, dtype=torch.bool,
-                                   device=stack.layers[0].device)
-        return self.live
+    def _row_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """A batch's [4, B] long (each row's first position, count, lo, hi) and [B, 2L] bool (its skip set's kept
+        sublayers): every width's graphs read them; a step uploads the first, a skipping round the second."""
+        if self.row_values is None:
+            stack, B = self.graphs.stack, self.graphs.batch
+            device = stack.layers[0].device
+            self.row_values = torch.zeros(4, B, dtype=torch.long, device=device)
+            self.keep = torch.ones(B, 2 * stack.num_layers, dtype=torch.bool, device=device)
+        return self.row_values, self.keep
 
     def _states(self, width: int) -> torch.Tensor:
         if width not in self.states:
@@ -185,23 +202,25 @@ class CudaGraphRunner:
             self.states[width] = state.new_zeros(self.graphs.stack.num_layers, *state.shape)
         return self.states[width]
 
-    def _graph(self, step: Step, width: int, collects: bool) -> torch.cuda.CUDAGraph:
-        key = (step, width, collects)
+    def _graph(self, step: Step, width: int, collects: bool, length: int) -> torch.cuda.CUDAGraph:
+        key = (step, width, collects, length)
         if key not in self.made:
-            self.made[key] = self._capture(self._body(step, width, collects), width)
+            self.made[key] = self._capture(self._body(step, width, collects, length), width)
         return self.made[key]
 
-    def _body(self, step: Step, width: int, collects: bool) -> Callable[[], None]:
-        """The step on this width's buffers, its result written back into the state buffer (and a collecting
-        chain's every layer's output into the states buffer: one stack kernel inside the graph)."""
+    def _body(self, step: Step, width: int, collects: bool, length: int) -> Callable[[], None]:
+        """The step on this width's buffers over the cache's first `length` slots, its result written back into the
+        state buffer (and a collecting chain's every layer's output into the states buffer: one stack kernel inside
+        the graph)."""
         stack, fns, cache = self.graphs.stack, self.graphs.functions, self.cache
         kind, first = step[0], step[1]
         if kind == "rows":
-            return self._rows_body(step, width, collects)
+            return self._rows_body(step, width, collects, length)
         h, positions = self._buffers(width)
         if kind == "layers":
             layers = range(first, step[2])
-            ws, ks, vs = [stack.layers[i] for i in layers], [cache.k[i] for i in layers], [cache.v[i] for i in layers]
+            ws = [stack.layers[i] for i in layers]
+            ks, vs = attended_views(cache, layers, length, dynamic=False)
             if not collects:
                 return lambda: h.copy_(fns.chain(ws, h, positions, ks, vs))
             kept = self._states(width)[: len(layers)]
@@ -213,40 +232,47 @@ class CudaGraphRunner:
             return chain_keeping_states
         w = stack.layers[first]
         if kind == "attn":
-            k, v = cache.k[first], cache.v[first]
+            (k,), (v,) = attended_views(cache, [first], length, dynamic=False)
             return lambda: h.copy_(fns.attention(w, h, positions, k, v))
         return lambda: h.copy_(fns.mlp(w, h))
 
-    def _rows_body(self, step: Step, width: int, collects: bool) -> Callable[[], None]:
-        """A batch's chain on this width's row buffers (positions and the rows running each sublayer read from them,
-        as the step uploaded them), its result written back into the state buffer, a collecting chain's every
-        layer's output into the states buffer."""
+    def _rows_body(self, step: Step, width: int, collects: bool, length: int) -> Callable[[], None]:
+        """A batch's chain on this width's row buffers: the positions and which rows run each sublayer made from the
+        row buffers the step uploaded into, its result written back into the state buffer, a collecting chain's
+        every layer's output into the states buffer."""
         stack, fns, cache = self.graphs.stack, self.graphs.functions, self.cache
-        (h, at), on = self._buffers(width), self._live()
+        h = self._buffers(width)[0]
+        values, keep = self._row_buffers()
         _, start, end = step
         layers = range(start, end)
-        ws, ks, vs = [stack.layers[i] for i in layers], [cache.k[i] for i in layers], [cache.v[i] for i in layers]
-        live, scratch = on[2 * start : 2 * end], cache.max_len - 1
-        if not collects:
-            return lambda: h.copy_(fns.rows(ws, h, at, live, ks, vs, scratch))
-        kept = self._states(width)[: len(layers)]
+        ws = [stack.layers[i] for i in layers]
+        ks, vs = attended_views(cache, layers, length, dynamic=False)
+        kept = self._states(width)[: len(layers)] if collects else None
 
-        def chain_keeping_states():
-            states: list[torch.Tensor] = []
-            h.copy_(fns.rows(ws, h, at, live, ks, vs, scratch, states))
-            torch.stack(states, out=kept)
-        return chain_keeping_states
+        def chain():
+            first, count, lo, hi = values
+            at = row_positions(first, count, width, length - 1)  # [B, width]
+            live = live_sublayers(lo, hi, keep, start, end)  # [2n, B]
+            states: list[torch.Tensor] | None = [] if collects else None
+            h.copy_(fns.rows(ws, h, at, live, ks, vs, states))
+            if collects:
+                torch.stack(states, out=kept)
+        return chain
 
-    def run_rows(self, step: Step, h, positions, live, width: int, cache: KVCache, collects: bool):
+    def run_rows(self, step: Step, h, rows: StepRows, width: int, length: int, cache: KVCache, collects: bool):
         B, T, _ = h.shape
-        (state, at), on = self._buffers(width), self._live()
+        state = self._buffers(width)[0]
+        values, keep = self._row_buffers()
         _, start, end = step
         state[:, :T].copy_(h)  # columns T.. keep the last step's (finite) states: padding, never read by a real row
-        L = self.graphs.stack.num_layers
-        values = upload(row_inputs(positions, live, width, start, end, L, cache.max_len - 1), h.device)
-        at.copy_(values[: B * width].view(B, width))
-        on.copy_(values[B * width :].view(2 * L, B) != 0)
-        self._graph(step, width, collects).replay()
+        values.copy_(upload(rows.values(), h.device).view(4, B))
+        if rows.skips is not self._keep_from:  # a skipping round's skip sets, or every sublayer: once a change
+            if rows.skips is None:
+                keep.fill_(True)
+            else:
+                keep.copy_(rows.skips.keep)
+            self._keep_from = rows.skips
+        self._graph(step, width, collects, length).replay()
         states = self._states(width)[: end - start, :, :T].clone().unbind(0) if collects else []
         return state[:, :T].clone(), list(states)
 
@@ -266,14 +292,14 @@ class CudaGraphRunner:
             body()
         return graph
 
-    def run(self, plan, h, pos: int, width: int, cache: KVCache, collect) -> torch.Tensor:
+    def run(self, plan, h, pos: int, width: int, length: int, cache: KVCache, collect) -> torch.Tensor:
         T = h.shape[1]
         state, positions = self._buffers(width)
         state[:, :T].copy_(h)  # rows T.. keep the last step's (finite) states: padding, never read by a real row
         positions.copy_(torch.arange(pos, pos + width, device=positions.device)[None])
         for step in plan:
             collects = collects_in_graph(step, collect)
-            self._graph(step, width, collects).replay()
+            self._graph(step, width, collects, length).replay()
             if collects:  # one copy of every layer's state (the buffers are the next replay's)
                 collect.extend(self._states(width)[: step[2] - step[1], :, :T].clone().unbind(0))
             elif collect is not None:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from del_bench.engine.static_steps import RowSteps, padded
+from del_bench.engine.static_steps import RowSkips, RowSteps, StepRows, padded
 from del_bench.methods.base import SkipSet
 from del_bench.models.kv_cache import KVCache, TreeMask
 from del_bench.models.layer_stack import LayerStack
@@ -35,6 +35,7 @@ class LayerPath:
         self.stack, self.graphs = stack, graphs
         self.info = info if info is not None else {"compiled": False}
         self._row_steps: RowSteps | None = None
+        self._skips: tuple | None = None  # the last skip sets on the device: (the sets, RowSkips)
 
     @property
     def name(self) -> str:
@@ -48,17 +49,16 @@ class LayerPath:
 
     def cache(self, rows: int, length: int, floor: int = 0, current: KVCache | None = None) -> KVCache:
         """A cache of `rows` rows and at least `length` slots to decode in: the one the graphs were captured on where
-        they write a fixed one and it is long enough; else `current` where it is long enough and not the captured one;
-        else a new one of max(length, floor) slots, every slot zeroed (a masked key gets weight 0, but 0 · NaN is
-        NaN: torch.empty's garbage must never sit under a batched step's mask). A batch outgrowing its graphs'
-        cache leaves them: its steps run eagerly from there, and its records say so (layer_path)."""
+        they write a fixed one and it is long enough (a batch's graphs are made again on a longer one where a request
+        outgrows it: compiled.Graphs.grow, logged and listed in its `regrown`); else `current` where it is long enough
+        and not the captured one; else a new one of max(length, floor) slots, every slot zeroed (a masked key gets
+        weight 0, but 0 · NaN is NaN: torch.empty's garbage must never sit under a batched step's mask)."""
+        if self.rows_on_graphs:
+            captured = self.graphs.cache
+            return captured if captured.max_len >= length else self.graphs.grow(length - 1)
         captured = self.graphs.cache_for(length) if self.graphs is not None else None
         if captured is not None and captured.k[0].shape[0] == rows:
             return captured
-        if self.graphs is not None and self.graphs.batch > 1:
-            self.info.setdefault("fallbacks", []).append(
-                f"a batch needed {length} cache slots, its graphs were captured on {self.graphs.cache.max_len}")
-            self.graphs = None
         if current is not None and current.max_len >= length and (self.graphs is None or current is not
                                                                      self.graphs.cache):
             return current
@@ -118,15 +118,15 @@ class LayerPath:
         some = passes[0][1].h
         h = torch.cat([padded(by_row[r].h, W) if r in by_row else some.new_zeros(1, W, some.shape[2])
                        for r in range(running)])  # [m, W, D]
-        positions = [[by_row[r].pos + t if r in by_row and t < by_row[r].h.shape[1] else -1 for t in range(W)]
-                     for r in range(running)]
-        runs = [[by_row[r].runs(start + j)[kind] if r in by_row else False for r in range(running)]
-                for j in range(n) for kind in (0, 1)]  # [2n][m]
+        step = StepRows([by_row[r].pos if r in by_row else 0 for r in range(running)],
+                        [by_row[r].h.shape[1] if r in by_row else 0 for r in range(running)],
+                        [by_row[r].start if r in by_row else 0 for r in range(running)],
+                        [by_row[r].end if r in by_row else 0 for r in range(running)],
+                        held=held, skips=self._row_skips(cache, by_row, running))
         steps = self._row_steps
         if steps is None or steps.cache is not cache or steps.graphs is not self.graphs:
             steps = self._row_steps = RowSteps(self.stack, cache, self.graphs if self.rows_on_graphs else None)
-        out, states, ran, computed = steps.run(start, end, h, positions, None if all(map(all, runs)) else runs,
-                                               held, collect)
+        out, states, ran, computed = steps.run(start, end, h, step, collect)
         per = 2 if collect == "sublayers" else 1
         outs, kept = [], []
         for r, p in passes:
@@ -134,8 +134,22 @@ class LayerPath:
             outs.append(out[r : r + 1, :T])
             own = states[per * (p.start - start) : per * (p.end - start)]  # its own layers' states
             kept.append([state[r : r + 1, :T] for state in own])
-        rows = list(range(computed))
-        return RowsStep(outs, kept, rows, [[*row, *[False] * (computed - len(row))] for row in runs], ran)
+        runs = [[by_row[r].runs(start + j)[kind] if r in by_row else False for r in range(computed)]
+                for j in range(n) for kind in (0, 1)]  # [2n][computed rows]
+        return RowsStep(outs, kept, list(range(computed)), runs, ran)
+
+    def _row_skips(self, cache: KVCache, by_row: dict, running: int) -> RowSkips | None:
+        """The rows' skip sets on the device (RowSkips), uploaded again only where a passing row's set differs from
+        the one there (a row's set holds for its round; an idling row's does not matter): once a round at most."""
+        if not any(p.skip is not None for p in by_row.values()):
+            return None
+        rows = cache.k[0].shape[0]
+        sets = list(self._skips[0]) if self._skips is not None else [(frozenset(), frozenset())] * rows
+        for r, p in by_row.items():
+            sets[r] = (frozenset(p.skip.attn), frozenset(p.skip.mlp)) if p.skip else (frozenset(), frozenset())
+        if self._skips is None or self._skips[0] != sets:
+            self._skips = (sets, RowSkips.of(sets, rows, self.stack.num_layers, self.stack.layers[0].device))
+        return self._skips[1]
 
     @staticmethod
     def _own(p, start: int, states: list) -> list:

@@ -236,7 +236,7 @@ def make_graphs(stack: LayerStack, setting: str, method, max_new_tokens: int, ca
             continue
         graphs.declined.clear()  # from here on: the run's own calls
         return graphs, {**info, "compiled": True, "graph_kind": graphs.kind, "compile_s": time.perf_counter() - t0,
-                        "graphs": graphs.graphs}
+                        "graphs": graphs.graphs, **graphs.setup()}
     log.warning("compile=auto: decoding without the graph-captured steps (records say so)")
     return None, {**info, "compile_s": time.perf_counter() - t0, "reason": info["fallbacks"][-1]}
 
