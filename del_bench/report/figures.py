@@ -232,15 +232,16 @@ def fig3a(df: pd.DataFrame, model: str, machine: str, title: str = "") -> plt.Fi
     sel = df[(df.model == model) & (df.machine == machine) & df.method.isin(ABLATIONS) & df.has_vanilla]
     if sel.empty:
         return None
-    stats = sel.groupby(["task", "method"])["speedup"].agg(["mean", "std"]).reset_index()
+    # one bar a label: DEL beside DEL (Alg. 1), its other reading (methods.dynamic_exit.variant), in the tables' order
+    stats = sel.groupby(["task", "label"])["speedup"].agg(["mean", "std"]).reset_index()
     tasks = _tasks_in_order(stats.task)
-    methods = [m for m in ABLATIONS if m in set(stats.method)]
+    labels = list(dict.fromkeys(sel.sort_values(["order", "label"], kind="stable").label))
     fig, ax = plt.subplots(figsize=(1.2 + 1.1 * len(tasks), 3.2))
-    width = 0.8 / len(methods)
-    for i, method in enumerate(methods):
-        rows = stats[stats.method == method].set_index("task").reindex(tasks)
-        xs = [j + (i - (len(methods) - 1) / 2) * width for j in range(len(tasks))]
-        ax.bar(xs, rows["mean"], width, yerr=rows["std"].fillna(0), label=method_label(method), capsize=2)
+    width = 0.8 / len(labels)
+    for i, label in enumerate(labels):
+        rows = stats[stats.label == label].set_index("task").reindex(tasks)
+        xs = [j + (i - (len(labels) - 1) / 2) * width for j in range(len(tasks))]
+        ax.bar(xs, rows["mean"], width, yerr=rows["std"].fillna(0), label=label, capsize=2)
     ax.axhline(1.0, color="grey", lw=0.8, ls="--")
     ax.set_xticks(range(len(tasks)), [TASK_LABELS.get(t, t) for t in tasks])
     ax.set_xlabel("Task")
