@@ -181,14 +181,16 @@ def kind_of(our: dict | None, their: dict | None, max_new_tokens: int) -> str:
     if our is None or their is None:
         return "out of step (no round of " + ("ours" if our is None else "theirs") + " at this offset)"
     if our.get("first"):
-        return "equal" if our["emitted"] == their["emitted"] else "first round: their draft's acceptance differs"
+        return "equal" if our["emitted"] == their["emitted"] else "first round: the tokens it emits differ"
     exit_layer = our["exit_layer"] if our["drafted"] else None
     if (exit_layer, our["drafted"]) == (their["exit_layer"], their["drafted"]):
         return "equal"
     if our["offset"] + our["budget"] + 1 >= max_new_tokens and their["drafted"] > our["budget"]:
         return "our budget capped at the tokens left (theirs runs past max_new_tokens)"
-    if exit_layer is None:
-        return "we decode plainly (TPL's γ = 0), they draft"
+    if exit_layer is None:  # the plan's E (trace chosen_exit_layer): None = TPL's γ = 0
+        if our.get("chosen_exit_layer") is None:
+            return "we decode plainly (TPL's γ = 0), they draft"
+        return "we draft nothing (the first candidate fell below τ and was dropped), they keep it"
     return "exit layer differs" if exit_layer != their["exit_layer"] else "drafted differs"
 
 

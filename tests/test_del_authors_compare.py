@@ -15,7 +15,8 @@ _spec.loader.exec_module(compare_script)
 
 
 def ours(*rounds):
-    """Our rounds from (exit_layer, budget, drafted, accepted, emitted, loaded_layers[, trace]) tuples; round 0 first."""
+    """Our rounds from (exit_layer, budget, drafted, accepted, emitted, loaded_layers[, trace]) tuples, round 0
+    first."""
     out = []
     for i, (E, budget, d, k, emitted, loaded, *trace) in enumerate(rounds):
         out.append({"sample_id": "s", "round": i, "exit_layer": E, "budget": budget, "drafted": d, "accepted": k,
@@ -42,14 +43,15 @@ def test_rounds_pair_by_the_offset_they_start_at_after_the_first():
     assert (first["emitted"], first["loaded_layers"]) == (2, 2 * L)  # our prefill and the plain round, together
     kinds = [compare_script.kind_of(a, b, max_new_tokens=8) for a, b in pairs]
     # the last: our budget capped at 8 − 6 − 1 = 1 (the tokens left, less the verifier's), theirs drafts 5 past it
-    assert kinds == ["equal", "equal", "equal", "our budget capped at the tokens left (theirs runs past max_new_tokens)"]
+    capped = "our budget capped at the tokens left (theirs runs past max_new_tokens)"
+    assert kinds == ["equal", "equal", "equal", capped]
 
 
 def test_a_round_out_of_step_and_a_different_decision_are_named():
     shifted = theirs((1, 1, 0, 1), (2, 3, 1, 2), (1, 1, 1, 2))  # their draft rejected: one token, then offset 1
     pairs = compare_script.align(OURS, shifted)
     kinds = [compare_script.kind_of(a, b, max_new_tokens=99) for a, b in pairs]
-    assert kinds[0] == "first round: their draft's acceptance differs"
+    assert kinds[0] == "first round: the tokens it emits differ"
     assert "out of step (no round of ours at this offset)" in kinds  # their offsets 1 and 3
     assert "out of step (no round of theirs at this offset)" in kinds
     other = theirs((1, 1, 1, 2), (5, 3, 1, 2), (1, 2, 1, 2))
@@ -60,6 +62,10 @@ def test_a_round_out_of_step_and_a_different_decision_are_named():
                                                                                           (1, 2, 0, 1)))]
     assert kinds == ["equal", "we decode plainly (TPL's γ = 0), they draft", "out of step (no round of theirs at "
                      "this offset)"]
+    dropped = ours((None, 0, 0, 0, 1, L), (None, 18, 0, 0, 1, 2 + L, {"chosen_exit_layer": 2}))  # Algorithm 1's
+    kinds = [compare_script.kind_of(a, b, 99) for a, b in compare_script.align(dropped, theirs((1, 1, 0, 1),
+                                                                                            (2, 1, 0, 1)))]
+    assert kinds[1] == "we draft nothing (the first candidate fell below τ and was dropped), they keep it"
 
 
 def test_compare_reads_both_sides_records_and_sums_them(tmp_path):
