@@ -6,7 +6,7 @@ Three steps, each a subcommand (docs/design.md §3.5, README "DEL against its au
                              float32 weights, a config with `rope_theta` and `torch_dtype` (transformers 4.45 reads
                              those, not 5.x's `rope_parameters` and `dtype`)
   drive    (their python)    their DEL generator (`self_speculation/DEL_speculation_generator.py` of a checkout of
-                             github.com/hoenza/DEL, commit 0365a81) over the prompt ids of one of our runs; one JSONL
+                             GitHub's hoenza/DEL, commit 0365a81) over the prompt ids of one of our runs; one JSONL
                              line per prompt with its rounds: exit layer, drafted, accepted, emitted, the output offset
                              it started at, τ and TPL's γ as their controller held them
   compare  (any python)      their JSONL against one of our runs' rounds.jsonl: rounds aligned by the output offset

@@ -6,7 +6,7 @@ Per round, from shadow tokens of the valid window (positions 0..u_r, see the eng
   decayed sums S(a) = Σ_i ω^{r−i−1} a[i] (kept incrementally: S ← ω·S + a_r),
   α_ℓ = S(c^ℓ) / S(n),  τ_ℓ = ½ (S(tcs^ℓ)/S(c^ℓ) + S(fcs^ℓ)/S(n − c^ℓ)),
   (E, γ) = argmax over ℓ ∈ [1, L), d ∈ [0, d_max] of TPL(ℓ, d) = Σ_{k≤d} α_ℓ^k / (d·ℓ + L).
-Statistics are seeded at prefill from the last 32 prompt positions and restart with every prompt.
+Statistics are seeded at prefill from the last prompt positions (`prefill_window`) and restart with every prompt.
 
 Decisions where the paper, its Algorithm 1 and the authors' code differ (docs/design.md §3.5), all config:
 - Denominator: the paper divides by S(u) while c counts u + 1 positions; we count positions
@@ -14,12 +14,16 @@ Decisions where the paper, its Algorithm 1 and the authors' code differ (docs/de
 - Draft budget (`draft_budget`): `d_max` (Algorithm 1 and the authors' code: draft up to d_max, stop
   on τ) or `tpl` (cap at the TPL-chosen γ). Either way a TPL choice of d = 0 means "do not speculate":
   the round is plain decoding, so a model whose early layers never agree falls back to Vanilla.
-- Stopping (`dynamic_draft_exit`): stop when a candidate's confidence < τ_E; the candidate is dropped
-  (Algorithm 1 breaks before appending it).
-- First round: from the prefill statistics (paper), not the authors' fixed E = 1, γ = 1.
+- Stopping (`dynamic_draft_exit`): stop when a candidate's confidence < τ_E; the candidate is kept and verified
+  (`keep_stopped_draft: true`, method=del: the authors' code appends it before the test) or dropped (method=del_alg1:
+  Algorithm 1 breaks before appending it).
+- First round (`prefill_draft`, method=del): as the authors' first call, one draft of the first token at the lowest
+  allowed E merged with the prefill — accepted iff that layer's shadow token at the last prompt position is the full
+  model's, then one plain round for the token after it, its window joining the prefill's (the last 33 prompt
+  positions: `prefill_window`) undecayed; method=del_alg1: from the prefill statistics of the last 32 (paper).
 - Sampling, as the authors' code: shadow tokens and their confidences (so τ) from the raw logits' softmax, a draft
   candidate's confidence from the warped (temperature/top-p) draft distribution q — its top probability, which the
-  drawn token does not move, as the stopping candidate is dropped (the authors read the drawn token's own and keep it).
+  drawn token does not move (the authors read the drawn token's own).
 - 0/0: with no matched position yet the matched mean is taken as 1, with no mismatched one the
   mismatched mean as 0 (the extremes a confidence can take), so τ is always defined; S(n) = 0 gives α = 0.
 Beyond the paper (`cost_model: measured`): the TPL cost counts an LM-head row as h layers, h measured at
