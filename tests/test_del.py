@@ -265,3 +265,41 @@ def test_the_bench_prices_rounds_with_costs_measured_on_this_device(tmp_path):
     RunDir(tmp_path / "here").write_costs({"device": "here", "layer_s": 1.0})  # what a del_cpu row planned on here
     here = loop_costs([*rows, {"out_dir": str(tmp_path / "here")}], Stack(), measure)
     assert here == {"device": "here", "layer_s": 1.0}
+
+
+def test_the_authors_prefill_draft_adds_a_plain_round_whose_window_joins_the_prefills():
+    """prefill_draft (DEL as its authors' code runs it): the first token drafted at the lowest allowed E is accepted
+    iff that layer's token at the last prompt position is the full model's; then one plain round emits the token after
+    it, and its window joins the prefill's as one window (no decay between them), as their first call's does."""
+    m = DEL(omega=0.5, prefill_draft=True, keep_stopped_draft=True)
+    m.start(3)
+    m.observe_prefill(shadow([[1, 7], [5, 7]], [[0.3, 0.6], [0.8, 0.9]], [5, 7]))  # layer 1 matched at the last
+    plan = m.plan()
+    assert (plan.exit_layer, plan.max_draft, plan.trace["prefill_draft"]) == (None, 0, True)
+    m.observe(RoundEvidence(exit_layer=None, drafted=0, accepted=0, shadow=shadow([[4], [4]], [[0.5], [0.7]], [4])))
+    # one window of three positions: S(c) = [1, 2] + [1, 1], S(n) = 2 + 1 (decayed, it would be .5·[1, 2] + …)
+    assert m.alpha.tolist() == pytest.approx([2 / 3, 3 / 3])
+    assert m.tau.tolist() == pytest.approx([0.5 * ((0.6 + 0.5) / 2 + 0.3), 0.5 * ((0.8 + 0.9 + 0.7) / 3 + 0.0)])
+    assert m.plan().trace.get("prefill_draft") is None  # then TPL plans, and the next round decays as usual
+    m.observe(RoundEvidence(exit_layer=2, drafted=0, accepted=0, shadow=shadow([[3], [4]], [[0.2], [0.7]], [4])))
+    assert m.alpha.tolist() == pytest.approx([0.5 * 2 / (0.5 * 3 + 1), (0.5 * 3 + 1) / (0.5 * 3 + 1)])
+
+
+def test_a_rejected_prefill_draft_leaves_the_first_round_to_tpl_and_its_layer_is_the_lowest_allowed():
+    m = DEL(prefill_draft=True, keep_stopped_draft=True)
+    m.start(3)
+    m.observe_prefill(shadow([[5, 6], [5, 7]], [[0.3, 0.6], [0.8, 0.9]], [5, 7]))  # layer 1 missed the last position
+    assert m.plan().trace.get("prefill_draft") is None and m.plan().exit_layer is not None
+    for kwargs, layer in (({"min_exit_layer": 2}, 2), ({"exit_layer": 2}, 2), ({"first_exit_layer": 2}, 2), ({}, 1)):
+        m = DEL(prefill_draft=True, **kwargs)
+        m.start(4)
+        assert m.prefill_draft_layer == layer  # DEL-E-lim's and DEL-γ's first E, as their code's eligible layers
+        tokens = [[5, 7 if i == layer - 1 else 6] for i in range(3)]  # only that layer matches the last position
+        m.observe_prefill(shadow(tokens, [[0.5, 0.5]] * 3, [5, 7]))
+        assert m.plan().trace.get("prefill_draft") is True
+
+
+def test_a_kept_stopped_candidate_is_not_priced_as_a_dropped_head_row():
+    """TPL's stop_head prices the candidate that stops drafting as a wasted head row only where it is dropped."""
+    assert DEL(cost_model="measured").stop_head and not DEL(cost_model="measured", keep_stopped_draft=True).stop_head
+    assert not DEL(dynamic_draft_exit=False).stop_head

@@ -6,7 +6,9 @@ controller's fast paths) produced them; τ was re-pinned once when shadow confid
 float32 for float64 models (decisions unchanged), and the restricted-vocabulary runs (del_cpu_h2/h6, shadow_vocab=50)
 once when draft candidates' confidences moved onto τ's scale (issue 39: before, τ averaged confidences normalised over
 the first K ids + the target and candidates were scored over the whole vocabulary, so no draft was ever kept; the
-outputs are the same, the rounds draft). `python -m tests.test_del_decisions --write` re-pins them (only for a
+outputs are the same, the rounds draft); the *_authors runs (DEL as its authors' code runs it: the stopped candidate
+kept, the first token drafted with the prefill) were added when method=del's default became that reading (issue 53),
+the others unchanged. `python -m tests.test_del_decisions --write` re-pins them (only for a
 deliberate change of DEL's algorithm, never to make a speed-up pass).
 
 Host independence: decisions are compared exactly, τ to 1e-12 relative. Everything here is float64 but for HF's
@@ -36,6 +38,7 @@ from tests.conftest import tiny_model
 
 GOLDEN = Path(__file__).parent / "data" / "del_decisions.json"
 PROMPTS = ["def add(a, b):\n", "The quick brown fox", "x = [i * i for i in range(10)]\n"]
+AUTHORS = {"keep_stopped_draft": True, "prefill_draft": True, "prefill_window": 33}
 CONFIGS = {  # name → (DEL kwargs, head cost in layers: what set_costs would give)
     "del": ({}, 0.0),
     "del_cpu_h2": ({"cost_model": "measured", "shadow_vocab": 50, "defer_shadow": True}, 2.0),
@@ -44,6 +47,10 @@ CONFIGS = {  # name → (DEL kwargs, head cost in layers: what set_costs would g
     "del_e": ({"dynamic_draft_exit": False, "draft_budget": "tpl"}, 0.0),
     "del_gamma": ({"exit_layer": 3}, 0.0),
     "del_e_lim": ({"min_exit_layer": 3, "omega": 0.8}, 0.0),
+    # as the authors' code runs DEL (configs/method/del.yaml; the runs above are Algorithm 1's reading, pinned before)
+    "del_authors": (AUTHORS, 0.0),
+    "del_gamma_authors": ({"exit_layer": 3, **AUTHORS}, 0.0),
+    "del_e_lim_authors": ({"min_exit_layer": 3, "omega": 0.8, **AUTHORS}, 0.0),
 }
 MODELS = {"L4": {}, "L8": {"num_layers": 8}}
 

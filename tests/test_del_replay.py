@@ -9,9 +9,13 @@ are the final sequence's, and a causal model's hidden state at a position depend
 engine's drafted (layers 1..E) and verified (E+1..L−1) states there are the teacher-forced states of one HF forward,
 up to float rounding. The replay follows the decisions our implementation documents (dynamic_exit.py's docstring):
 n = u + 1 positions per round, 0/0 means 1 (matched) and 0 (mismatched), S(n) = 0 gives α = 0, the stopping candidate
-is dropped, prefill seeds the statistics from the last 32 prompt positions (targets: the full model's tokens there)
-and plans the first round, TPL's d = 0 is plain decoding, the budget is d_max or γ (draft_budget), capped by tokens
-left, E ranges over [min_exit_layer, L) or is fixed (exit_layer), ties go to the smaller d, then the smaller ℓ.
+is dropped (del_alg1, del_cpu) or kept and verified (del and its ablations: the authors' code), prefill seeds the
+statistics from the last `prefill_window` prompt positions (targets: the full model's tokens there) and plans the
+first round — or (prefill_draft, the authors' code) the first token is drafted at the lowest allowed layer with the
+prefill: accepted iff that layer's token at the last prompt position is the full model's, then one plain round whose
+window joins the prefill's undecayed —, TPL's d = 0 is plain decoding, the budget is d_max or γ (draft_budget), capped
+by tokens left, E ranges over [min_exit_layer, L) or is fixed (exit_layer), ties go to the smaller d, then the
+smaller ℓ.
 
 Tolerances, and why. α is a ratio of decayed integer match counts: given the same matches it differs from the
 engine's only by summation order (the replay sums Σ ω^{r−i−1} a_i directly, the engine keeps S ← ω·S + a), a few ulps:
@@ -69,12 +73,15 @@ class Run:
 
 RUNS = {
     "L4/del": Run({}, "del", prompts=("short", "long", "one_byte")),  # one_byte: a layer E that never matched
+    "L4/del_alg1": Run({}, "del_alg1", prompts=("short", "long", "one_byte")),  # Algorithm 1: the stopped one dropped
+    "L8a/del_alg1": Run(L8_AGREEING, "del_alg1"),
     "L8/del": Run(L8, "del"),
     "L8a/del": Run(L8_AGREEING, "del"),
     "L4/del_e": Run({}, "del_e"),
     "L8/del_e": Run(L8, "del_e"),
     "L4/del_gamma": Run({}, "del_gamma"),  # E = the model's default exit layer (1)
-    "L8/del_gamma_E3": Run(L8, "del_gamma", {"exit_layer": 3}, prompts=("short", "bos")),  # bos: never mismatched
+    "L8/del_gamma_E3": Run(L8, "del_gamma", {"exit_layer": 3}, prompts=("short", "bos")),
+    "L8/del_alg1_E3": Run(L8, "del_alg1", {"exit_layer": 3}, prompts=("short", "bos")),  # bos: never mismatched
     "L8a/del_e_lim": Run(L8_AGREEING, "del_e_lim"),
     "L8/del_w0.8_d5": Run(L8, "del", {"omega": 0.8, "d_max": 5}, max_new=40),  # budgets capped by d_max and tokens
     "L8a/del_cpu": Run(L8_AGREEING, "del_cpu", head_cost=2.0),  # shadow_vocab 1024 ≥ V: the full vocabulary here
@@ -163,12 +170,16 @@ class Algorithm1:
     stop_head: bool = False  # the dropped stopping candidate's head row is paid for (measured, with draft exit)
     rounds: list[tuple[np.ndarray, np.ndarray, np.ndarray, int]] = field(default_factory=list)  # c, tcs, fcs, n
 
-    def observe(self, views: LayerViews, positions: range) -> None:
-        """One round's valid window (prefill: the last prompt positions) into the statistics."""
+    def observe(self, views: LayerViews, positions: range, join: bool = False) -> None:
+        """One round's valid window (prefill: the last prompt positions) into the statistics; join: as part of the
+        previous round's window (the plain round after an accepted prefill draft)."""
         p = list(positions)
         matched = views.tokens[:, p] == views.target[p]  # [L-1, n]
         conf = views.conf[:, p]
-        self.rounds.append((matched.sum(1).astype(float), (conf * matched).sum(1), (conf * ~matched).sum(1), len(p)))
+        terms = (matched.sum(1).astype(float), (conf * matched).sum(1), (conf * ~matched).sum(1), len(p))
+        if join:
+            terms = tuple(a + b for a, b in zip(self.rounds.pop(), terms))
+        self.rounds.append(terms)
 
     def decayed(self, column: int) -> np.ndarray:
         """S(a) = Σ_i ω^{r−i−1} a_i over the rounds so far."""
@@ -208,7 +219,7 @@ def algorithm_for(spec: dict, num_layers: int, head_cost: float | None) -> Algor
         allowed = list(range(spec["min_exit_layer"], num_layers))
     measured = spec["cost_model"] == "measured"
     return Algorithm1(num_layers, spec["omega"], spec["d_max"], allowed, head_cost if measured else 0.0,
-                      stop_head=measured and spec["dynamic_draft_exit"])
+                      stop_head=measured and spec["dynamic_draft_exit"] and not spec["keep_stopped_draft"])
 
 
 # ---- the run and its replay ---------------------------------------------------------------------------------
@@ -252,12 +263,19 @@ def replay(model, prompt_ids: list[int], gen, spec: dict, head_cost: float | Non
     algo.observe(views, range(P - window, P))
     assert views.target[P - 1] == gen.output_ids[0]
     emitted = gen.rounds[0].emitted
+    first = algo.allowed[0] - 1  # the prefill draft's layer, 0-based: the lowest TPL may choose (their initial E)
+    joins = spec["prefill_draft"] and max_new > 1 and views.tokens[first, P - 1] == views.target[P - 1]
     for r, rnd in enumerate(gen.rounds[1:], start=1):
-        check_round(r, rnd, algo.choose(), views, spec, P + emitted, max_new - emitted, eos_ids, tally)
         n = P + emitted  # the pending token sits at n − 1; the valid window is n − 1 .. n − 1 + accepted
+        join = joins and r == 1
+        if join:  # the token after the accepted prefill draft: one plain pass
+            assert (rnd.budget, rnd.drafted, rnd.trace.get("prefill_draft")) == (0, 0, True), f"round {r}"
+        else:
+            assert not rnd.trace.get("prefill_draft"), f"round {r}: a prefill draft's round where none was accepted"
+            check_round(r, rnd, algo.choose(), views, spec, n, max_new - emitted, eos_ids, tally)
         positions = range(n - 1, n + rnd.accepted)
         check_robust(views, positions, tally, f"round {r}")
-        algo.observe(views, positions)
+        algo.observe(views, positions, join=join)
         emitted += rnd.emitted
     assert emitted == len(gen.output_ids)
     return tally
@@ -330,11 +348,17 @@ def stop_reason(r: int, rnd, choice: Choice, views: LayerViews, spec: dict, n: i
         want = views.conf_draft[E - 1, n - 1 + j]  # on the statistics' scale (shadow_vocab), as τ is
         assert abs(c - want) <= TOL_CONF, f"round {r}: candidate {j}'s confidence {c} vs {want}"
         tally.conf_error = max(tally.conf_error, abs(c - want))
+    kept = spec["keep_stopped_draft"]  # the authors' code: the candidate below τ is the round's last draft
     for j, c in enumerate(confs):  # ≥ τ keeps drafting, < τ stops (against the replay's τ, robustly)
         if abs(c - choice.tau) <= TOL_CONF:
             near_tie(tally, f"round {r}: candidate {j}'s confidence {c} vs τ {choice.tau}")
-        elif j < d:
-            assert c > choice.tau, f"round {r}: kept candidate {j} below τ"
+        elif j < d - kept:
+            assert c > choice.tau, f"round {r}: drafting went on after candidate {j}, below τ"
+    if kept and confs and d < rnd.budget and confs[-1] < rnd.trace["tau"]:
+        assert len(confs) == d, f"round {r}: the stopped candidate was not kept"
+        if abs(confs[-1] - choice.tau) > TOL_CONF:
+            assert confs[-1] < choice.tau, f"round {r}: stopped on a candidate above τ"
+        return "tau"
     if len(confs) == d + 1:
         assert confs[d] < rnd.trace["tau"] and d < rnd.budget, f"round {r}: dropped a candidate that passed τ"
         if abs(confs[d] - choice.tau) > TOL_CONF:

@@ -227,9 +227,9 @@ def test_under_sampling_shadow_tokens_and_their_confidences_come_from_the_raw_lo
     seen = []
 
     class Recording(DEL):
-        def update(self, shadow):
+        def update(self, shadow, decay=True):
             seen.append(shadow)
-            super().update(shadow)
+            return super().update(shadow, decay)
 
     engine = Engine(stack, WARPED, set())
     for p in prompts:

@@ -37,9 +37,9 @@ class Recording(Twin):
         super().start(num_layers)
         self.seen = []
 
-    def update(self, shadow):
+    def update(self, shadow, decay=True):
         self.seen.append(shadow)
-        super().update(shadow)
+        return super().update(shadow, decay)
 
 
 def recount(stack: LayerStack, shadow) -> np.ndarray:

@@ -101,17 +101,20 @@ def test_a_methods_static_shape_is_what_its_hyperparameters_fix(run_cfg, config)
     assert method.static_shape() == expected
 
 
+AUTHORS = {"keep_stopped_draft": True, "prefill_draft": True, "prefill_window": 33}  # DEL as its authors' code runs it
 LABELS = [  # (config name, hyperparameters as records keep them, label): the tables' labels of every method
     ("vanilla", {}, "Vanilla"), ("ls", {"exit_layer": 24, "gamma": 4}, "LS(E24-γ4)"),
     ("fs", {"exit_layer": 24, "gamma": 4, "floor": 1}, "FS(E24-γ4)"), ("dv", {"exit_layer": 7, "d_max": 18}, "DV(E7)"),
     ("swift", {"skip_ratio": 0.45, "d_max": 25}, "SWIFT"), ("clasp", {"skip_layers": 8, "gamma": 4}, "CLaSp"),
     ("knapspec", {"gamma": 4}, "KnapSpec"), ("adadecode", {"gamma": 0.75}, "AdaDecode"),
-    ("del", {"omega": 0.95, "exit_layer": None, "cost_model": "layers"}, "DEL"),
-    ("del", {"omega": 0.9, "exit_layer": None}, "DEL(ω0.9)"),
+    ("del", {"omega": 0.95, "exit_layer": None, "cost_model": "layers", **AUTHORS}, "DEL"),
+    ("del", {"omega": 0.9, "exit_layer": None, **AUTHORS}, "DEL(ω0.9)"),
+    ("del", {"omega": 0.95, "exit_layer": None, "cost_model": "layers"}, "DEL (Alg. 1)"),  # every record before them
     ("del", {"omega": 0.95, "cost_model": "measured", "shadow_vocab": 1024}, "DEL-CPU"),
-    ("del", {"omega": 0.95, "keep_stopped_draft": True}, "DEL (KnapSpec's)"),
-    ("del_gamma", {"omega": 0.95, "exit_layer": 24}, "DEL-γ(E24)"), ("del_e", {"omega": 0.95}, "DEL-E"),
-    ("del_e_lim", {"omega": 0.5, "cost_model": "measured"}, "DEL-E-lim(ω0.5)"),
+    ("del", {"omega": 0.95, "keep_stopped_draft": True, "first_exit_layer": 1}, "DEL (KnapSpec's)"),
+    ("del_gamma", {"omega": 0.95, "exit_layer": 24, **AUTHORS}, "DEL-γ(E24)"),
+    ("del_e", {"omega": 0.95}, "DEL-E (Alg. 1)"),
+    ("del_e_lim", {"omega": 0.5, "cost_model": "measured", **AUTHORS}, "DEL-E-lim(ω0.5)"),
     ("hf_generate", {"transformers": "4"}, "HF generate†"), ("hf_forward_loop", {}, "HF forward loop†"),
     ("hf_assistant_early_exit", {"exit_layer": 8, "gamma": 6}, "HF assistant_early_exit(E8-γ6)†"),
     ("no_such_method", {"exit_layer": 3}, "no_such_method"),
@@ -134,12 +137,12 @@ def test_each_method_labels_its_runs_and_says_where_its_rows_go():
     # variants), then the peers; a method no class declares after every one that is declared
     ordered = sorted(entries, key=lambda e: e.order)
     assert [e.label for e in ordered] == [
-        "Vanilla", "LS(E24-γ4)", "FS(E24-γ4)", "DV(E7)", "SWIFT", "CLaSp", "KnapSpec", "DEL-γ(E24)", "DEL-E",
-        "DEL-E-lim(ω0.5)", "DEL", "DEL(ω0.9)", "DEL-CPU", "DEL (KnapSpec's)", "AdaDecode", "HF generate†",
-        "HF forward loop†", "HF assistant_early_exit(E8-γ6)†", "no_such_method"]
+        "Vanilla", "LS(E24-γ4)", "FS(E24-γ4)", "DV(E7)", "SWIFT", "CLaSp", "KnapSpec", "DEL-γ(E24)", "DEL-E (Alg. 1)",
+        "DEL-E-lim(ω0.5)", "DEL", "DEL(ω0.9)", "DEL (Alg. 1)", "DEL-CPU", "DEL (KnapSpec's)", "AdaDecode",
+        "HF generate†", "HF forward loop†", "HF assistant_early_exit(E8-γ6)†", "no_such_method"]
     families = {label: e.family for (_, _, label), e in zip(LABELS, entries)}
     assert {label for label, f in families.items() if f == LAYER_SKIPPING} == {"SWIFT", "CLaSp", "KnapSpec"}
     assert {label for label, f in families.items() if f == PEER} == {
         "HF generate†", "HF forward loop†", "HF assistant_early_exit(E8-γ6)†"}
     assert [e.note is not None for e in entries if e.label.startswith("DEL")] == [
-        False, False, True, True, False, False, False]  # DEL-CPU and DEL (KnapSpec's) say what they are
+        True, True, True, True, True, False, False, False]  # DEL's readings say what each is (not the ablations)

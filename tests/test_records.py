@@ -196,9 +196,10 @@ def _summary(key: RunKey, tps: float, load: dict | None = None) -> dict:
 
 def test_show_labels_methods_as_the_tables_do_and_marks_busy_runs():
     del_paper = dataclasses.replace(KEY, method="del", method_tag="del-w0.95-layers-vnull",
-                                    hyperparameters=(("exit_layer", None), ("omega", 0.95)))
+                                    hyperparameters=(("exit_layer", None), ("keep_stopped_draft", True),
+                                                     ("omega", 0.95), ("prefill_draft", True)))
     del_cpu = dataclasses.replace(del_paper, method_tag="del-w0.95-measured-v1024-deferred",
-                                  hyperparameters=(("cost_model", "measured"), *del_paper.hyperparameters))
+                                  hyperparameters=(("cost_model", "measured"), ("exit_layer", None), ("omega", 0.95)))
     del_short = dataclasses.replace(del_paper, method_tag="del-w0.95-d4",
                                     hyperparameters=(("d_max", 4), *del_paper.hyperparameters))
     busy = records.load_summary([{"load": _load(4.0, 1.0)}])

@@ -158,7 +158,7 @@ def test_table5_overall_follows_the_papers_definition():
 def test_table6_blocks_hold_vanilla_and_every_omega(built):
     labels = [r.label for r in built["table6"].rows if r.source.startswith("ours")]
     assert labels == ["CNN/DM-Sum ω=- (Vanilla)", "CNN/DM-Sum ω=0.5", "CNN/DM-Sum ω=0.9", "CNN/DM-Sum ω=0.95",
-                      "CNN/DM-Sum ω=1"]
+                      "CNN/DM-Sum ω=0.95, DEL (Alg. 1)", "CNN/DM-Sum ω=1"]  # another reading of DEL says which
 
 
 def test_best_and_second_are_marked_per_block(built):

@@ -65,6 +65,7 @@ NOT_HERE = {  # benches this file does not run, and why
 SCRIPTS = {"tag_experiments.py": ["smoke", "--records-root", "{tmp}/records"]}
 SCRIPTS_NOT_HERE = {"freeze_constraints.py": "writes constraints.txt from the environment",
                     "gpu_node.py": "tests/test_gpu_node.py (make gpu-check, make gpu-wheels)",
+                    "del_authors_compare.py": "tests/test_del_authors_compare.py (drive needs the DEL authors' code)",
                     "per_prompt.py": "tests/test_gpu_node.py (finished runs' tok/s prompt by prompt)",
                     "reference.py": "tests/test_reference.py (make reference: hours of decoding)"}
 
@@ -250,10 +251,12 @@ def test_tables_mark_a_peer_and_say_why():
     assert method_label("hf_generate") == "HF generate†"
     assert method_label("ls", {"exit_layer": 24, "gamma": 4}) == "LS(E24-γ4)"
     # DEL's variants by their settings (methods.dynamic_exit.variant), whatever the tag says
+    authors = {"keep_stopped_draft": True, "prefill_draft": True}
     assert [method_label("del", h) for h in
-            ({"cost_model": "layers"}, {"cost_model": "measured", "shadow_vocab": 1024},
-             {"cost_model": "layers", "keep_stopped_draft": True}, {"d_max": 4})] == \
-        ["DEL", "DEL-CPU", "DEL (KnapSpec's)", "DEL"]
+            ({"cost_model": "layers", **authors}, {"cost_model": "layers"},
+             {"cost_model": "measured", "shadow_vocab": 1024}, {"cost_model": "layers", "keep_stopped_draft": True},
+             {"d_max": 4, **authors})] == \
+        ["DEL", "DEL (Alg. 1)", "DEL-CPU", "DEL (KnapSpec's)", "DEL"]
     table = Table("t", "T", [], rows=[TableRow("b", "m", method_label("hf_generate"), "ours", {})])
     assert PEER_NOTE in render.notes(table)
     assert PEER_NOTE not in render.notes(Table("t", "T", [], rows=[TableRow("b", "m", "DEL", "ours", {})]))

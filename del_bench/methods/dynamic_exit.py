@@ -6,7 +6,7 @@ Per round, from shadow tokens of the valid window (positions 0..u_r, see the eng
   decayed sums S(a) = Σ_i ω^{r−i−1} a[i] (kept incrementally: S ← ω·S + a_r),
   α_ℓ = S(c^ℓ) / S(n),  τ_ℓ = ½ (S(tcs^ℓ)/S(c^ℓ) + S(fcs^ℓ)/S(n − c^ℓ)),
   (E, γ) = argmax over ℓ ∈ [1, L), d ∈ [0, d_max] of TPL(ℓ, d) = Σ_{k≤d} α_ℓ^k / (d·ℓ + L).
-Statistics are seeded at prefill from the last 32 prompt positions and restart with every prompt.
+Statistics are seeded at prefill from the last prompt positions (`prefill_window`) and restart with every prompt.
 
 Decisions where the paper, its Algorithm 1 and the authors' code differ (docs/design.md §3.5), all config:
 - Denominator: the paper divides by S(u) while c counts u + 1 positions; we count positions
@@ -14,12 +14,16 @@ Decisions where the paper, its Algorithm 1 and the authors' code differ (docs/de
 - Draft budget (`draft_budget`): `d_max` (Algorithm 1 and the authors' code: draft up to d_max, stop
   on τ) or `tpl` (cap at the TPL-chosen γ). Either way a TPL choice of d = 0 means "do not speculate":
   the round is plain decoding, so a model whose early layers never agree falls back to Vanilla.
-- Stopping (`dynamic_draft_exit`): stop when a candidate's confidence < τ_E; the candidate is dropped
-  (Algorithm 1 breaks before appending it).
-- First round: from the prefill statistics (paper), not the authors' fixed E = 1, γ = 1.
+- Stopping (`dynamic_draft_exit`): stop when a candidate's confidence < τ_E; the candidate is kept and verified
+  (`keep_stopped_draft: true`, method=del: the authors' code appends it before the test) or dropped (method=del_alg1:
+  Algorithm 1 breaks before appending it).
+- First round (`prefill_draft`, method=del): as the authors' first call, one draft of the first token at the lowest
+  allowed E merged with the prefill — accepted iff that layer's shadow token at the last prompt position is the full
+  model's, then one plain round for the token after it, its window joining the prefill's (the last 33 prompt
+  positions: `prefill_window`) undecayed; method=del_alg1: from the prefill statistics of the last 32 (paper).
 - Sampling, as the authors' code: shadow tokens and their confidences (so τ) from the raw logits' softmax, a draft
   candidate's confidence from the warped (temperature/top-p) draft distribution q — its top probability, which the
-  drawn token does not move, as the stopping candidate is dropped (the authors read the drawn token's own and keep it).
+  drawn token does not move (the authors read the drawn token's own).
 - 0/0: with no matched position yet the matched mean is taken as 1, with no mismatched one the
   mismatched mean as 0 (the extremes a confidence can take), so τ is always defined; S(n) = 0 gives α = 0.
 Beyond the paper (`cost_model: measured`): the TPL cost counts an LM-head row as h layers, h measured at
@@ -78,22 +82,32 @@ from del_bench.schema import LAYERS, key
 DEFAULT_OMEGA = 0.95  # configs/method/del.yaml's ω: a label names ω only when a run's differs
 # the ablations' config names and labels, in the tables' order (DEL itself last)
 LABELS = {"del_gamma": "DEL-γ", "del_e": "DEL-E", "del_e_lim": "DEL-E-lim", "del": "DEL"}
+# the settings that make a run DEL as its authors' code runs it (variant ""), as the paper's numbers were measured
+AUTHORS_READING = {"keep_stopped_draft": True, "prefill_draft": True}
 # DEL's variants by the settings that make them (variant()), in the tables' order, with their labels
-VARIANT_LABELS = {"": "DEL", "CPU": "DEL-CPU", "KnapSpec": "DEL (KnapSpec's)"}
-VARIANT_NOTE = ("DEL = the paper's configuration (TPL counts layers; exact shadow tokens); DEL-CPU = as we run "
-                "it on a CPU (configs/method/del_cpu.yaml: a head row costs its measured time in layers, shadow "
-                "tokens over 1,024 ids + the target, batched while d = 0); DEL (KnapSpec's) = as the KnapSpec "
-                "authors' code runs it (configs/method/del_knapspec.yaml). All three are lossless.")
+VARIANT_LABELS = {"": "DEL", "Alg1": "DEL (Alg. 1)", "CPU": "DEL-CPU", "KnapSpec": "DEL (KnapSpec's)"}
+VARIANT_NOTE = ("DEL = as its authors' code runs it (configs/method/del.yaml: the candidate below τ kept and "
+                "verified, the first token drafted at E = 1 with the prefill); DEL (Alg. 1) = Algorithm 1 as printed "
+                "(configs/method/del_alg1.yaml: that candidate dropped, the first round from the prefill's statistics; "
+                "records made before DEL followed its authors' code are this); DEL-CPU = Algorithm 1 as we run it on "
+                "a CPU (configs/method/del_cpu.yaml: a head row costs its measured time in layers, shadow tokens over "
+                "1,024 ids + the target, batched while d = 0); DEL (KnapSpec's) = as the KnapSpec authors' code runs "
+                "it (configs/method/del_knapspec.yaml). All are lossless.")
 
 
 def variant(hyperparameters: dict) -> str:
-    """Which DEL a run is, by the settings that make it so: "" = the paper's configuration (configs/method/del.yaml),
+    """Which DEL a run is, by the settings that make it so: "" = as its authors' code runs it (configs/method/del.yaml:
+    the stopped candidate kept, the first token drafted with the prefill), "Alg1" = Algorithm 1 as printed
+    (del_alg1: the stopped candidate dropped; every record made before DEL's default followed the authors' code),
     "CPU" = measured costs (del_cpu: a head row costs h layers, cheap shadow tokens), "KnapSpec" = as the KnapSpec
-    authors run it (del_knapspec: the stopped candidate kept, the first round at E = 1). Other settings that differ
-    (a `method.d_max=` override) keep the plain label, and the tables add the run's tag where two rows coincide."""
-    if hyperparameters.get("keep_stopped_draft"):
+    authors run it (del_knapspec: the stopped candidate kept, round 1 at E = 1 stopping on τ). Other settings that
+    differ (a `method.d_max=` override) keep their reading's label, and the tables add the run's tag where two rows
+    coincide."""
+    if hyperparameters.get("keep_stopped_draft") and not hyperparameters.get("prefill_draft"):
         return "KnapSpec"
-    return "CPU" if hyperparameters.get("cost_model") == "measured" else ""
+    if hyperparameters.get("cost_model") == "measured":
+        return "CPU"
+    return "" if hyperparameters.get("prefill_draft") else "Alg1"
 
 
 def tpl_table(alpha, num_layers: int, d_max: int, head_cost: float = 0.0, stop_head: bool = False,
@@ -208,6 +222,7 @@ class DELConfig(MethodConfig):
     min_draft: Literal[0, 1] = key(0, "0: d = 0 decodes plainly (paper); 1: every round drafts (KnapSpec's DEL)")
     keep_stopped_draft: bool = key(False, "keep the candidate that fell below τ (Algorithm 1 drops it)")
     first_exit_layer: int | None = exit_layer_key(None, "the first round's E (null: from the prefill statistics)")
+    prefill_draft: bool = key(False, "one draft of the first token merged with the prefill (the authors' code)")
     lookahead: int = key(1, "draft candidates read at once for the τ stop (1: each before the next)", ge=1)
 
 
@@ -223,7 +238,8 @@ class DEL(Method):
                  draft_budget: str = "d_max", exit_layer: int | None = None, min_exit_layer: int = 1,
                  prefill_window: int = 32, cost_model: str = "layers", shadow_vocab: int | None = None,
                  defer_shadow: bool = False, shadow_every: int = 1, min_draft: int = 0,
-                 keep_stopped_draft: bool = False, first_exit_layer: int | None = None, lookahead: int = 1, **_):
+                 keep_stopped_draft: bool = False, first_exit_layer: int | None = None, prefill_draft: bool = False,
+                 lookahead: int = 1, **_):
         self.omega, self.d_max = omega, d_max
         self.dynamic_draft_exit, self.draft_budget = dynamic_draft_exit, draft_budget
         self.fixed_exit_layer, self.min_exit_layer = exit_layer, min_exit_layer
@@ -238,6 +254,9 @@ class DEL(Method):
         self.wants_confidence = dynamic_draft_exit
         self.min_draft, self.keep_stopped_draft, self.first_exit_layer = min_draft, keep_stopped_draft, first_exit_layer
         self.drop_stopped_draft = not keep_stopped_draft
+        self.prefill_draft = prefill_draft
+        # TPL prices the head row of the candidate that stops drafting only where it is dropped (kept, it is a draft)
+        self.stop_head = dynamic_draft_exit and self.drop_stopped_draft
         self.lookahead = lookahead  # candidates drafted before one read of their confidences (engine: draft_ahead)
 
     def validate(self, num_layers: int) -> None:
@@ -265,11 +284,16 @@ class DEL(Method):
         self.allowed = np.arange(1, num_layers) >= self.min_exit_layer
         if self.fixed_exit_layer is not None:
             self.allowed = np.arange(1, num_layers) == self.fixed_exit_layer
-        self._first_round = self.first_exit_layer is not None  # the KnapSpec reading: round 1 drafts at a fixed E
+        # the KnapSpec reading: round 1 drafts at a fixed E (the authors' prefill draft takes that place)
+        self._first_round = self.first_exit_layer is not None and not self.prefill_draft
+        self._plain_first = False  # the prefill's draft was accepted: the next round is the plain pass after it
+        self._merge_next = False  # the next round's window joins the prefill's (no decay between)
         self._changed()
 
-    def update(self, shadow: Shadow) -> None:
-        """One round's evidence into the decayed sums (shadow covers exactly the valid window)."""
+    def update(self, shadow: Shadow, decay: bool = True) -> np.ndarray:
+        """One round's evidence into the decayed sums (shadow covers exactly the valid window) → its [2, L-1, W]
+        matches and confidences as read. decay=False adds them to the last update's sums as one window with it
+        (the authors' prefill draft: the plain round after it belongs to the prefill's window)."""
         L1, W = shadow.tokens.shape
         terms = np.empty((3, L1, W))  # [match, conf·match, conf·(1 − match)]: S ← ω·S + Σ_positions terms
         read = shadow.matches_and_confidence()  # [2, L-1, W]: one host read, or none if the engine batched it
@@ -277,10 +301,12 @@ class DEL(Method):
         conf = read[1]
         np.multiply(conf, terms[0], out=terms[1])
         np.multiply(conf, 1 - terms[0], out=terms[2])
-        self._sums *= self.omega  # the same two roundings per element as ω·S + x
+        if decay:
+            self._sums *= self.omega  # the same two roundings per element as ω·S + x
         self._sums += terms.sum(2)
-        self.s_positions = self.omega * self.s_positions + W
+        self.s_positions = (self.omega * self.s_positions if decay else self.s_positions) + W
         self._changed()
+        return read
 
     @property
     def alpha(self) -> np.ndarray:
@@ -315,7 +341,7 @@ class DEL(Method):
                 exit_layer, gamma = self.first_exit_layer, self.d_max
             else:
                 exit_layer, gamma = best_exit(self.alpha, self.num_layers, self.d_max, self.allowed,
-                                              self.head_cost, stop_head=self.dynamic_draft_exit,
+                                              self.head_cost, stop_head=self.stop_head,
                                               batch_cost=self.batch_cost, min_draft=self.min_draft)
             e = exit_layer - 1
             match, positions = float(self.s_match[e]), self.s_positions
@@ -325,6 +351,14 @@ class DEL(Method):
                             "alpha_exit": match / positions if positions else 0.0,
                             "conf_matched": float(matched), "conf_mismatched": float(mismatched)}
         return self._choice
+
+    @property
+    def prefill_draft_layer(self) -> int:
+        """E of the draft merged with the prefill (prefill_draft): first_exit_layer, else the authors' initial E,
+        the lowest layer TPL may choose (1; DEL-E-lim's 4; DEL-γ's fixed E)."""
+        if self.first_exit_layer is not None:
+            return self.first_exit_layer
+        return int(np.argmax(self.allowed)) + 1
 
     @property
     def exit_layer(self) -> int:
@@ -343,14 +377,18 @@ class DEL(Method):
 
     # ---- policy -------------------------------------------------------------------------------
     def observe_prefill(self, shadow: Shadow) -> None:
-        self.update(shadow)
+        read = self.update(shadow)
+        if self.prefill_draft:  # the authors' draft of the first token at E_1: their verification accepts it iff
+            # layer E_1's token at the last prompt position is the full model's (the prefill's window ends there)
+            self._plain_first = bool(read[0, self.prefill_draft_layer - 1, -1] == 1)
 
     def observe(self, evidence: RoundEvidence) -> None:
         if self._first_round:
             self._first_round = False
             self._changed()
         if evidence.shadow is not None:
-            self.update(evidence.shadow)
+            self.update(evidence.shadow, decay=not self._merge_next)
+        self._merge_next = False
 
     def can_defer(self, windows: list[int]) -> bool:
         """True when even if every layer matched at every pending position, TPL would still choose d = 0.
@@ -369,11 +407,14 @@ class DEL(Method):
             added = self.omega * added + w
         decay = self.omega ** len(windows)
         alpha_bound = (decay * self.s_match + added) / (decay * self.s_positions + added)  # [L-1]
-        below = alpha_bound < drafting_alpha(self.num_layers, self.d_max, self.head_cost, self.dynamic_draft_exit,
+        below = alpha_bound < drafting_alpha(self.num_layers, self.d_max, self.head_cost, self.stop_head,
                                              self.batch_cost)
         return bool(below[self.allowed].all())
 
     def plan(self) -> Plan:
+        if self._plain_first:  # the token after an accepted prefill draft: one plain pass, its window the prefill's
+            self._plain_first, self._merge_next = False, True
+            return Plan(exit_layer=None, max_draft=0, trace={"prefill_draft": True, "chosen_exit_layer": None})
         if self._plan is None:  # the same statistics give the same plan (rounds while scoring is deferred)
             self._plan = self._make_plan()
         return self._plan
@@ -392,9 +433,13 @@ class DEL(Method):
 
     @classmethod
     def table_label(cls, name: str, hyperparameters: dict) -> str:
-        """DEL, its variant (DEL-CPU, DEL (KnapSpec's): variant()) or its ablation (DEL-γ, DEL-E, DEL-E-lim), with
-        a fixed E and an ω other than 0.95: DEL-γ(E24), DEL(ω0.9)."""
-        base = VARIANT_LABELS[variant(hyperparameters)] if name == "del" else LABELS.get(name, name)
+        """DEL, its variant (DEL (Alg. 1), DEL-CPU, DEL (KnapSpec's): variant()) or its ablation (DEL-γ, DEL-E,
+        DEL-E-lim; "(Alg. 1)" after it when run as Algorithm 1 prints DEL), with a fixed E and an ω other than 0.95:
+        DEL-γ(E24), DEL(ω0.9)."""
+        if name == "del":
+            base = VARIANT_LABELS[variant(hyperparameters)]
+        else:  # an ablation run as Algorithm 1 prints DEL (its records from before the default changed) says so
+            base = LABELS.get(name, name) + (" (Alg. 1)" if variant(hyperparameters) == "Alg1" else "")
         return cls.labelled(base, hyperparameters)
 
     @classmethod
@@ -405,7 +450,7 @@ class DEL(Method):
 
     @classmethod
     def table_note(cls, name: str, hyperparameters: dict) -> str | None:
-        return VARIANT_NOTE if name == "del" and variant(hyperparameters) else None
+        return VARIANT_NOTE if name == "del" else None
 
     def static_shape(self) -> StaticShape:
         """Up to d_max drafts a round, at DEL-γ's fixed E; DEL chooses E every round (exit_layer None)."""
@@ -422,4 +467,6 @@ class DEL(Method):
                 **({"min_draft": self.min_draft} if self.min_draft else {}),
                 **({"keep_stopped_draft": True} if self.keep_stopped_draft else {}),
                 **({"first_exit_layer": self.first_exit_layer} if self.first_exit_layer is not None else {}),
+                **({"prefill_draft": True} if self.prefill_draft else {}),
+                **({"prefill_window": self.prefill_window} if self.prefill_window != 32 else {}),
                 **({"lookahead": self.lookahead} if self.lookahead != 1 else {})}

@@ -36,13 +36,14 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 from matplotlib.patches import Rectangle  # noqa: E402
 
-from del_bench.methods.dynamic_exit import DEFAULT_OMEGA  # noqa: E402
+from del_bench.methods.dynamic_exit import DEFAULT_OMEGA, VARIANT_LABELS  # noqa: E402
 from del_bench.records import method_label  # noqa: E402
 
 from .collect import aggregate, load_rounds, segment_speeds  # noqa: E402,F401  (load_rounds: re-exported)
 from .tables import TABLE3_TASKS, TASK_LABELS, in_experiment  # noqa: E402
 
 ABLATIONS = ["del", "del_e", "del_gamma", "del_e_lim"]
+DEL_READINGS = (VARIANT_LABELS[""], VARIANT_LABELS["Alg1"])  # DEL as its authors' code runs it; Algorithm 1 as printed
 MAX_ROUNDS_4A = 200  # the paper's Figure 4a: τ over 200 SD rounds
 MAX_LINES_4A = 10  # runs per τ plot: more lines are unreadable
 SEGMENT_TOKENS = 64  # Figure 1b: the paper's segment length
@@ -230,17 +231,20 @@ def fig1b(segments: pd.DataFrame, title: str = "", max_segments: int = MAX_SEGME
 def fig3a(df: pd.DataFrame, model: str, machine: str, title: str = "") -> plt.Figure | None:
     """Grouped bars: speedup of DEL and its ablations per task (mean over repeats, ± std as error bars)."""
     sel = df[(df.model == model) & (df.machine == machine) & df.method.isin(ABLATIONS) & df.has_vanilla]
+    # DEL's two readings at their own settings (not DEL-CPU, DEL (KnapSpec's), another ω or a fixed E: other figures')
+    sel = sel[(sel.method != "del") | sel.label.isin(DEL_READINGS)]
     if sel.empty:
         return None
-    stats = sel.groupby(["task", "method"])["speedup"].agg(["mean", "std"]).reset_index()
+    # one bar a label: DEL beside DEL (Alg. 1), its other reading (methods.dynamic_exit.variant), in the tables' order
+    stats = sel.groupby(["task", "label"])["speedup"].agg(["mean", "std"]).reset_index()
     tasks = _tasks_in_order(stats.task)
-    methods = [m for m in ABLATIONS if m in set(stats.method)]
+    labels = list(dict.fromkeys(sel.sort_values(["order", "label"], kind="stable").label))
     fig, ax = plt.subplots(figsize=(1.2 + 1.1 * len(tasks), 3.2))
-    width = 0.8 / len(methods)
-    for i, method in enumerate(methods):
-        rows = stats[stats.method == method].set_index("task").reindex(tasks)
-        xs = [j + (i - (len(methods) - 1) / 2) * width for j in range(len(tasks))]
-        ax.bar(xs, rows["mean"], width, yerr=rows["std"].fillna(0), label=method_label(method), capsize=2)
+    width = 0.8 / len(labels)
+    for i, label in enumerate(labels):
+        rows = stats[stats.label == label].set_index("task").reindex(tasks)
+        xs = [j + (i - (len(labels) - 1) / 2) * width for j in range(len(tasks))]
+        ax.bar(xs, rows["mean"], width, yerr=rows["std"].fillna(0), label=label, capsize=2)
     ax.axhline(1.0, color="grey", lw=0.8, ls="--")
     ax.set_xticks(range(len(tasks)), [TASK_LABELS.get(t, t) for t in tasks])
     ax.set_xlabel("Task")

@@ -30,6 +30,7 @@ from pathlib import Path
 import pandas as pd
 
 from del_bench.methods.base import LAYER_SKIPPING
+from del_bench.methods.dynamic_exit import AUTHORS_READING
 from del_bench.records import batch_label, method_entry, method_label, vanilla_partners
 
 from .collect import aggregate
@@ -277,7 +278,7 @@ def wide_table(df: pd.DataFrame, table: int, cols: list[Col], title: str, overal
 def _paper_row(table, key, cols: list[Col], block, label) -> TableRow | None:
     """The paper's row for the same model and method config: one the paper prints under our row's label (so DEL only
     in the paper's configuration, at ω = 0.95: DEL-CPU and DEL(ω0.9) have none)."""
-    if method_label(key["method"], {"exit_layer": key["exit_layer"], "gamma": key["gamma"]}) != key["label"]:
+    if paper_label(key["method"], key["exit_layer"], key["gamma"]) != key["label"]:
         return None
     cells = {}
     for c in cols:
@@ -302,9 +303,14 @@ def paper_block(table: int, model: str, cols: list[Col]) -> list[TableRow]:
         for c in cols:
             task, setting, metric = c.paper()
             cells[c.key] = paper_cell(table, model, task, method, e, g, metric, setting) or Cell(text="–")
-        label = method_label(method, {"exit_layer": e, "gamma": g})
-        rows.append(TableRow(("paper", model), model, label, paper_source(model), cells))
+        rows.append(TableRow(("paper", model), model, paper_label(method, e, g), paper_source(model), cells))
     return rows
+
+
+def paper_label(method: str, exit_layer, gamma) -> str:
+    """The label of a paper row: the method at the paper's (E, γ), DEL as its authors' code ran the paper's numbers
+    (so beside our DEL, not DEL (Alg. 1))."""
+    return method_label(method, {"exit_layer": exit_layer, "gamma": gamma, **AUTHORS_READING})
 
 
 def table1(df: pd.DataFrame) -> Table:
@@ -489,6 +495,9 @@ def table6(df: pd.DataFrame) -> Table:
         for _, rec in sel.iterrows():
             is_del = rec["method"] == "del"
             label = f"{TASK_LABELS.get(b.task, b.task)} " + (f"ω={_num(rec.omega):g}" if is_del else "ω=- (Vanilla)")
+            reading = rec["label"].split("(ω")[0]  # DEL's reading (DEL, DEL (Alg. 1), DEL-CPU…) without its ω
+            if is_del and reading != "DEL":
+                label += f", {reading}"
             label += lossless_note([rec])
             cells = {m: _cell(rec, m) for m, _ in columns} | {LOSSLESS: lossless_cell([rec])}
             out.rows.append(TableRow(block, b.model, label + busy_mark([rec]),
@@ -496,7 +505,7 @@ def table6(df: pd.DataFrame) -> Table:
                                 tag=rec["method_tag"]))
             setting = f"omega={_num(rec.omega):g}" if is_del else ""
             paper = {m: paper_cell(6, b.model, b.task, rec["method"], metric=m, setting=setting) for m, _ in columns}
-            if any(paper.values()):
+            if any(paper.values()) and (not is_del or reading == "DEL"):  # the paper's ω rows: its authors' code
                 out.rows.append(TableRow(block, b.model, label, paper_source(b.model),
                                     {m: c or Cell(text="–") for m, c in paper.items()}))
     if not out.rows:

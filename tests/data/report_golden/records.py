@@ -20,6 +20,8 @@ What the spec covers, by design:
   falls back to its grid point); DEL and its ablations on HumanEval (Figures 3a, 3b, 4a–4c; the DEL run
   records conf_matched / conf_mismatched, so Figure 4b draws its band); DEL with E fixed at 20 and
   d_max 2 / 4 without draft-exiting on CNN/DM-LM (Figure 3b at a fixed E, as the paper's).
+- DEL's runs are as its authors' code runs it (method=del's settings) but for one Algorithm 1 run per Table 1
+  task (DEL (Alg. 1), beside DEL).
 - experiment membership (run_key.experiments): the ω sweep belongs to table6 and the d_max sweep to fig3b, so
   neither may appear in Tables 1–3; every other run is ad hoc (older records without run_key, read through the
   adapter). DEL-E on SmolLM2 HumanEval decodes one output that differs from Vanilla's (the lossless check).
@@ -58,7 +60,10 @@ def spec() -> list[dict]:
     """One dict per run: model, task, method, hyperparameters and record options."""
     runs = []
 
-    def add(model, task, method, seed=42, memory=None, calibration=False, experiments=(), differs=(), **hp):
+    def add(model, task, method, seed=42, memory=None, calibration=False, experiments=(), differs=(), alg1=False,
+            **hp):
+        if method.startswith("del") and not alg1:  # DEL as its authors' code runs it (configs/method/del.yaml)
+            hp = {"keep_stopped_draft": True, "prefill_draft": True, "prefill_window": 33, **hp}
         runs.append(dict(model=model, task=task, method=method, seed=seed, hp=hp, calibration=calibration,
                          memory=memory if memory is not None else model != "smollm2-135m" and method != "dv",
                          experiments=experiments, differs=differs))
@@ -68,6 +73,7 @@ def spec() -> list[dict]:
         add("llama2-7b", task, "ls", exit_layer=7, gamma=6)
         add("llama2-7b", task, "del", omega=0.95)
     for task in TABLE1:
+        add("llama2-7b", task, "del", omega=0.95, alg1=True)  # DEL (Alg. 1), beside DEL
         add("llama2-7b", task, "fs", exit_layer=7, gamma=6)
         add("llama2-7b", task, "dv", exit_layer=7)
     add("llama2-7b", "wmt14_de_en", "ls", exit_layer=7, gamma=6)
@@ -110,7 +116,8 @@ def _tag(method: str, hp: dict) -> str:
     if method.startswith("del"):
         fixed = f"-E{hp['exit_layer']}" if hp.get("exit_layer") else ""
         fixed += f"-d{hp['d_max']}-fixed" if hp.get("d_max") else ""
-        return f"{method}{fixed}-w{hp['omega']}-layers-vNone"
+        reading = "" if hp.get("prefill_draft") else "-alg1"
+        return f"{method}{fixed}-w{hp['omega']}-layers-vNone{reading}"
     return method
 
 
@@ -197,7 +204,8 @@ def _config(run: dict, out_dir: str) -> dict:
     if method.startswith("del"):
         method_cfg.update(omega=hp["omega"], d_max=hp.get("d_max", 18), exit_layer=hp.get("exit_layer"),
                           dynamic_draft_exit=not hp.get("d_max"),
-                          min_exit_layer=4 if method == "del_e_lim" else 1, cost_model="layers", shadow_vocab=None)
+                          min_exit_layer=4 if method == "del_e_lim" else 1, cost_model="layers", shadow_vocab=None,
+                          **{k: hp[k] for k in ("keep_stopped_draft", "prefill_draft", "prefill_window") if k in hp})
     calibration = {"sample_set": "calibration", "calibration": {"samples": 2, "eval_limit": 2}} \
         if run["calibration"] else {}
     return {"limit": 2, "max_new_tokens": 256 if run["calibration"] else 512, "seed": run["seed"], "threads": 2,
