@@ -1,8 +1,7 @@
 """Decoding one prompt at a time: the Engine — a row's engine (engine/row.py) whose `generate` runs it as a batch of one
 (engine/batch.py), so a single prompt goes through the very round driver a batch of B does.
 
-    engine = Engine(stack, Sampling(), eos_ids)
-    gen = engine.generate(prompt_ids, method, max_new_tokens, seed)
+    gen = Engine(stack, Sampling(), eos_ids).generate(prompt_ids, method, max_new_tokens, seed)
 
 The loop, in brief (docs/design.md §6.2): prefill, then rounds — plan → draft → verify → accept → observe — each
 round's tensor work done by the batch for all its rows (the draft shapes: engine/early_exit.py, engine/skipping.py,

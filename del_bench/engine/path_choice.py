@@ -65,7 +65,7 @@ def install_loop(stack: LayerStack, layers: str) -> None:
 def choose(stack: LayerStack, setting: str, method: Method, max_new_tokens: int, reach: int, rows: int = 1
            ) -> LayerPath:
     """The session's layer path: its stack's loop (already installed: stack_of) and the graphs `compile` asks for —
-    made and checked here, before any timed decode (compiled.choose's rules; for a batch of rows > 1 per (rows,
+    made and checked here, before any timed decode (choose_graphs' rules; for a batch of rows > 1 per (rows,
     width bucket), checked row by row) — with what the setup line records. reach: the longest sequence a row
     reaches (prompt + max_new_tokens + 1)."""
     setting = compiled.compile_setting(setting)
@@ -153,7 +153,7 @@ def check(stack: LayerStack, graphs: compiled.Graphs, method, tokens: int = 16, 
 
 @torch.inference_mode()
 def check_rows(stack: LayerStack, graphs: compiled.Graphs, method, tokens: int = 16) -> str | None:
-    """compiled.check for a batch's graphs: B rows of random prompts of different lengths decoded together on them,
+    """check for a batch's graphs: B rows of random prompts of different lengths decoded together on them,
     greedy, each row held to `generate` on its prompt by the same rule (None: lossless; else what departed)."""
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, stack.vocab_size, (4 + 3 * (b % 4),), generator=generator).tolist()

@@ -239,7 +239,7 @@ class RowEngine:
         L, E, skips, plan = self.stack.num_layers, rp.exit_layer, rp.skips, rp.plan
         d = len(draft.drafts)
         extra = probed.get("opt_loaded_layers", 0) + selected.get("sel_loaded_layers", 0)  # the policy's own passes
-        # + the look-ahead's passes through layers 1..E for candidates past the stop (early_exit.draft)
+        # + the look-ahead's passes through layers 1..E for candidates past the stop (EarlyExit.draft)
         loaded = (d * plan.skip.layers(L) if skips else (d + draft.wasted) * E) + L + extra
         trace = {**plan.trace, **probed, **selected}
         if draft.confidences:

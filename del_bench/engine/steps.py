@@ -33,7 +33,7 @@ class Draft:
     exit_states: list[torch.Tensor] = field(default_factory=list)  # layer-E states, [1, 1, D] per position
     ids: list[torch.Tensor] = field(default_factory=list)  # the d draft tokens on the device, [1] each
     drafts: list[int] = field(default_factory=list)  # the d draft tokens on the host: read as drafted where the
-    # host decides on them (confidence, SWIFT), else with the round's acceptance (_accept_greedy, _accept_sampling)
+    # host decides on them (confidence, SWIFT), else with the round's acceptance (acceptance.chain)
     draft_probs: list[torch.Tensor | None] = field(default_factory=list)  # q_i [V] when sampling, else None
     candidates: int = 0  # draft heads applied (a dropped low-confidence candidate counts too)
     confidences: list[float] = field(default_factory=list)  # each candidate's (the last may be the dropped one)
@@ -59,7 +59,7 @@ class Draft:
 
 @dataclass
 class Verified:
-    """The verification batch. Over a chain (_accept_greedy, _accept_sampling) the head runs over every row at once
+    """The verification batch. Over a chain (acceptance.chain) the head runs over every row at once
     and the tokens stay on the device (targets); over a token tree row by row on demand (row), only up to the first
     rejection."""
 
@@ -71,7 +71,7 @@ class Verified:
     leaf: int | None = None  # set by _accept: the accepted sibling's row, if a sibling ended the path
     gaps: dict[int, float] | None = None  # half precision only: verified row → its top-2 gap in ulps
     states: list[torch.Tensor] | None = None  # Method.wants_states: the inputs, then every (sub)layer's [1, T, D]
-    targets: torch.Tensor | None = None  # _accept_greedy: the verifier's greedy token of every row, [T] on the device
+    targets: torch.Tensor | None = None  # acceptance.chain: the verifier's greedy token of every row, [T] on the device
 
     def row(self, i: int) -> torch.Tensor:
         """The verifier's logits [V] at position i (the target_row of accept_greedy / accept_sampling)."""

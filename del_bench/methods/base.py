@@ -173,7 +173,7 @@ class Method:
     family = OTHER  # one of FAMILIES
     order = 1000  # its place among a table block's rows, low first: Vanilla 0, LS 10, …, DEL 70, peers 100+
     wants_confidence = False  # True: the engine asks `keep_drafting` after every draft candidate
-    lookahead = 1  # wants_confidence: candidates drafted before their confidences are read (early_exit.draft_ahead)
+    lookahead = 1  # wants_confidence: candidates drafted before their confidences are read (EarlyExit.draft)
     drop_stopped_draft = False  # True: the candidate that stopped drafting is discarded (DEL's Algorithm 1)
     wants_shadow = False  # True: evidence carries shadow tokens; observe_prefill gets the prompt's last ones
     prefill_window = 32  # prompt positions whose shadow tokens seed the statistics

@@ -1,7 +1,7 @@
 """CLaSp (Chen et al., ACL 2025): in-context layer skipping, chosen by a dynamic program over the model's own states.
 
 The draft model is the full model with exactly M whole layers skipped (any layer, the first and last included); the
-engine drafts and verifies it as SWIFT's (`skipping.draft`, `skipping.verify`), a skipped layer counting as one
+engine drafts and verifies it as SWIFT's (`Skipping.draft`, `Skipping.verify`), a skipped layer counting as one
 loaded layer less per draft token (SkipSet: both sublayers). This file is the policy, as the KnapSpec authors' code runs
 CLaSp (docs/design.md §4.7, §4.8), with the paper's Algorithm 1 for the selection:
 - Draft: at most `gamma` tokens (4), stop after a draft whose top probability is < `confidence` (0.7; that draft is

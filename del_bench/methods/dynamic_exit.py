@@ -47,7 +47,7 @@ R rounds in one head pass (a batched row costs ~0.6 of a lone one on a CPU, and 
 plans on statistics up to R − 1 rounds old; the statistics themselves end up the same. `make bench-controller`
 measures how often the plan (E, γ) differs from the exact one's on the same rounds.
 Beyond the paper, engine-side (`lookahead: K`, default 1): the stop decision on τ is read K candidates at a time
-(early_exit.draft_ahead) — identical drafts and decisions, one host read per K candidates (a read drains a GPU's
+(EarlyExit.draft) — identical drafts and decisions, one host read per K candidates (a read drains a GPU's
 queue), the passes of candidates drafted past the stop counted in loaded layers (so eTPL says what it cost).
 Ablations: DEL-E = no dynamic draft-exiting, γ from TPL; DEL-γ = fixed E (`exit_layer`), τ on;
 DEL-E-lim = E restricted to 3 < ℓ < L (`min_exit_layer: 4`).

@@ -2,7 +2,7 @@
 
 The draft model is the full model with a set of attention / MLP sublayers skipped (layers 1..L−2; a skipped sublayer,
 with its norm, is the identity on the residual stream), drafted and verified by the engine as SWIFT's
-(`skipping.draft`, `skipping.verify`; a sublayer counts ½ a loaded layer). This file is the policy, as the KnapSpec
+(`Skipping.draft`, `Skipping.verify`; a sublayer counts ½ a loaded layer). This file is the policy, as the KnapSpec
 authors' code runs it (docs/design.md §4.7, §4.9; their paper was not reachable):
 - Draft: at most `gamma` tokens (4), stop after a draft whose top probability is < `confidence` (0.7; kept) or at EOS.
 - Latency model, measured on the machine at hand before decoding (LayerStack.measure_sublayers; the runner's cost

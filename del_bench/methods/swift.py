@@ -1,7 +1,7 @@
 """SWIFT (Xia et al., ICLR 2025): on-the-fly self-speculative decoding by layer skipping — no early-exit training.
 
 The draft model is the full depth with a set of attention and MLP sublayers skipped (the first and last layer,
-embedding, final norm and head never); the engine drafts and verifies it (`skipping.draft`, `skipping.verify`). This
+embedding, final norm and head never); the engine drafts and verifies it (`Skipping.draft`, `Skipping.verify`). This
 file is the policy: which set, how long to draft, and the optimiser that searches the set.
 
 - Draft: stop after a draft whose top probability is < `confidence` (0.8; that draft is kept), at most `d_max`
