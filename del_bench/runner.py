@@ -173,10 +173,10 @@ def decode_all(cfg, todo, task, method, run_dir: RunDir, load=None) -> None:
 
 def rows_of(ready: session.Session, size: int, cache_len: int):
     """What decodes a run's rows: a Batch of `size` on the session's layer path (engine/batch.py; at size 1 the
-    session's own engine is its row), or a peer's decoder, one prompt at a time (methods/peers.py)."""
+    session's own engine is its row), or a peer's decoder, B prompts a call (methods/peers.PeerBatch)."""
     engine = ready.engine
     if not isinstance(engine, Engine):
-        return engine.serial(ready.stack.layer_path)
+        return engine.rows(size, ready.stack.layer_path)
     if size == 1:
         return engine.alone(cache_len)
     return Batch(ready.stack, size, ready.sampling, ready.eos, ready.stop, cache_len=cache_len,

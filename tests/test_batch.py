@@ -268,11 +268,37 @@ def test_batch_size_must_be_a_positive_integer_before_any_weights_load(run_cfg, 
 
 def test_a_batched_run_refuses_what_decodes_one_prompt_at_a_time(run_cfg):
     cfg = run_cfg("method=vanilla", "batch_size=2")
-    cfg.method = peer_method("hf_generate")  # a peer row (del_bench/methods/peers.py): transformers decodes
+    cfg.method = peer_method("hf_forward_loop")  # a peer row (del_bench/methods/peers.py): transformers decodes
     with pytest.raises(ConfigError, match="one prompt at a time"):
         runner.run(cfg)
     with pytest.raises(ConfigError, match="cannot run on graphs"):  # SWIFT's tree: no graphs for its batch, refused
         runner.run(run_cfg("method=swift", "method.tree=true", "batch_size=2", "compile=on", "limit=2"))  # unloaded
+
+
+def test_generate_runs_batched_as_a_peer_row(run_cfg, tmp_path):
+    """transformers' batched generate as the peer row at B = 3 (methods/peers.PeerBatch): one call over up to three
+    left-padded prompts of different lengths, each output that of generate on its prompt alone (float64: the padding
+    moves no argmax), recorded as a batch's rows (slots, shares of the call's layer calls, the padding's idle calls),
+    and no host reads of ours claimed for it."""
+    def run(B):
+        cfg = run_cfg("method=vanilla", "limit=5", "max_new_tokens=12", f"batch_size={B}",
+                      f"out_dir={tmp_path / f'b{B}'}")
+        cfg.method = peer_method("hf_generate")
+        return runner.run(cfg), read_jsonl(RunDir(str(tmp_path / f"b{B}")).samples_path)
+
+    (one, alone), (three, batched) = run(1), run(3)
+    alone = {s["sample_id"]: s for s in alone}
+    assert len({len(alone[s]["prompt_ids"]) for s in alone}) > 1  # the prompts pad to the longest
+    assert sorted(s["sample_id"] for s in batched) == sorted(alone)
+    for s in batched:
+        assert s["output_ids"] == alone[s["sample_id"]]["output_ids"]
+        assert s["batch"]["loaded_layers"] < s["loaded_layers"] and s["batch"]["idle_layers"] >= 0
+    assert sorted({s["batch"]["slot"] for s in batched}) == [0, 1, 2]
+    calls = {s["loaded_layers"] for s in batched}  # each call's layer calls (12 tokens each: the same for both)
+    assert len(calls) == 1  # 5 prompts: a call of 3, then one of 2, the rows' shares adding up to both calls'
+    assert sum(s["batch"]["loaded_layers"] for s in batched) == pytest.approx(2 * calls.pop())
+    assert three["batch_etpl"] > one["batch_etpl"]
+    assert three["host_reads_per_round"] is None and three["throughput"] == throughput(batched)
 
 
 def test_a_batched_run_records_its_batch(tmp_path):

@@ -17,17 +17,24 @@ def test_bench_batch_runs_every_row_at_every_batch_size(tmp_path, capsys):
                              "--root", str(tmp_path / "runs"), "--set", "warmup_tokens=2",
                              "--random", *TINY, "--dtype", "float32", "--prompt-len", "6", "--configs", "1:2"]) == 0
     rows = json.loads(out.read_text())["rows"]
-    # batch size 1 with and without the graph-captured steps (on a CPU compile=auto makes none), then batch size 2
+    # batch size 1 with and without the graph-captured steps (on a CPU compile=auto makes none), then batch size 2;
+    # transformers' generate at each
     assert [(r["row"], r["batch_size"]) for r in rows] == [
         ("Vanilla (graphs)", 1), ("LS(E1-γ2) (graphs)", 1), ("DEL (graphs)", 1),
-        ("Vanilla (eager)", 1), ("LS(E1-γ2) (eager)", 1), ("DEL (eager)", 1),
-        ("Vanilla", 2), ("LS(E1-γ2)", 2), ("DEL", 2)]
-    for r in rows:
+        ("Vanilla (eager)", 1), ("LS(E1-γ2) (eager)", 1), ("DEL (eager)", 1), ("HF generate †", 1),
+        ("Vanilla", 2), ("LS(E1-γ2)", 2), ("DEL", 2), ("HF generate †", 2)]
+    generate = {r["batch_size"]: r for r in rows if r["method"] == "hf_generate"}
+    for B, r in generate.items():  # its own records, at its batch size, our Vanilla's outputs (prompts of one length)
+        samples = read_jsonl(Path(r["out_dir"]) / "samples.jsonl")
+        assert len(samples) == 3 and (samples[0]["batch"] is None) == (B == 1) and r["equal_vanilla"] == "3/3"
+        assert r["over_generate"] == 1.0 and r["host_reads_per_round"] is None  # transformers' reads: not counted
+    for r in (r for r in rows if r["method"] != "hf_generate"):
         samples = read_jsonl(Path(r["out_dir"]) / "samples.jsonl")
         assert len(samples) == 3 and all(s["generated_tokens"] == 5 for s in samples), r["row"]  # no EOS
         assert (samples[0]["batch"] is None) == (r["batch_size"] == 1), r["row"]
         assert r["throughput"] > 0 and r["scaling"] > 0 and r["equal_vanilla"] == "3/3", r["row"]  # float32: lossless
-        assert r["speedup"] is not None, r["row"]
+        assert r["speedup"] is not None and r["over_generate"] == r["throughput"] / generate[r["batch_size"]][
+            "throughput"], r["row"]
         if r["batch_size"] == 1:  # the batch's loads are the prompts' own: the pooled eTPL
             assert r["batch_etpl"] == r["pooled_etpl"]
         else:  # each (sub)layer loaded once for the rows that ran it together

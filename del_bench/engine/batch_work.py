@@ -38,6 +38,15 @@ class Pass:
             return inside, inside
         return inside and i not in self.skip.attn, inside and i not in self.skip.mlp
 
+    @property
+    def layers(self) -> float:
+        """The layers it loads: its range's, less ½ for each sublayer its skip set skips there."""
+        if self.skip is None:
+            return self.end - self.start
+        inside = range(self.start, self.end)
+        return self.end - self.start - (sum(i in inside for i in self.skip.attn)
+                                        + sum(i in inside for i in self.skip.mlp)) / 2
+
 
 @dataclass
 class RowRound:
@@ -134,8 +143,7 @@ class BatchWork:
             out = engine.forward_skipping(p.h, p.pos, engine.cache, SkipSet(), collect=states)
         else:
             out = engine.forward_layers(p.h, p.start, p.end, p.pos, engine.cache, collect=states, tree=p.tree)
-        ran = [x for i in range(p.start, p.end) for x in p.runs(i)]
-        self._alone(slot, sum(ran) / 2)
+        self._alone(slot, p.layers)
         return {slot: out}, {slot: states or []}
 
     def _share(self, done) -> None:

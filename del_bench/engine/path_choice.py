@@ -102,14 +102,15 @@ def compile_refused(setting: str, method: str, why: str) -> str:
 
 def problems(cfg, method_class: type, method: Callable[[], Method]) -> list[str]:
     """What the layer path refuses of a whole run config before a model loads (config.validate): a batch of a peer
-    (transformers decodes one prompt at a time); compile=on|graphs for a batch whose steps cannot run on graphs.
+    that decodes one prompt at a time (all but `generate`: Peer.batches); compile=on|graphs for a batch whose steps cannot run on graphs.
     method: makes the config's method (asked only where it matters)."""
     rows = int(cfg.get("batch_size", 1))
     if rows == 1:
         return []
     if getattr(method_class, "decoder", None) is not None:
-        return [f"method={cfg.method.name} is transformers' own decoding (a peer row), which decodes one prompt at a "
-                "time: use batch_size=1"]
+        return [] if method_class.batches else [
+            f"method={cfg.method.name} is transformers' own decoding (a peer row), which decodes one prompt at a time: "
+            "use batch_size=1"]
     setting = compiled.compile_setting(cfg.get("compile", "auto"))
     why = batch_refusal(method()) if setting in ("on", "graphs") else None
     return [] if why is None else [compile_refused(setting, cfg.method.name, why)]

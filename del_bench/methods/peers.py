@@ -108,16 +108,20 @@ class Peer(Method):
             raise ConfigError(f"peer {self.name} runs greedy decoding only (generation.do_sample=false)")
         return PeerDecoder(self, model, eos_ids, stop)
 
-    def decode(self, model, ids: torch.Tensor, max_new_tokens: int, eos_ids: set[int]) -> tuple[list[int], tuple]:
-        """transformers' greedy output ids after `ids` [1, P], and the logits each was chosen from (a tuple of [1, V]
-        float32 rows, one per token, where the peer keeps them: `keeps_logits`; else empty)."""
+    batches = False  # whether decode takes several prompts at once (left-padded: HFGenerate)
+
+    def decode(self, model, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int,
+               eos_ids: set[int]) -> tuple[list[list[int]], tuple]:
+        """transformers' greedy output ids after each row of `ids` [R, P] (left-padded where mask [R, P] is 0), and
+        the logits each was chosen from (a tuple of [R, V] float32 rows, one per step, where the peer keeps them:
+        `keeps_logits`; else empty)."""
         eos = sorted(eos_ids)
         keep = self.keeps_logits(model)
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens,
+        out = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens,
                              eos_token_id=eos or None, pad_token_id=eos[0] if eos else 0, **self.generate_kwargs(),
                              **({"output_logits": True, "return_dict_in_generate": True} if keep else {}))
         sequences = out.sequences if keep else out
-        return sequences[0, ids.shape[1]:].tolist(), out.logits if keep else ()
+        return sequences[:, ids.shape[1]:].tolist(), out.logits if keep else ()
 
     def keeps_logits(self, model) -> bool:
         """Whether decode returns its logits: never, but for generate in half precision (HFGenerate)."""
@@ -141,6 +145,7 @@ class HFGenerate(Peer):
 
     name = "hf_generate"
     label, order = "HF generate", 100
+    batches = True
 
     def keeps_logits(self, model) -> bool:
         return is_half(model.dtype)
@@ -173,7 +178,8 @@ class HFForwardLoop(Peer):
     name = "hf_forward_loop"
     label, order = "HF forward loop", 101
 
-    def decode(self, model, ids: torch.Tensor, max_new_tokens: int, eos_ids: set[int]) -> tuple[list[int], tuple]:
+    def decode(self, model, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int,
+               eos_ids: set[int]) -> tuple[list[list[int]], tuple]:
         from transformers import DynamicCache
 
         cache, out = DynamicCache(config=model.config), []
@@ -183,30 +189,67 @@ class HFForwardLoop(Peer):
             if out[-1] in eos_ids:
                 break
             ids = torch.tensor([[out[-1]]], device=ids.device)
-        return out, ()
+        return [out], ()
 
 
-class Serial:
-    """A peer's decoder as the runner drives its rows (runner.rows_of): one prompt at a time, a batch of one (its
-    layer path: the stack's loop it would have run; a peer runs no graphs)."""
+class PeerRow:
+    """A row of a peer's batch, as the runner reads a Batch's slot (runner.decode_row): its slot, when its job began,
+    and its shares of the batch's layer calls and head passes (each call ÷ the rows in it)."""
 
-    size, slot, cache = 1, 0, None
+    def __init__(self, slot: int, start_s: float):
+        self.slot, self.start_s = slot, start_s
+        self.loaded_layers = self.idle_layers = self.head_passes = 0.0
 
-    def __init__(self, decoder: "PeerDecoder", layer_path: str):
-        self.decoder, self.path = decoder, SimpleNamespace(name=layer_path, graphs=None)
+    def tally(self) -> tuple[float, float]:
+        """No host reads or rounds of ours: transformers decodes (records.host_reads: None)."""
+        return 0.0, 0.0
+
+
+class PeerBatch:
+    """A peer's decoder as the runner drives its rows (runner.rows_of), B prompts a call: at B = 1 one prompt at a
+    time; past it transformers' batched `generate` over up to B prompts left-padded (static batching, as `generate`
+    batches: a call runs until its last row ends, finished rows padded; the next call takes the next B requests). Its
+    layer path: the stack's loop its storage was laid out for; a peer runs no graphs."""
+
+    cache = None
+
+    def __init__(self, decoder: "PeerDecoder", size: int, layer_path: str):
+        self.decoder, self.size, self.path = decoder, size, SimpleNamespace(name=layer_path, graphs=None)
         self.engines = [decoder]
+        self._t0 = time.perf_counter()
+
+    def elapsed(self) -> float:
+        self.decoder.synchronize()
+        return time.perf_counter() - self._t0
 
     def run(self, jobs, decode) -> dict:
-        """Every job (a generator of Requests) run to its end, one generation at a time."""
-        for job in jobs:
-            requests = decode(self, job)
-            try:
-                request = next(requests)
-                while True:
-                    request = requests.send(self.decoder.generate(request.prompt_ids, request.method,
-                                                                  request.max_new_tokens, request.seed))
-            except StopIteration:
-                pass
+        """Every job (a generator of Requests) run to its end, each call of `generate` over the requests of up to B
+        jobs."""
+        queue, waiting = iter(jobs), []  # waiting: (row, its job's generator, its request)
+        self._t0 = time.perf_counter()
+
+        def admit():
+            free = sorted(set(range(self.size)) - {row.slot for row, _, _ in waiting})
+            for slot in free:
+                for job in queue:
+                    row = PeerRow(slot, self.elapsed())
+                    requests = decode(row, job)
+                    request = next(requests, None)
+                    if request is not None:
+                        waiting.append((row, requests, request))
+                        break
+
+        admit()
+        while waiting:
+            gens = self.decoder.generate_rows([r for _, _, r in waiting], [row for row, _, _ in waiting])
+            still = []
+            for (row, requests, _), gen in zip(waiting, gens):
+                try:
+                    still.append((row, requests, requests.send(gen)))
+                except StopIteration:
+                    pass
+            waiting[:] = still
+            admit()
         return {}
 
 
@@ -219,27 +262,49 @@ class PeerDecoder:
         self.peer, self.model, self.eos_ids, self.stop = peer, model, set(eos_ids), stop
         self.device = model.lm_head.weight.device
 
-    def serial(self, layer_path: str) -> Serial:
-        return Serial(self, layer_path)
-
+    def rows(self, size: int, layer_path: str) -> PeerBatch:
+        return PeerBatch(self, size, layer_path)
     def synchronize(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    @torch.inference_mode()
     def generate(self, prompt_ids: list[int], method, max_new_tokens: int, seed: int) -> PeerGeneration:
-        ids = torch.tensor([prompt_ids], device=self.model.model.embed_tokens.weight.device)
+        """One prompt's generation (a batch of one)."""
+        return self.generate_rows([SimpleNamespace(prompt_ids=prompt_ids, max_new_tokens=max_new_tokens)])[0]
+
+    @torch.inference_mode()
+    def generate_rows(self, requests: list, rows: list[PeerRow] | None = None) -> list[PeerGeneration]:
+        """One call of the peer's decode over every request's prompt, left-padded to the longest (max_new_tokens: the
+        largest asked; each output cut to its own). Each generation's wall_s is the call's (its latency: every row
+        waits for the call); its loaded_layers the layer calls it ran in, and each row's shares of the call's loads
+        go to its PeerRow (idle: the layer calls after its output ended, run for padding)."""
+        device = self.model.model.embed_tokens.weight.device
+        width = max(len(r.prompt_ids) for r in requests)
+        pad = min(self.eos_ids) if self.eos_ids else 0
+        ids = torch.tensor([[pad] * (width - len(r.prompt_ids)) + list(r.prompt_ids) for r in requests], device=device)
+        mask = torch.tensor([[0] * (width - len(r.prompt_ids)) + [1] * len(r.prompt_ids) for r in requests],
+                            device=device)  # [R, P]
         with counted(self.model) as calls:
             self.synchronize()
             t0 = time.perf_counter()
-            out, logits = self.peer.decode(self.model, ids, max_new_tokens, self.eos_ids)
+            outs, logits = self.peer.decode(self.model, ids, mask, max(r.max_new_tokens for r in requests),
+                                            self.eos_ids)
             self.synchronize()
             wall = time.perf_counter() - t0
-        out = cut(out, self.eos_ids, self.stop)
-        # read after the clock: each kept row's top-2 gap in ulps of the model's dtype (generate upcasts after the head)
-        gaps = [gap_ulps(row[0], dtype=self.model.dtype) for row in logits[: len(out)]] if logits else None
-        target_passes, passes = calls.layers[-1], calls.layers[0]
-        drafted = passes - target_passes
-        return PeerGeneration(out, wall, loaded_layers=sum(calls.layers), head_calls=calls.head_rows,
-                              drafted=drafted, accepted=max(0, len(out) - target_passes) if drafted else 0,
-                              top2_gap_ulps=gaps)
+        target_passes, passes, loads = calls.layers[-1], calls.layers[0], sum(calls.layers)
+        gens = []
+        for i, (request, out) in enumerate(zip(requests, outs)):
+            out = cut(out[: request.max_new_tokens], self.eos_ids, self.stop)
+            # read after the clock: each kept row's top-2 gap in ulps of the model's dtype (generate upcasts after
+            # the head)
+            gaps = [gap_ulps(step[i], dtype=self.model.dtype) for step in logits[: len(out)]] if logits else None
+            drafted = passes - target_passes
+            gens.append(PeerGeneration(out, wall, loaded_layers=loads, head_calls=calls.head_rows, drafted=drafted,
+                                       accepted=max(0, len(out) - target_passes) if drafted else 0,
+                                       top2_gap_ulps=gaps))
+            if rows is not None:
+                row = rows[i]
+                row.loaded_layers += loads / len(requests)
+                row.head_passes += calls.head_rows / len(requests)
+                row.idle_layers += max(0, target_passes - len(out)) * len(calls.layers)
+        return gens

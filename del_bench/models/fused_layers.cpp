@@ -8,6 +8,7 @@
 // device only (fused.py says why not otherwise).
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <limits>
 #include <utility>
 #include <vector>
@@ -270,18 +271,62 @@ Tensor rows_running(const std::vector<int64_t>& offsets, const std::vector<int64
   return at::tensor(index, at::TensorOptions().dtype(at::kLong)).to(device);
 }
 
+// products.product's onednn layout: x [T, in] times a weight's oneDNN blocked copy `packed` (+ residual [T, out]), the
+// residual joined in the same kernel (mkldnn::_linear_pointwise, as torch.ops.mkldnn calls it from Python)
+Tensor onednn_product(const Tensor& x, const Tensor& packed, const c10::optional<Tensor>& residual) {
+  if (residual) {
+    static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "binary");
+    torch::jit::Stack stack{x, *residual, packed, c10::IValue(), std::string("add")};
+    op.callBoxed(&stack);
+    return stack[0].toTensor();
+  }
+  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack{x, packed, c10::IValue(), std::string("none"), c10::List<c10::optional<c10::Scalar>>(),
+                          c10::IValue()};
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
+// A wide step's product: the weight's oneDNN copy where the batch's width chose it (`packed` defined), else `product`
+Tensor wide_product(const Tensor& x, const Tensor& weight, const Tensor& packed, const c10::optional<Tensor>& residual) {
+  return packed.defined() && packed.numel() > 0 ? onednn_product(x, packed, residual) : product(x, weight, residual);
+}
+
+// The running rows' attention, one query a row, in one call: their cache rows consecutive (first, …), each row's
+// new key and value written at its position, each row attending over its own keys (those past it masked) — what
+// attend computes for each alone, up to the order of a masked softmax's sums. q: [n, H, hd]; kn, vn: [n, KV, hd].
+Tensor attend_one_each(const Tensor& q, const Tensor& kn, const Tensor& vn, const Tensor& k, const Tensor& v,
+                       int64_t first, const std::vector<int64_t>& positions, double scale, bool gqa) {
+  const int64_t n = q.size(0);
+  auto longs = at::TensorOptions().dtype(at::kLong).device(q.device());
+  Tensor at = at::tensor(positions, at::TensorOptions().dtype(at::kLong)).to(q.device());  // [n]
+  Tensor rows = at::arange(n, longs);
+  Tensor kb = k.narrow(0, first, n), vb = v.narrow(0, first, n);  // [n, KV, S, hd]: the rows' caches, views
+  using torch::indexing::Slice;
+  kb.index_put_({rows, Slice(), at}, kn);  // [n, KV, hd] at each row's position
+  vb.index_put_({rows, Slice(), at}, vn);
+  const int64_t S = *std::max_element(positions.begin(), positions.end()) + 1;
+  Tensor seen = (at::arange(S, longs).unsqueeze(0) <= at.unsqueeze(1)).view({n, 1, 1, S});  // [n, 1, 1, S]
+  return at::scaled_dot_product_attention(q.unsqueeze(2), kb.narrow(2, 0, S), vb.narrow(2, 0, S), seen, 0.0, false,
+                                          scale, gqa)
+      .squeeze(2);  // [n, H, hd]
+}
+
 // Several rows of a batch (each a sequence of its own: its cache row, its positions) through layers [start, end), a
-// row running only the sublayers its flags say: the products over all the running rows' positions at once, each
-// row's RoPE, cache write and attention its own — the single-row ops (attention_sublayer) on its slice, so each row's
-// attention is what forward_layers would compute for it alone. A row that idles in a sublayer is not computed there.
+// row running only the sublayers its flags say: the products over all the running rows' positions at once (at a
+// batch's width, in the layouts tune_rows chose: `packed`, 4 a layer — q|k|v, o, gate|up, down — a oneDNN copy or
+// an empty tensor), each row's RoPE, cache write and attention its own — the single-row ops (attention_sublayer) on
+// its slice, or, where every running row has one position, no window and no soft cap, and their cache rows follow
+// one another (a batch decoding), all their attention in one masked call (attend_one_each). A row that idles in a
+// sublayer is not computed there.
 // x: [N, D] the rows' positions stacked (row r: lens[r] of them from its offset); k, v: every layer's cache
 // [B, KV, max_len, hd], row r's in row rows[r], written at pos[r] .. pos[r] + lens[r] − 1; runs: [2·(end − start),
 // R] bool on the CPU (layer start + j's attention at 2j, its MLP at 2j + 1); cos, sin: [Rk, N, 1, hd] each
 // position's own. Weights and the family's as forward_layers'. Returns x after the last layer [N, D], or with
 // `collect` after every layer.
-std::vector<Tensor> forward_rows(Tensor x, const std::vector<Tensor>& weights, const std::vector<Tensor>& k,
-                                 const std::vector<Tensor>& v, int64_t start, int64_t end,
-                                 const std::vector<int64_t>& rows, const std::vector<int64_t>& pos,
+std::vector<Tensor> forward_rows(Tensor x, const std::vector<Tensor>& weights, const std::vector<Tensor>& packed,
+                                 const std::vector<Tensor>& k, const std::vector<Tensor>& v, int64_t start,
+                                 int64_t end, const std::vector<int64_t>& rows, const std::vector<int64_t>& pos,
                                  const std::vector<int64_t>& lens, const Tensor& runs, const Tensor& cos,
                                  const Tensor& sin, int64_t H, int64_t KV, int64_t hd, double eps, double scale,
                                  bool collect, bool exact, const std::vector<Tensor>& extras,
@@ -292,10 +337,12 @@ std::vector<Tensor> forward_rows(Tensor x, const std::vector<Tensor>& weights, c
   std::vector<int64_t> offsets(lens.size(), 0);
   for (size_t r = 1; r < lens.size(); ++r) offsets[r] = offsets[r - 1] + lens[r - 1];
   auto flags = runs.accessor<bool, 2>();
+  const Tensor none_packed;
   std::vector<Tensor> outputs;
   for (int64_t i = start; i < end; ++i) {
     const int64_t j = i - start;
     const Tensor* w = &weights[6 * i];
+    const Tensor* pk = packed.empty() ? nullptr : &packed[4 * i];
     const Tensor* e = extras.empty() ? nullptr : &extras[EXTRAS * i];
     const int64_t rope = ropes.empty() ? 0 : ropes[i];
     const int64_t window = windows.empty() ? 0 : windows[i];
@@ -307,36 +354,65 @@ std::vector<Tensor> forward_rows(Tensor x, const std::vector<Tensor>& weights, c
       Tensor cs = all ? cos[rope] : cos[rope].index_select(0, index);  // [n, 1, hd]
       Tensor sn = all ? sin[rope] : sin[rope].index_select(0, index);
       const int64_t n = h.size(0);
-      Tensor qkv = biased_product(norm(h, w[0], eps, family), w[1], e, QKV_BIAS, c10::nullopt)
+      Tensor normed = norm(h, w[0], eps, family);
+      Tensor qkv = (pk && !has(e, QKV_BIAS) ? wide_product(normed, w[1], pk[0], c10::nullopt)
+                                            : biased_product(normed, w[1], e, QKV_BIAS, c10::nullopt))
                        .view({n, H + 2 * KV, hd});
       Tensor qk = qkv.narrow(1, 0, H + KV);
       if (has(e, Q_NORM))
         qk = at::cat({norm(qk.narrow(1, 0, H), e[Q_NORM], eps, family),
                       norm(qk.narrow(1, H, KV), e[K_NORM], eps, family)}, 1);
       qk = qk * cs + at::roll(qk, {hd / 2}, {-1}) * sn;  // [n, H+KV, hd]
-      std::vector<Tensor> attn;
-      int64_t at_ = 0;
+      std::vector<int64_t> running, positions;
+      bool one_each = window == 0 && softcap == 0 && !exact;
       for (size_t r = 0; r < lens.size(); ++r) {
         if (!flags[2 * j][r]) continue;
-        const int64_t T = lens[r], p = pos[r];
-        Tensor kr = k[i][rows[r]].unsqueeze(0), vr = v[i][rows[r]].unsqueeze(0);  // [1, KV, S, hd]
-        kr.narrow(2, p, T).copy_(qk.narrow(0, at_, T).narrow(1, H, KV).transpose(0, 1).unsqueeze(0));
-        vr.narrow(2, p, T).copy_(qkv.narrow(0, at_, T).narrow(1, H + KV, KV).transpose(0, 1).unsqueeze(0));
-        Tensor q = qk.narrow(0, at_, T).narrow(1, 0, H).transpose(0, 1).unsqueeze(0);  // [1, H, T, hd]
-        Tensor keys = kr.narrow(2, 0, p + T), values = vr.narrow(2, 0, p + T);
-        WindowMasks masks;
-        Tensor a = window == 0 && softcap == 0
-                       ? attend(q, keys, values, no_mask, p, scale, KV != H, exact)
-                       : attend_layer(q, keys, values, no_mask, p, scale, KV != H, exact, window, masks, family);
-        attn.push_back(a[0].transpose(0, 1).reshape({T, H * hd}));
-        at_ += T;
+        one_each = one_each && lens[r] == 1 && rows[r] == (running.empty() ? rows[r] : rows[running.back()] + 1);
+        running.push_back(r);
+        positions.push_back(pos[r]);
       }
-      Tensor out = residual_product(h, at::cat(attn, 0), w[2], e, O_BIAS, ATTN_OUT_NORM, eps, family);
+      Tensor attended;
+      if (one_each && running.size() > 1) {
+        attended = attend_one_each(qk.narrow(1, 0, H), qk.narrow(1, H, KV), qkv.narrow(1, H + KV, KV), k[i], v[i],
+                                   rows[running[0]], positions, scale, KV != H)
+                       .reshape({n, H * hd});
+      } else {
+        std::vector<Tensor> attn;
+        int64_t at_ = 0;
+        for (int64_t r : running) {
+          const int64_t T = lens[r], p = pos[r];
+          Tensor kr = k[i][rows[r]].unsqueeze(0), vr = v[i][rows[r]].unsqueeze(0);  // [1, KV, S, hd]
+          kr.narrow(2, p, T).copy_(qk.narrow(0, at_, T).narrow(1, H, KV).transpose(0, 1).unsqueeze(0));
+          vr.narrow(2, p, T).copy_(qkv.narrow(0, at_, T).narrow(1, H + KV, KV).transpose(0, 1).unsqueeze(0));
+          Tensor q = qk.narrow(0, at_, T).narrow(1, 0, H).transpose(0, 1).unsqueeze(0);  // [1, H, T, hd]
+          Tensor keys = kr.narrow(2, 0, p + T), values = vr.narrow(2, 0, p + T);
+          WindowMasks masks;
+          Tensor a = window == 0 && softcap == 0
+                         ? attend(q, keys, values, no_mask, p, scale, KV != H, exact)
+                         : attend_layer(q, keys, values, no_mask, p, scale, KV != H, exact, window, masks, family);
+          attn.push_back(a[0].transpose(0, 1).reshape({T, H * hd}));
+          at_ += T;
+        }
+        attended = at::cat(attn, 0);
+      }
+      Tensor out = pk && !has(e, O_BIAS) && !has(e, ATTN_OUT_NORM)
+                       ? wide_product(attended, w[2], pk[1], h)
+                       : residual_product(h, attended, w[2], e, O_BIAS, ATTN_OUT_NORM, eps, family);
       x = all ? out : x.index_copy(0, index, out);
     }
     index = rows_running(offsets, lens, flags[2 * j + 1], all, none, x.device());
     if (!none) {
-      Tensor out = mlp_sublayer(all ? x : x.index_select(0, index), w, e, eps, family);
+      Tensor h = all ? x : x.index_select(0, index);
+      Tensor out;
+      if (pk && e == nullptr) {  // Llama's MLP, its products in the batch's layouts
+        Tensor gate_up = wide_product(norm(h, w[3], eps, family), w[4], pk[2], c10::nullopt);  // [n, 2·I]
+        const int64_t I = gate_up.size(1) / 2;
+        Tensor gate = gate_up.narrow(1, 0, I);
+        Tensor act = family.gelu_tanh ? at::gelu(gate, "tanh") : at::silu(gate);
+        out = wide_product(act * gate_up.narrow(1, I, I), w[5], pk[3], h);
+      } else {
+        out = mlp_sublayer(h, w, e, eps, family);
+      }
       x = all ? out : x.index_copy(0, index, out);
     }
     if (collect) outputs.push_back(x);

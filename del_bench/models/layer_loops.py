@@ -13,7 +13,7 @@ import torch
 
 from del_bench.models.kv_cache import KVCache, TreeMask
 from del_bench.models.layer_math import Layer, moved, seconds_of
-from del_bench.models.products import X_WT
+from del_bench.models.products import FEW_ROWS, LAYER_SHAPES, ONEDNN, WT_X, X_WT, packed
 from del_bench.numerics import HALF_DTYPES
 
 
@@ -130,7 +130,8 @@ class LayerLoops:
         x = torch.cat([h[0] for h in hs])  # [N, D]
         at = torch.cat([torch.arange(p, p + T) for p, T in zip(positions, lens)]).to(self._cos.device)  # [N]
         cos, sin = self.rope_rows(at)  # [Rk, N, 1, hd]
-        outs = self.fused.forward_rows(x, self._fused_weights[2], cache.k, cache.v, start, end, rows, positions, lens,
+        weights, packed = self._rows_weights(x.shape[0])
+        outs = self.fused.forward_rows(x, weights, packed, cache.k, cache.v, start, end, rows, positions, lens,
                                        torch.tensor(runs, dtype=torch.bool).view(-1, len(hs)), cos, sin, self.n_heads,
                                        self.n_kv_heads, self.head_dim, self.eps, self.scale, collect, self.exact_rows,
                                        *self._fused_family)  # [N, D] each
@@ -141,6 +142,26 @@ class LayerLoops:
         parts = [split(out) for out in outs]
         states = [[layer[r] for layer in parts] for r in range(len(hs))] if collect else [[] for _ in hs]
         return split(outs[-1]), states
+
+    def _rows_weights(self, rows: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The fused loop's matrices for a step of `rows` positions and, 4 a layer, the oneDNN copies it multiplies by
+        instead (an empty tensor where none): up to FEW_ROWS the verification batches' layouts; wider, a batch's
+        (`wide_products`, timed by tune_rows at its width: products_for's rule)."""
+        wide = self.wide_products
+        if wide is None or rows <= max(FEW_ROWS):
+            return self._fused_weights[2], []
+        if getattr(self, "_wide_fused", (None,))[0] is not wide:
+            def oriented(weight: torch.Tensor, shape: str) -> torch.Tensor:
+                return weight if wide[shape].many == WT_X else weight.t()
+
+            none = torch.empty(0)
+            weights = [t for lay in self.layers for t in (
+                lay.w_in_norm, oriented(lay.w_qkv, "qkv"), oriented(lay.w_o, "o"), lay.w_post_norm,
+                oriented(lay.w_gate_up, "gate_up"), oriented(lay.w_down, "down"))]
+            copies = [packed(getattr(lay, f"w_{shape}")) if wide[shape].many == ONEDNN else None
+                      for lay in self.layers for shape in LAYER_SHAPES]
+            self._wide_fused = (wide, weights, [none if c is None else c for c in copies])
+        return self._wide_fused[1], self._wide_fused[2]
 
     def forward_skipping(self, h: torch.Tensor, pos: int, cache: KVCache, skip_attn: frozenset[int],
                          skip_mlp: frozenset[int], write: bool = True, collect: list | None = None) -> torch.Tensor:

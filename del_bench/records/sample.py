@@ -97,6 +97,8 @@ def host_reads(samples: list[dict], rounds: list[dict]) -> dict:
     batched = [s["batch"] for s in samples if s.get("batch")]
     if batched and all("reads" in b for b in batched):
         reads, count = sum(b["reads"] for b in batched), sum(b["rounds"] for b in batched)
+        if not count:  # a peer's batch: transformers' reads are not ours to count
+            return {"host_reads_per_round": None, "host_reads_per_token": None}
     elif not batched and rounds:
         reads, count = sum(r.get("host_syncs", 0) for r in rounds), len(rounds)
     else:
