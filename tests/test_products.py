@@ -222,13 +222,36 @@ def test_onednn_blocked_copies_for_a_batchs_rows():
     assert products.packed(w) is None
     own = choose("auto", torch.float32, fake_timer(MIXED, []))
     wide = products.for_rows(own, torch.float32, lambda shape, layout, rows: 0.5 if layout == products.ONEDNN and
-                             shape == "gate_up" else 1.0, 8, packed=True)
+                             shape == "gate_up" else 1.0, 8, copied=(products.ONEDNN,))
     assert {s: lay.many for s, lay in wide.layouts.items()}["gate_up"] == products.ONEDNN
     assert not products.onednn(torch.float64, torch.device("cpu"))  # float64 (the tests' models): never a candidate
     tune_rows(stack, 8)  # timed for real: whichever won, the copies kept are exactly the winners'
     for shape in products.SHAPES:
-        kept = [products.packed(m) is not None for m in products.matrices(stack, shape)]
-        assert all(kept) == (stack.wide_products[shape].many == products.ONEDNN) and len(set(kept)) == 1
-    assert stack.wide_products.packed_bytes == sum(m.numel() * 4 for shape in products.SHAPES
-                                                   for m in products.matrices(stack, shape)
-                                                   if stack.wide_products[shape].many == products.ONEDNN)
+        for layout in products.COPIED:
+            kept = [products.packed(m, layout) is not None for m in products.matrices(stack, shape)]
+            assert all(kept) == (stack.wide_products[shape].many == layout) and len(set(kept)) == 1
+    assert stack.wide_products.packed_bytes == sum(
+        products.packed(m, stack.wide_products[shape].many).numel() * 4 for shape in products.SHAPES
+        for m in products.matrices(stack, shape) if stack.wide_products[shape].many in products.COPIED)
+
+
+@pytest.mark.skipif(not products.panels(torch.float32, torch.device("cpu")), reason="no fused extension here")
+@pytest.mark.parametrize("out_features", [64, 50])  # whole panels of 32 columns; a last one zero-padded
+def test_panels_multiply_each_row_alone_whatever_rows_share_the_step(out_features):
+    """The panels layout (fused_layers.cpp's panel_product): x @ Wᵀ to float32's rounding, the residual added after;
+    each output a plain sum over the inner dimension, so every row of a step of 1..13 rows (the kernel's 8-, 4- and
+    1-row blocks) has the bits of that row multiplied alone."""
+    generator = torch.Generator().manual_seed(0)
+    w = torch.randn(out_features, 40, generator=generator)
+    x, r = torch.randn(13, 40, generator=generator), torch.randn(13, out_features, generator=generator)
+    products.pack([w], products.PANELS)
+    try:
+        assert products.packed(w, products.PANELS).shape == (2, 40, 32) and products.packed(w) is None
+        torch.testing.assert_close(products.product(x, w, products.PANELS), x @ w.t())
+        torch.testing.assert_close(products.product(x, w, products.PANELS, r), r + x @ w.t())
+        alone = torch.cat([products.product(x[i : i + 1], w, products.PANELS) for i in range(13)])
+        for rows in (13, 8, 5, 4, 2):
+            assert torch.equal(products.product(x[:rows], w, products.PANELS), alone[:rows]), rows
+    finally:
+        products.unpack([w], products.PANELS)
+    assert products.packed(w, products.PANELS) is None

@@ -74,10 +74,23 @@ def extension():
         raise FusedUnavailable("ninja is not installed (`pip install ninja`: torch.utils.cpp_extension builds with it)")
     try:
         with build_lock(directory):
-            return load(name="del_bench_fused_layers", sources=[str(SOURCE)], extra_cflags=["-O3"],
-                        build_directory=str(directory), verbose=False)
+            try:  # OpenMP: the panels' products (at::parallel_for) on torch's threads
+                return load(name="del_bench_fused_layers", sources=[str(SOURCE)], extra_cflags=["-O3", "-fopenmp"],
+                            extra_ldflags=["-fopenmp"], build_directory=str(directory), verbose=False)
+            except Exception:  # a compiler without OpenMP (Apple's clang): the same code, one thread
+                return load(name="del_bench_fused_layers", sources=[str(SOURCE)], extra_cflags=["-O3"],
+                            build_directory=str(directory), verbose=False)
     except Exception as err:  # no compiler, no ninja, a header mismatch: all mean "use eager"
         raise FusedUnavailable(f"building {SOURCE.name} failed ({type(err).__name__}: {err})") from err
+
+
+def available() -> bool:
+    """Whether the extension builds (or loads) here."""
+    try:
+        extension()
+    except FusedUnavailable:
+        return False
+    return True
 
 
 def put_ninja_on_path() -> bool:

@@ -287,9 +287,88 @@ Tensor onednn_product(const Tensor& x, const Tensor& packed, const c10::optional
   return stack[0].toTensor();
 }
 
-// A wide step's product: the weight's oneDNN copy where the batch's width chose it (`packed` defined), else `product`
+// ---- products.py's panels layout: W [N, K] float32 copied into 32-column panels [⌈N/32⌉, K, 32] (zero-padded), each
+// read start to end once for all the rows: every output a plain sum over k in order, so a row's product is the same
+// bits whatever rows share the step (no GEMM blocking by the row count). For the few rows of a batch's step, where
+// MKL's GEMM packs W again on every call. Written with GCC's vector extension, compiled for AVX-512, AVX2 and plain
+// x86-64 (elsewhere the compiler's baseline), the one the CPU runs chosen at load.
+typedef float f32x16 __attribute__((vector_size(64)));
+
+#define PANEL_KERNEL(SUFFIX, TARGET)                                                                              \
+  template <int R>                                                                                                \
+  TARGET static inline void panel_rows_##SUFFIX(const float* x, int64_t K, const float* panel, float* y,          \
+                                                int64_t N) {                                                      \
+    f32x16 acc[R][2];                                                                                             \
+    for (int i = 0; i < R; i++) acc[i][0] = acc[i][1] = f32x16{};                                                 \
+    for (int64_t k = 0; k < K; k++) {                                                                             \
+      f32x16 lo, hi;                                                                                              \
+      __builtin_memcpy(&lo, panel + k * 32, 64);                                                                  \
+      __builtin_memcpy(&hi, panel + k * 32 + 16, 64);                                                             \
+      _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) {                                                       \
+        f32x16 xk = f32x16{} + x[i * K + k];                                                                      \
+        acc[i][0] += xk * lo;                                                                                     \
+        acc[i][1] += xk * hi;                                                                                     \
+      }                                                                                                           \
+    }                                                                                                             \
+    for (int i = 0; i < R; i++) {                                                                                 \
+      __builtin_memcpy(y + i * N, &acc[i][0], 64);                                                                \
+      __builtin_memcpy(y + i * N + 16, &acc[i][1], 64);                                                           \
+    }                                                                                                             \
+  }                                                                                                               \
+  TARGET static void panels_##SUFFIX(const float* x, int64_t M, int64_t K, const float* w, int64_t N, float* y,   \
+                                     int64_t first, int64_t last) {                                              \
+    for (int64_t p = first; p < last; p++) {                                                                      \
+      const float* panel = w + p * 32 * K;                                                                        \
+      float* out = y + p * 32;                                                                                    \
+      int64_t m = 0;                                                                                              \
+      for (; m + 8 <= M; m += 8) panel_rows_##SUFFIX<8>(x + m * K, K, panel, out + m * N, N);                     \
+      for (; m + 4 <= M; m += 4) panel_rows_##SUFFIX<4>(x + m * K, K, panel, out + m * N, N);                     \
+      for (; m < M; m++) panel_rows_##SUFFIX<1>(x + m * K, K, panel, out + m * N, N);                             \
+    }                                                                                                             \
+  }
+
+#if defined(__x86_64__)
+PANEL_KERNEL(avx512, __attribute__((target("avx512f,fma"))))
+PANEL_KERNEL(avx2, __attribute__((target("avx2,fma"))))
+#endif
+PANEL_KERNEL(baseline, )
+
+// W [N, K] → its panels [⌈N/32⌉, K, 32]
+Tensor panel_weights(const Tensor& weight) {
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.dim() == 2 && weight.device().is_cpu(),
+              "panels: a float32 CPU matrix");
+  const int64_t N = weight.size(0), K = weight.size(1), P = (N + 31) / 32;
+  Tensor padded = at::zeros({P * 32, K}, weight.options());
+  padded.narrow(0, 0, N).copy_(weight);
+  return padded.view({P, 32, K}).transpose(1, 2).contiguous();  // [P, K, 32]
+}
+
+// x [M, K] times W [N, K]ᵀ from W's panels (+ residual [M, N], added after: the product rounded, then the sum, as HF)
+Tensor panel_product(const Tensor& x, const Tensor& panels, int64_t N, const c10::optional<Tensor>& residual) {
+  Tensor rows = x.contiguous();
+  const int64_t M = rows.size(0), K = rows.size(1), P = panels.size(0);
+  TORCH_CHECK(rows.scalar_type() == at::kFloat && panels.size(1) == K, "panels: float32 rows of the matrix's width");
+  Tensor y = at::empty({M, P * 32}, rows.options());
+#if defined(__x86_64__)
+  static auto kernel = __builtin_cpu_supports("avx512f") ? panels_avx512
+                       : __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? panels_avx2
+                                                                                           : panels_baseline;
+#else
+  static auto kernel = panels_baseline;
+#endif
+  const float* xs = rows.data_ptr<float>();
+  const float* ws = panels.data_ptr<float>();
+  float* ys = y.data_ptr<float>();
+  at::parallel_for(0, P, 4, [&](int64_t first, int64_t last) { kernel(xs, M, K, ws, P * 32, ys, first, last); });
+  Tensor out = P * 32 == N ? y : y.narrow(1, 0, N).contiguous();
+  return residual ? out.add_(*residual) : out;
+}
+
+// A wide step's product: the weight's copy where the batch's width chose one (`packed`: panels [P, K, 32] or oneDNN's
+// blocked copy), else `product`
 Tensor wide_product(const Tensor& x, const Tensor& weight, const Tensor& packed, const c10::optional<Tensor>& residual) {
-  return packed.defined() && packed.numel() > 0 ? onednn_product(x, packed, residual) : product(x, weight, residual);
+  if (!packed.defined() || packed.numel() == 0) return product(x, weight, residual);
+  return packed.dim() == 3 ? panel_product(x, packed, weight.size(0), residual) : onednn_product(x, packed, residual);
 }
 
 // The running rows' attention, one query a row, in one call: their cache rows consecutive (first, …), each row's
@@ -424,4 +503,6 @@ std::vector<Tensor> forward_rows(Tensor x, const std::vector<Tensor>& weights, c
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward_layers", &forward_layers, "LayerStack.forward_layers' decoder-layer loop");
   m.def("forward_rows", &forward_rows, "a batch's rows through the layers, each its own positions and sublayers");
+  m.def("panel_weights", &panel_weights, "a float32 matrix's 32-column panels (products.py's panels layout)");
+  m.def("panel_product", &panel_product, "rows times a matrix from its panels (+ a residual)");
 }

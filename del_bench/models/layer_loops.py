@@ -13,7 +13,7 @@ import torch
 
 from del_bench.models.kv_cache import KVCache, TreeMask
 from del_bench.models.layer_math import Layer, moved, seconds_of
-from del_bench.models.products import FEW_ROWS, LAYER_SHAPES, ONEDNN, WT_X, X_WT, packed
+from del_bench.models.products import COPIED, FEW_ROWS, LAYER_SHAPES, WT_X, X_WT, packed
 from del_bench.numerics import HALF_DTYPES
 
 
@@ -144,21 +144,21 @@ class LayerLoops:
         return split(outs[-1]), states
 
     def _rows_weights(self, rows: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """The fused loop's matrices for a step of `rows` positions and, 4 a layer, the oneDNN copies it multiplies by
-        instead (an empty tensor where none): up to FEW_ROWS the verification batches' layouts; wider, a batch's
-        (`wide_products`, timed by tune_rows at its width: products_for's rule)."""
+        """The fused loop's matrices for a step of `rows` positions and, 4 a layer, the copies it multiplies by instead
+        (oneDNN's or the panels: products.pack; an empty tensor where none): up to FEW_ROWS the verification batches'
+        layouts; wider, a batch's (`wide_products`, timed by tune_rows at its width: products_for's rule)."""
         wide = self.wide_products
         if wide is None or rows <= max(FEW_ROWS):
             return self._fused_weights[2], []
         if getattr(self, "_wide_fused", (None,))[0] is not wide:
-            def oriented(weight: torch.Tensor, shape: str) -> torch.Tensor:
-                return weight if wide[shape].many == WT_X else weight.t()
+            def oriented(weight: torch.Tensor, shape: str) -> torch.Tensor:  # a copied layout's: [out, in], its N
+                return weight if wide[shape].many in (WT_X, *COPIED) else weight.t()
 
             none = torch.empty(0)
             weights = [t for lay in self.layers for t in (
                 lay.w_in_norm, oriented(lay.w_qkv, "qkv"), oriented(lay.w_o, "o"), lay.w_post_norm,
                 oriented(lay.w_gate_up, "gate_up"), oriented(lay.w_down, "down"))]
-            copies = [packed(getattr(lay, f"w_{shape}")) if wide[shape].many == ONEDNN else None
+            copies = [packed(getattr(lay, f"w_{shape}"), wide[shape].many) if wide[shape].many in COPIED else None
                       for lay in self.layers for shape in LAYER_SHAPES]
             self._wide_fused = (wide, weights, [none if c is None else c for c in copies])
         return self._wide_fused[1], self._wide_fused[2]

@@ -11,7 +11,12 @@ Every product reads HF's own [out, in] matrix (q|k|v, o, gate|up, down: one per 
 - onednn (a batch's rows only, float32 on a CPU with oneDNN: for_rows): x @ Wᵀ from oneDNN's blocked copy of W (a
   second copy in memory; torch.ops.mkldnn, inductor's own CPU linear) — on this machine's Intel host at 2 threads
   SmolLM2's gate|up and down matrices took 17.5 ms a pass at 8 rows against x_wt's 24.8 (MKL's few-row GEMM), 11.5 at
-  one row against 13.5.
+  one row against 13.5;
+- panels (a batch's rows only, float32 on a CPU with the fused extension: for_rows): x @ Wᵀ from W copied into
+  32-column panels, each streamed once for all the rows by fused_layers.cpp's panel_product (a second copy in
+  memory) — where MKL's GEMM re-packs W on every few-row call; on the Intel host at 2 threads SmolLM2's four layer
+  matrices took ~30 ms a pass at 8 rows against x_wt's ~44 and oneDNN's ~35. Each output is a plain sum over the
+  inner dimension: a row's product has the same bits whatever rows share it.
 What is fastest depends on the host, the thread count, the dtype and the shape, so `auto` times the candidates on the
 model's own matrices at load, for each shape class and each row class — one row (drafting, Vanilla) and 2–5 rows
 (verification) — and keeps x_wt, HF's, unless another beats it by MARGIN: never slower than generate's layout by more
@@ -33,9 +38,10 @@ import torch
 from del_bench.numerics import HALF_DTYPES
 
 SETTINGS = ("auto", "wt_x", "x_wt")
-X_WT, WT_X, X_WT_COPY, ONEDNN = "x_wt", "wt_x", "x_wt_copy", "onednn"
-# id(weight) → (the weight, weakly; its oneDNN blocked copy), while a stack runs that layout (tune_rows)
-_PACKED: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
+X_WT, WT_X, X_WT_COPY, ONEDNN, PANELS = "x_wt", "wt_x", "x_wt_copy", "onednn", "panels"
+COPIED = (ONEDNN, PANELS)  # the layouts that multiply from a copy of the weight (pack)
+# (id(weight), layout) → (the weight, weakly; its copy for that layout), while a stack runs the layout (tune_rows)
+_PACKED: dict[tuple[int, str], tuple[weakref.ref, torch.Tensor]] = {}
 LAYER_SHAPES = ("qkv", "o", "gate_up", "down")  # the Layer matrices: w_qkv, w_o, w_gate_up, w_down
 SHAPES = (*LAYER_SHAPES, "head")
 RESIDUAL_SHAPES = ("o", "down")  # joined to the residual stream: timed with it, as they run
@@ -69,7 +75,7 @@ class Products:
     layouts: dict[str, Layout]
     seconds: dict = field(default_factory=dict)
     setup_s: float = 0.0
-    packed_bytes: int = 0  # the onednn layout's blocked copies kept (products.tune_rows): a second copy in memory
+    packed_bytes: int = 0  # the copied layouts' copies kept (products.tune_rows): a second copy in memory
 
     def __getitem__(self, shape: str) -> Layout:
         return self.layouts[shape]
@@ -108,28 +114,48 @@ def onednn(dtype: torch.dtype, device: torch.device) -> bool:
     return dtype == torch.float32 and device.type == "cpu" and torch.backends.mkldnn.is_available()
 
 
-def packed(weight: torch.Tensor) -> torch.Tensor | None:
-    """The oneDNN blocked copy of weight (pack), or None."""
-    entry = _PACKED.get(id(weight))
+def panels(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the panels layout can run here: float32 on a CPU where the fused extension builds."""
+    if dtype != torch.float32 or device.type != "cpu":
+        return False
+    from del_bench.models import fused
+
+    return fused.available()
+
+
+def copied_layouts(dtype: torch.dtype, device: torch.device) -> tuple[str, ...]:
+    """The layouts from a copy of the weight that can run here (for_rows' extra candidates)."""
+    return tuple(layout for layout, runs in ((ONEDNN, onednn), (PANELS, panels)) if runs(dtype, device))
+
+
+def packed(weight: torch.Tensor, layout: str = ONEDNN) -> torch.Tensor | None:
+    """weight's copy for a copied layout (pack): oneDNN's blocked one, or its panels; None if not made."""
+    entry = _PACKED.get((id(weight), layout))
     return entry[1] if entry is not None and entry[0]() is weight else None
 
 
-def pack(weights: list[torch.Tensor]) -> int:
-    """Make (once) the oneDNN blocked copy of each weight that product's onednn layout reads → their bytes. A copy
-    goes with its weight (keyed by identity: a tensor's == is elementwise)."""
-    for w in weights:
-        if packed(w) is None:
-            key = id(w)
-            _PACKED[key] = (weakref.ref(w, lambda _, key=key: _PACKED.pop(key, None)),
-                            torch.ops.mkldnn._reorder_linear_weight(w, None))
-    return sum(w.numel() * w.element_size() for w in weights)
+def copy_for(weight: torch.Tensor, layout: str) -> torch.Tensor:
+    if layout == ONEDNN:
+        return torch.ops.mkldnn._reorder_linear_weight(weight, None)
+    from del_bench.models import fused
+
+    return fused.extension().panel_weights(weight)  # [⌈N/32⌉, K, 32]
 
 
-def unpack(weights: list[torch.Tensor]) -> None:
-    """Drop the blocked copies of these weights (their layout no longer chosen)."""
+def pack(weights: list[torch.Tensor], layout: str = ONEDNN) -> int:
+    """Make (once) each weight's copy that `layout` (onednn | panels) reads → their bytes. A copy goes with its weight
+    (keyed by identity: a tensor's == is elementwise)."""
     for w in weights:
-        if packed(w) is not None:
-            del _PACKED[id(w)]
+        if packed(w, layout) is None:
+            key = (id(w), layout)
+            _PACKED[key] = (weakref.ref(w, lambda _, key=key: _PACKED.pop(key, None)), copy_for(w, layout))
+    return sum(packed(w, layout).numel() * w.element_size() for w in weights)
+
+
+def unpack(weights: list[torch.Tensor], layout: str = ONEDNN) -> None:
+    """Drop these weights' copies for `layout` (no longer chosen)."""
+    for w in weights:
+        _PACKED.pop((id(w), layout), None)
 
 
 def pick(seconds: dict[str, float], margin: float = MARGIN) -> str:
@@ -157,15 +183,15 @@ def choose(setting: str, dtype: torch.dtype, seconds: Callable[[str, str, int], 
 
 
 def for_rows(own: Products, dtype: torch.dtype, seconds: Callable[[str, str, int], float], rows: int,
-             packed: bool = False) -> Products:
+             copied: tuple[str, ...] = ()) -> Products:
     """own's layouts with the several-rows one chosen again at `rows` rows, as `auto` chooses (x_wt unless another
     beats it by MARGIN): for batched decoding's steps, wider than the verification batches auto timed (on the AMD
     host at 8 rows x_wt took 0.56–0.79 of wt_x's time on SmolLM2's layer matrices, but 5× wt_x's on its LM head).
-    packed: onednn is a candidate too (where it runs: `onednn`). A forced setting, and half precision, keep own."""
+    copied: the layouts from a weight's copy that are candidates too (those that run here: copied_layouts). A forced
+    setting, and half precision, keep own."""
     if own.setting != "auto" or dtype in HALF_DTYPES:
         return own
-    extra = (ONEDNN,) if packed else ()
-    times = {shape: {layout: seconds(shape, layout, rows) for layout in (*candidates(shape, rows), *extra)}
+    times = {shape: {layout: seconds(shape, layout, rows) for layout in (*candidates(shape, rows), *copied)}
              for shape in SHAPES}
     layouts = {shape: Layout(lay.one, pick(times[shape])) for shape, lay in own.layouts.items()}
     return Products(own.setting, layouts, {**own.seconds, f"rows_{rows}": times}, own.setup_s)
@@ -187,6 +213,10 @@ def product(x: torch.Tensor, weight: torch.Tensor, layout: str, residual: torch.
         if residual is None:
             return torch.ops.mkldnn._linear_pointwise(x, packed(weight), None, "none", [], "")
         return torch.ops.mkldnn._linear_pointwise.binary(x, residual, packed(weight), None, "add")
+    if layout == PANELS:  # float32 only (for_rows): the product rounded, then the residual added
+        from del_bench.models import fused
+
+        return fused.extension().panel_product(x, packed(weight, PANELS), weight.shape[0], residual)
     if layout == X_WT:
         if residual is not None and x.dtype not in HALF_DTYPES:
             return torch.addmm(residual, x, weight.t())
@@ -233,33 +263,34 @@ def time_products(stack, reps: int = 3, warmup: int = 1) -> Callable[[str, str, 
                 else:
                     product(x, m, layout, r)
 
-        held = [m for m in mats if packed(m) is not None]  # the blocked copies the stack runs already: kept
-        if layout == ONEDNN:
-            pack(mats)  # made for the measurement (tune_rows keeps them where chosen)
+        held = [m for m in mats if packed(m, layout) is not None]  # the copies the stack runs already: kept
+        if layout in COPIED:
+            pack(mats, layout)  # made for the measurement (tune_rows keeps them where chosen)
         try:
             return statistics.median(stack.seconds(one_pass, reps, warmup))
         finally:
-            if layout == ONEDNN:
-                unpack([m for m in mats if not any(m is h for h in held)])
+            if layout in COPIED:
+                unpack([m for m in mats if not any(m is h for h in held)], layout)
 
     return seconds
 
 
 def tune_rows(stack, rows: int) -> Products:
     """Time the products' layouts at `rows` rows (products.for_rows: batched decoding's steps, wider than the
-    verification batches `auto` timed) for products_for; untimed setup, before a batch decodes. Where oneDNN's
-    blocked copies win (float32 on a CPU) the chosen shape classes' copies are made and kept (a second copy of
-    those matrices in memory: `packed_bytes` in the setup line), the others dropped."""
-    packed = onednn(stack.dtype, stack.head_device) and len(stack.devices) == 1
+    verification batches `auto` timed) for products_for; untimed setup, before a batch decodes. Where a layout from
+    a copy wins (oneDNN's blocked one, or the panels: float32 on a CPU) the chosen shape classes' copies are made and
+    kept (a second copy of those matrices in memory: `packed_bytes` in the setup line), the others dropped."""
+    copied = copied_layouts(stack.dtype, stack.head_device) if len(stack.devices) == 1 else ()
     with torch.inference_mode():
-        stack.wide_products = for_rows(stack.products, stack.dtype, time_products(stack), rows, packed)
+        stack.wide_products = for_rows(stack.products, stack.dtype, time_products(stack), rows, copied)
         kept = 0
         for shape in SHAPES:
             mats = matrices(stack, shape)
-            if stack.wide_products[shape].many == ONEDNN:
-                kept += pack(mats)
-            else:
-                unpack(mats)
+            for layout in COPIED:
+                if stack.wide_products[shape].many == layout:
+                    kept += pack(mats, layout)
+                else:
+                    unpack(mats, layout)
         stack.wide_products.packed_bytes = kept
     return stack.wide_products
 
