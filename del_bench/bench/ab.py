@@ -39,7 +39,8 @@ def parse(argv):
 def worktree(base: str, work: Path) -> Path:
     """A checkout of `base` (made once; reused while it is at that commit)."""
     tree = work / f"base-{base}"
-    if not tree.exists():
+    if not tree.exists():  # (a worktree whose folder was deleted is still registered until pruned)
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "prune"], check=True)
         subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(tree), base], check=True)
     head = subprocess.run(["git", "-C", str(tree), "rev-parse", "HEAD"], capture_output=True, text=True, check=True)
     want = subprocess.run(["git", "-C", str(ROOT), "rev-parse", base], capture_output=True, text=True, check=True)

@@ -39,7 +39,8 @@ from del_bench.records import run_key_of, vanilla_baseline
 
 TASKS = {"smollm2-135m": "humaneval", "testbed": "code"}
 COLUMNS = ["row", ("B", "batch_size", "d", 3), ("tok/s", "throughput", ".1f", 7), "speedup",
-           ("×B=1", "scaling", "x", 6), ("÷gen", "over_generate", "x", 5), ("row tok/s", "tokens_per_s", ".1f", 9), ("lat. s", "latency_s", ".2f", 6),
+           ("×B=1", "scaling", "x", 6), ("÷gen", "over_generate", "x", 5),
+           ("row tok/s", "tokens_per_s", ".1f", 9), ("lat. s", "latency_s", ".2f", 6),
            ("TTFT s", "ttft_s", ".3f", 6), ("reads/rd", "host_reads_per_round", ".2f", 8),
            ("reads/tok", "host_reads_per_token", ".3f", 9), "eTPL", ("b.eTPL", "batch_etpl", ".3f", 6),
            ("pred.", "predicted_speedup", ".2f", 5), ("meas/pred", "measured_over_predicted", ".2f", 9), "α",

@@ -102,8 +102,9 @@ def parse_args(argv=None):
                     "reference), or none (then no '= generate')")
     ap.add_argument("--no-peers", dest="peers", action="store_const", const="none", help="--peers none")
     ap.add_argument("--batch", type=int, default=1, metavar="B",
-                    help="also Vanilla and LS at batch_size=B (lockstep; on the fused graphs' path where it runs, "
-                    "else the first captured path's, else eager), after the other rows, B prompts at a time")
+                    help="also Vanilla and LS at batch_size=B (the round driver's batch; on the fused graphs' "
+                    "path where it runs, else the first captured path's, else eager), after the other rows, "
+                    "B prompts at a time")
     ap.add_argument("--bandwidth", type=float, default=None, help="GB/s (default: the device's nominal, or a probe)")
     ap.add_argument("--probe-mb", type=int, default=512, help="the GEMV bandwidth probe's weight (MiB; more than the "
                     "GPU's L2, so every rep reads it from memory)")

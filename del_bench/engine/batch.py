@@ -30,7 +30,7 @@ its keys written only to a scratch slot — or on graphs made for the batch.
 Accounting. Each row records what it records alone — its rounds' loaded layers (d·E + L), head rows, reads (the
 batch's reads that carried its values: transfer.Ledger). The batch's own: each sublayer a step computes is loaded
 once (½ layer) for all its rows; the rows that run it share that load (`Slot.loaded_layers`: the shares sum to the
-batch's), the rows computed in it for nothing (idle, masked) count it as `idle_layers` — lockstep's price in loaded
+batch's), the rows computed in it for nothing (idle, masked) count it as `idle_layers` — a shared step's price in loaded
 layers; a prefill, a selection's or an optimiser's pass is its row's alone."""
 
 from __future__ import annotations

@@ -102,7 +102,8 @@ def compile_refused(setting: str, method: str, why: str) -> str:
 
 def problems(cfg, method_class: type, method: Callable[[], Method]) -> list[str]:
     """What the layer path refuses of a whole run config before a model loads (config.validate): a batch of a peer
-    that decodes one prompt at a time (all but `generate`: Peer.batches); compile=on|graphs for a batch whose steps cannot run on graphs.
+    that decodes one prompt at a time (all but `generate`: Peer.batches); compile=on|graphs for a batch whose steps
+    cannot run on graphs.
     method: makes the config's method (asked only where it matters)."""
     rows = int(cfg.get("batch_size", 1))
     if rows == 1:

@@ -1,5 +1,6 @@
 """Static-shape steps: the engine's decode steps as pure tensor code over a static cache, so that a graph can capture
-them (engine/compiled.py) and a batch's rows can run them in lockstep (RowSteps, engine/lockstep.py).
+them (engine/compiled.py) and a batch's rows can run them together (RowSteps, driven by engine/batch.py through its
+layer path, engine/layer_path.py).
 
 The eager loop writes the KV cache through Python-int slices and attends over keys [0, pos + T): every new position
 is a new shape, so a graph would have to be rebuilt (or guard on the position) each token. Here the shapes change
@@ -256,7 +257,7 @@ class StaticSteps:
             h = self.layer(w, h, positions, k, v)
         return h
 
-    # ---- a batch's rows in lockstep (engine/lockstep.py): each row its own positions, and its own sublayers ------
+    # ---- a batch's rows in one step (engine/batch.py): each row its own positions, and its own sublayers ---------
     # positions at the scratch slot — the attended view's last, beyond every slot a row holds — mark a row or column
     # with none; a row that idles in a sublayer writes its keys there too, and a query there sees that slot alone
     def masked_layer(self, w, h, positions, cos, sin, k, v, mask, attn_live, mlp_live,
@@ -398,7 +399,7 @@ class RowSteps:
 
     def run(self, start: int, end: int, h: torch.Tensor, rows: StepRows, collect: str | None = None
             ) -> tuple[torch.Tensor, list[torch.Tensor], list[int], int]:
-        """h [m, T, D], the first m ≤ B rows of the batch (the running ones: Lockstep keeps them first), through
+        """h [m, T, D], the first m ≤ B rows of the batch (the running ones: the Batch keeps them first), through
         layers [start, end) as `rows` says (m rows); collect: "layers" (each layer's output [m, T, D]) or "sublayers"
         (each sublayer's). → (the output [m, T, D], the states collected, which sublayers were computed (2(end −
         start) of them, attention then MLP of each layer), for how many rows: m eagerly, B on the graphs, whose shapes

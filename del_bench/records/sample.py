@@ -54,13 +54,13 @@ class SampleRecord:
     # seconds from the start of its generation to its first token (the prefill; at batch size B > 1 its waiting for
     # the batch too; a multi-turn sample: the first turn's). None in records from before it was kept
     ttft_s: float | None = None
-    # batch size B > 1 only (else None; engine/lockstep.py, engine/batch.py): {"size": B, "path" (lockstep | threads),
-    # "slot", "session" (the decoding session: the run's setup line), "start_s", "end_s" (when its generation began and
+    # batch size B > 1 only (else None; engine/batch.py, or a peer's methods/peers.PeerBatch): {"size": B, "slot",
+    # "session" (the decoding session: the run's setup line), "start_s", "end_s" (when its generation began and
     # ended, seconds after its session's batch began: its latency is wall_s, waiting for the batch included),
     # "loaded_layers", "head_passes" (its share of the layers and head passes the batch loaded: a batched call's loads
     # ÷ the rows running it; the shares sum to the batch's), "idle_layers" (sublayers computed in its slot for nothing,
-    # ½ each: idle, masked, in lockstep), "reads", "rounds" (its shares of the batch's host reads and rounds: a read
-    # carrying n rows' values 1/n each; a prefill its own)}
+    # ½ each: idle, masked, in a batch's step), "reads", "rounds" (its shares of the batch's host reads and rounds:
+    # a read carrying n rows' values 1/n each; a prefill its own)}
     batch: dict | None = None
 
     def as_dict(self) -> dict:
