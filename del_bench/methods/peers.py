@@ -193,8 +193,8 @@ class HFForwardLoop(Peer):
 
 
 class PeerRow:
-    """A row of a peer's batch, as the runner reads a Batch's slot (runner.rows_of's decode_row): its slot, when its job began,
-    and its shares of the batch's layer calls and head passes (each call ÷ the rows in it)."""
+    """A row of a peer's batch, as the runner reads a Batch's slot (runner.rows_of's decode_row): its slot, when its
+    job began, and its shares of the batch's layer calls and head passes (each call ÷ the rows in it)."""
 
     def __init__(self, slot: int, start_s: float):
         self.slot, self.start_s = slot, start_s
