@@ -14,7 +14,7 @@ export HF_DATASETS_OFFLINE ?= 1
 export TRANSFORMERS_NO_ADVISORY_WARNINGS ?= 1
 
 .DEFAULT_GOAL := help
-.PHONY: help setup constraints reference bench bench-ab bench-gpu bench-synthetic gpu-wheels gpu-check demo test lint tables figures bench-peer bench-profile bench-parts bench-engine bench-compile bench-controller bench-memory bench-del bench-testbed bench-swift bench-adapters bench-half-lossless bench-sandbox bench-batch exits smoke-tasks testbed clean
+.PHONY: help setup constraints reference bench bench-ab bench-gpu bench-synthetic gpu-wheels gpu-check demo test lint tables figures bench-peer bench-profile bench-parts bench-engine bench-compile bench-controller bench-memory bench-del bench-testbed bench-swift bench-adapters bench-half-lossless bench-sandbox bench-batch bench-del-trace exits smoke-tasks testbed clean
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -133,6 +133,13 @@ bench-testbed: setup ## the paper's picture on the LayerSkip testbed: DEL vs LS 
 bench-swift: setup ## SWIFT (searched, then its found set fixed) vs Vanilla, LS best, DEL on SmolLM2 and the testbed (~20 min) → $(RECORDS)/bench/swift.json
 	$(PY) -m del_bench bench swift --models smollm2-135m:0.2,testbed:0.45 --limit 4 --max-new-tokens 96 \
 	  --swift-overrides method.bo_polish=false --root $(RECORDS)/bench/swift_runs --out $(RECORDS)/bench/swift.json
+
+# the README's "DEL trace": the committed DEL runs with the most tokens per model (TRACE_RUNS="DIR …": any DEL runs)
+TRACE_RUNS ?= results/reference/local/smollm2-135m/specbench/del-w0.95-measured-v1024-deferred/greedy-max64-seed42 \
+  results/reference/local/smollm2-135m/humaneval_pass10/del-w0.95-layers-vNone/sample-t0.6-p0.95-max48-seed42 \
+  results/reference/bench/testbed_runs/code/del-w0.95-layers-vNone
+bench-del-trace: setup ## DEL round by round from records (no decoding): plans, predicted vs realised TPL, where rounds lose → $(RECORDS)/bench/del_trace.json, del_trace/*.png
+	$(PY) -m del_bench bench del-trace $(TRACE_RUNS) --out $(RECORDS)/bench/del_trace.json
 
 EXITS := $(RECORDS)/exits
 exits: setup ## exit adapters for SmolLM2: HumanEval problems 0..99 and GSM8K's train split (~20 min; rerun resumes) → $(RECORDS)/exits

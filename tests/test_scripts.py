@@ -42,6 +42,7 @@ BENCHES = {
     "compile": ["--models", TINY, "--context", "8", "--reps", "1", "--threads", "1", "--backend", "eager",
                 "--no-fused"],
     "controller": ["--model", TINY, "--limit", "1", "--max-new-tokens", "8", "--vocab", "64", "--every", "2", *RUNS],
+    "del-trace": ["{tmp}/del_run"],
     "del": ["--model", TINY, "--tasks", "humaneval", "--limit", "2", "--max-new-tokens", "8", "--grid", "1:2",
             "--del-methods", "del_cpu", *RUNS],
     "engine": ["--models", TINY, "--limit", "1", "--max-new-tokens", "8", "--probe-mb", "1", "--layers", "eager",
@@ -87,6 +88,10 @@ def prepare(name: str, tmp: Path) -> None:
         agreement = {"agreement": [0.3, 0.5, 0.7]}
         random_adapters(64).save(tmp / "adapters", {"model": {"name": TINY, "num_layers": 4}, "layers": [1, 2, 3],
                                                     "agreement": {"own_head": agreement, "final": agreement}})
+    elif name == "del-trace":  # a hand-built DEL run's records (tests/test_del_trace.py)
+        from tests.test_del_trace import ROUNDS, write_run
+
+        write_run(tmp / "del_run", [r for r, _, _ in ROUNDS])
     elif name == "specbench-speed":
         for file, seconds in (("method.jsonl", 1.0), ("baseline.jsonl", 2.0)):
             answers = [{"question_id": i, "category": category, "choices": [

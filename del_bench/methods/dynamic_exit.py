@@ -176,12 +176,19 @@ def best_exit(alpha, num_layers: int, d_max: int, allowed, head_cost: float = 0.
               stop_head: bool = False, batch_cost: tuple[float, ...] = (), min_draft: int = 0) -> tuple[int, int]:
     """(E, γ) maximising TPL over allowed layers ([L-1] bool) and d ≥ min_draft. Ties go to the smaller d, then the
     smaller ℓ (argmax returns the first maximum of the d-major flattening)."""
+    return best_plan(alpha, num_layers, d_max, allowed, head_cost, stop_head, batch_cost, min_draft)[:2]
+
+
+def best_plan(alpha, num_layers: int, d_max: int, allowed, head_cost: float = 0.0, stop_head: bool = False,
+              batch_cost: tuple[float, ...] = (), min_draft: int = 0) -> tuple[int, int, float]:
+    """best_exit's (E, γ) and the TPL it predicts there, TPL(E, γ): one read of the table it argmaxes (DEL's trace,
+    `tpl_predicted`, so a round's realised tokens per layer can be held against what its plan expected)."""
     table = tpl_table(alpha, num_layers, d_max, head_cost, stop_head, batch_cost)
     table[:, ~np.asarray(allowed, dtype=bool)] = -1.0
     table[:min_draft] = -1.0
     flat = int(table.argmax())
     d, layer = divmod(flat, len(alpha))
-    return layer + 1, d
+    return layer + 1, d, float(table[d, layer])
 
 
 @lru_cache(maxsize=64)
@@ -337,18 +344,20 @@ class DEL(Method):
         """The TPL argmax (E, γ) and the chosen layer's statistics, computed once per change of the statistics
         (plain floats for layer E alone: the per-round path stays off array ops, which cost µs each)."""
         if self._choice is None:
-            if self._first_round:  # E is given, not chosen; τ and α are that layer's
+            if self._first_round:  # E is given, not chosen; τ, α and the TPL it predicts are that layer's
                 exit_layer, gamma = self.first_exit_layer, self.d_max
+                tpl = float(tpl_table(self.alpha, self.num_layers, self.d_max, self.head_cost, self.stop_head,
+                                      self.batch_cost)[gamma, exit_layer - 1])
             else:
-                exit_layer, gamma = best_exit(self.alpha, self.num_layers, self.d_max, self.allowed,
-                                              self.head_cost, stop_head=self.stop_head,
-                                              batch_cost=self.batch_cost, min_draft=self.min_draft)
+                exit_layer, gamma, tpl = best_plan(self.alpha, self.num_layers, self.d_max, self.allowed,
+                                                   self.head_cost, stop_head=self.stop_head,
+                                                   batch_cost=self.batch_cost, min_draft=self.min_draft)
             e = exit_layer - 1
             match, positions = float(self.s_match[e]), self.s_positions
             matched = self.s_true_conf[e] / match if match > 0 else 1.0  # 0/0 as in confidence_means
             mismatched = self.s_false_conf[e] / (positions - match) if positions - match > 0 else 0.0
             self._choice = {"exit_layer": exit_layer, "gamma": gamma, "tau": float(0.5 * (matched + mismatched)),
-                            "alpha_exit": match / positions if positions else 0.0,
+                            "alpha_exit": match / positions if positions else 0.0, "tpl_predicted": tpl,
                             "conf_matched": float(matched), "conf_mismatched": float(mismatched)}
         return self._choice
 
@@ -422,6 +431,7 @@ class DEL(Method):
     def _make_plan(self) -> Plan:
         c = self._chosen()
         trace = {"gamma_tpl": c["gamma"], "tau": c["tau"], "alpha_exit": c["alpha_exit"],
+                 "tpl_predicted": c["tpl_predicted"],  # TPL(E, γ) of the chosen plan, in tpl_table's cost units
                  "conf_matched": c["conf_matched"], "conf_mismatched": c["conf_mismatched"]}  # τ = their mean
         if c["gamma"] == 0:  # TPL says drafting does not pay: plain decoding this round
             return Plan(exit_layer=None, max_draft=0, trace={**trace, "chosen_exit_layer": None})

@@ -280,12 +280,12 @@ def aggregate(df: pd.DataFrame) -> pd.DataFrame:
 
 ROUND_FIELDS = ["exit_layer", "budget", "drafted", "accepted", "emitted", "draft_s", "verify_s", "policy_s"]
 # per-round fields a method may add (Plan.trace: flattened into the round line by the engine, nested under
-# "trace" in older records). DEL writes tau, alpha_exit, chosen_exit_layer, gamma_tpl; conf_matched /
+# "trace" in older records). DEL writes tau, alpha_exit, chosen_exit_layer, gamma_tpl, tpl_predicted; conf_matched /
 # conf_mismatched (the decayed mean confidence of matched / mismatched shadow tokens at the chosen exit
 # layer, whose midpoint is τ) and draft_confidences (each draft candidate's top probability) are read when
 # a method records them (Figure 4b's band).
-TRACE_FIELDS = ["tau", "chosen_exit_layer", "alpha_exit", "gamma_tpl", "conf_matched", "conf_mismatched",
-                "draft_confidences"]
+TRACE_FIELDS = ["tau", "chosen_exit_layer", "alpha_exit", "gamma_tpl", "tpl_predicted", "conf_matched",
+                "conf_mismatched", "draft_confidences"]
 ROUND_COLUMNS = ["sample_id", "repeat", "round"] + ROUND_FIELDS + TRACE_FIELDS
 
 
