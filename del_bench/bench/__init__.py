@@ -24,6 +24,7 @@ BENCHES = {  # name: module of this package (a module's `main(argv)` runs it)
     "specbench-speed": "specbench_speed",
     "batch": "batch",
     "ab": "ab",
+    "segments": "segments",
 }
 
 
