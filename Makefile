@@ -101,7 +101,7 @@ bench-synthetic: setup ## LS on synthetic-smollm2 at agreement 0.6 and 0.9 on th
 	  --set model.agreement=$$a warmup=steady --root $(RECORDS)/bench/synthetic_a$${a}_runs \
 	  --out $(RECORDS)/bench/synthetic_a$${a}.json || exit 1; done
 
-bench-segments: setup ## DEL vs the best static LS (eTPL, counts) on synthetic-smollm2 whose exits agree by context segment (agreement_profile=segments) and uniformly (~40 min) → $(RECORDS)/bench/segments.json
+bench-segments: setup ## DEL vs the best static LS (eTPL, counts) on synthetic-smollm2 whose exits agree by context segment (agreement_profile=segments) and uniformly (~15 min) → $(RECORDS)/bench/segments.json
 	$(PY) -m del_bench bench segments --limit 4 --max-new-tokens 128 --root $(RECORDS)/bench/segments_runs \
 	  --out $(RECORDS)/bench/segments.json
 

@@ -31,7 +31,7 @@ def parse(argv):
     ap = h.parser("segments", __doc__, limit=4, max_new_tokens=128)
     ap.add_argument("--model", default="synthetic-smollm2")
     ap.add_argument("--profiles", default="segments,uniform")
-    ap.add_argument("--grid", default="4:1,4:2,4:4,8:1,8:2,8:4,8:8,12:2,12:4,16:2,16:4", help="LS (E:γ) pairs")
+    ap.add_argument("--grid", default="4:2,8:1,8:2,8:4,8:8,12:4", help="LS (E:γ) pairs")
     ap.add_argument("--ablations", default="del_e", help="DEL-family method configs beside DEL (paper), as evidence "
                     "(del_e: γ from TPL, no draft-exiting on τ); empty: none")
     ap.add_argument("--prompt-len", type=int, default=32, help="characters of each random-text prompt")
