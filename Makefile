@@ -14,7 +14,7 @@ export HF_DATASETS_OFFLINE ?= 1
 export TRANSFORMERS_NO_ADVISORY_WARNINGS ?= 1
 
 .DEFAULT_GOAL := help
-.PHONY: help setup constraints reference bench bench-ab bench-gpu bench-synthetic gpu-wheels gpu-check demo test lint tables figures bench-peer bench-profile bench-parts bench-engine bench-compile bench-controller bench-memory bench-del bench-testbed bench-swift bench-adapters bench-half-lossless bench-sandbox bench-batch bench-del-trace exits smoke-tasks testbed clean
+.PHONY: help setup constraints reference bench bench-ab bench-gpu bench-synthetic bench-segments gpu-wheels gpu-check demo test lint tables figures bench-peer bench-profile bench-parts bench-engine bench-compile bench-controller bench-memory bench-del bench-testbed bench-swift bench-adapters bench-half-lossless bench-sandbox bench-batch bench-del-trace exits smoke-tasks testbed clean
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -100,6 +100,10 @@ bench-synthetic: setup ## LS on synthetic-smollm2 at agreement 0.6 and 0.9 on th
 	  --captured off --no-del --no-peers --prompts 8 --max-new-tokens 64 --configs 8:4 \
 	  --set model.agreement=$$a warmup=steady --root $(RECORDS)/bench/synthetic_a$${a}_runs \
 	  --out $(RECORDS)/bench/synthetic_a$${a}.json || exit 1; done
+
+bench-segments: setup ## DEL vs the best static LS (eTPL, counts) on synthetic-smollm2 whose exits agree by context segment (agreement_profile=segments) and uniformly (~15 min) → $(RECORDS)/bench/segments.json
+	$(PY) -m del_bench bench segments --limit 4 --max-new-tokens 128 --root $(RECORDS)/bench/segments_runs \
+	  --out $(RECORDS)/bench/segments.json
 
 bench-profile: setup ## what a cold prompt pays: a run's prompts one by one under torch.profiler, the first against the last (SET="model=testbed model.device=cuda …") → $(RECORDS)/bench/profile.json
 	$(PY) -m del_bench bench profile --out $(RECORDS)/bench/profile.json $(if $(SET),--set $(SET))

@@ -18,7 +18,7 @@ from del_bench.engine.compiled import compile_setting
 from del_bench.engine.sampling import Sampling
 from del_bench.errors import ConfigError
 from del_bench.methods.base import MethodConfig
-from del_bench.models import exit_adapters
+from del_bench.models import exit_adapters, synthetic
 from del_bench.models.loading import ModelConfig, local_layers, local_name, weights_digest
 from del_bench.models.products import SETTINGS as PRODUCT_SETTINGS
 from del_bench.records import decoding_tag
@@ -77,6 +77,8 @@ if not OmegaConf.has_resolver("weights_digest"):  # cached: a config resolved tw
     OmegaConf.register_new_resolver("weights_digest", weights_digest, use_cache=True)
 if not OmegaConf.has_resolver("local_layers"):  # model=local: the layer count read from DIR/config.json
     OmegaConf.register_new_resolver("local_layers", local_layers, use_cache=True)
+if not OmegaConf.has_resolver("synthetic_profile"):  # a synthetic model's weights: its agreement profile's settings
+    OmegaConf.register_new_resolver("synthetic_profile", synthetic.profile_tag)
 if not OmegaConf.has_resolver("local_name"):
     OmegaConf.register_new_resolver("local_name", local_name)
 

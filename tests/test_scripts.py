@@ -53,6 +53,12 @@ BENCHES = {
     "peer": ["--model", TINY, "--limit", "2", "--max-new-tokens", "8", "--configs", "1:2", *RUNS],
     "profile": ["--limit", "2", "--max-new-tokens", "4", "--top", "3", "--set", f"model={TINY}", "layers=eager",
                 "threads=1", "warmup_tokens=2"],
+    "segments": ["--model", "synthetic-testbed", "--limit", "1", "--max-new-tokens", "8", "--grid", "1:2,2:2",
+                 "--prompt-len", "8", "--ablations", "", "--root", "{tmp}/runs", "--set", "layers=eager", "threads=1",
+                 *(f"++model.{k}" for k in ("num_layers=4", "hidden_size=64", "num_heads=4", "num_kv_heads=2",
+                                          "intermediate_size=128", "vocab_size=512", "tokenizer=bytes",
+                                          "default_exit_layer=2", "calibration_prompts=4", "calibration_tokens=8",
+                                          "segment_tokens=4"))],
     "sandbox": ["--trivial", "1", "--workers", "1", "--problems", "2", "--skip-rescore"],
     "specbench-speed": ["{tmp}/method.jsonl", "{tmp}/baseline.jsonl"],
     "swift": ["--models", f"{TINY}:0.5", "--tasks", "humaneval", "--limit", "1", "--max-new-tokens", "8",
@@ -170,6 +176,10 @@ def test_bench_runs_on_the_tiny_model(name, tmp_path, capsys):
             false, positions = (sum(x[k] for x in layers) for k in ("false_matches", "positions"))
             assert positions > 0 and f"{twin}: false matches" in out
             assert f"{false} of {positions} layer-positions" in out and summary["missed_matches"] == 0
+    if name == "segments":  # both profiles, DEL judged against the best LS, every row's outputs Vanilla's
+        assert [r["profile"] for r in result["results"]] == ["segments", "uniform"]
+        assert all(r["del_over_best_ls"] and r["synthetic"]["exit_layer"] == 2 for r in result["results"])
+        assert {t["lossless"] for r in result["results"] for t in r["rows"]} == {"1/1"}
     if name in ("del", "peer"):
         check_recomputable(result["rows"], out)
         check_interleaved(result["rows"], limit=2)

@@ -25,6 +25,7 @@ BENCHES = {  # name: module of this package (a module's `main(argv)` runs it)
     "batch": "batch",
     "ab": "ab",
     "del-trace": "del_trace",
+    "segments": "segments",
 }
 
 

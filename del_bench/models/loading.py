@@ -4,6 +4,7 @@ or a tiny random Llama built in code."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.util
 import os
@@ -96,6 +97,13 @@ class SyntheticModel(ModelConfig):
     tokenizer: str = key("bytes", "bytes (any id out, no EOS), or a model config whose tokenizer is here offline")
     agreement: float = key(0.8, "the greedy exit's agreement with the last layer at default_exit_layer", gt=0, lt=1)
     seed: int = key(0, "the weights' seed", ge=0)
+    agreement_profile: Literal[synthetic.PROFILES] = key(
+        "uniform", "uniform: `agreement` everywhere; segments: agreement_high / agreement_low by context segment")
+    agreement_high: float = key(0.95, "segments: the exit's agreement in the agreeing segments", gt=0, lt=1)
+    agreement_low: float = key(0.3, "segments: the exit's agreement in the disagreeing segments", gt=0, lt=1)
+    segment_tokens: int = key(32, "segments: the mean tokens a segment lasts (calibrated)", ge=2)
+    mode_neurons: int = key(16, "segments: MLP neurons per layer above the exit that write in low segments", ge=1)
+    flatten: float = key(0.0, "segments: low segments' flattening component, in units of the mode's (0: none)", ge=0)
     calibration_prompts: int = key(8, "random-text prompts agreement is calibrated on", ge=1)
     calibration_tokens: int = key(32, "each continued greedily this many tokens", ge=1)
     hidden_size: int | None = key(None, "D, overriding the shape's", ge=1)
@@ -103,6 +111,20 @@ class SyntheticModel(ModelConfig):
     num_heads: int | None = key(None, "attention heads, overriding the shape's", ge=1)
     num_kv_heads: int | None = key(None, "key/value heads, overriding the shape's", ge=1)
     vocab_size: int | None = key(None, "the vocabulary, overriding the shape's", ge=1)
+
+    @staticmethod
+    def relations(values: dict, facts: dict) -> list[str]:
+        if values.get("agreement_profile") != "segments":
+            return []
+        values = {**{f.name: f.default for f in dataclasses.fields(SyntheticModel)}, **values}  # unset: defaults
+        found = []
+        high, low = values["agreement_high"], values["agreement_low"]
+        if low >= high:
+            found.append(f"model.agreement_low={low} must be below model.agreement_high={high}")
+        width = values["intermediate_size"] or SHAPES.get(values["shape"], {}).get("intermediate")
+        if width and values["mode_neurons"] > width:
+            found.append(f"model.mode_neurons={values['mode_neurons']} must be at most the MLP's width ({width})")
+        return found
 
 
 SOURCES = {"hub": HubModel, "local": LocalModel, "gguf_package": GGUFModel, "tiny_random": TinyRandomModel,

@@ -15,6 +15,11 @@ greedy continuations of random prompts (`calibration_prompts` × `calibration_to
 against the last layer's. The achieved agreement at every layer, measured once more on the final weights, is kept
 on the model (`model.synthetic`) and recorded in the run's setup; r is cached per shape, seed, agreement, dtype and
 device type (~/.cache/del_bench/synthetic.json), so later builds skip the bisection and only measure.
+
+That is the `uniform` agreement profile (`model.agreement_profile`, the default): the agreement does not depend on
+the context, so a method that adapts to the context can at best tie the best static one. The `segments` profile
+(models/synthetic_segments.py) agrees at two levels by stretches of the generation; its constants are calibrated and
+cached the same way, under a key of their own.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from pathlib import Path
 import torch
 
 from del_bench.errors import ConfigError
+from del_bench.models import synthetic_segments as segments
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +48,7 @@ SHAPES = {  # the matrix sizes of the checkpoints (their HF configs); "tiny": th
 }
 RATIO_RANGE = (0.05, 1.5)  # r's bisection bounds: r⁰ … r^(L−1) spans "only layer 1 matters" to "later layers grow"
 BISECTION_STEPS = 12
+PROFILES = ("uniform", "segments")  # model.agreement_profile: one agreement everywhere, or two by context
 CACHE_FILE = "synthetic.json"  # in the model cache (DEL_BENCH_CACHE): {shape, seed, agreement, …: r}
 
 
@@ -85,15 +92,18 @@ def shape_of(cfg) -> dict:
 
 
 def build(cfg, dtype: torch.dtype, tokenizer, cache: Path):
-    """The synthetic model of `cfg` (source: synthetic) on cfg.device in `dtype`, calibrated (its r cached in the
-    directory `cache`): → the model."""
+    """The synthetic model of `cfg` (source: synthetic) on cfg.device in `dtype`, calibrated (its constants cached in
+    the directory `cache`): → the model."""
     shape = shape_of(cfg)
     E, target = int(cfg.default_exit_layer), float(cfg.get("agreement", 0.8))
+    profile = cfg.get("agreement_profile", "uniform")
     if not 0 < target < 1:
         raise ConfigError(f"model.agreement={target}: an agreement is a fraction of tokens, in (0, 1)")
     if not 1 <= E < shape["layers"]:
         raise ConfigError(f"model.default_exit_layer={E}: an exit layer of a {shape['layers']}-layer model is in "
                           f"[1, {shape['layers'] - 1}]")
+    if profile not in PROFILES:
+        raise ConfigError(f"model.agreement_profile={profile!r}: one of {', '.join(PROFILES)}")
     device = torch.device(cfg.get("device") or "cpu")
     eos = getattr(tokenizer, "eos_token_id", None)
     t0 = time.perf_counter()
@@ -103,18 +113,119 @@ def build(cfg, dtype: torch.dtype, tokenizer, cache: Path):
     tokens = int(cfg.get("calibration_tokens", 32))
     key = f"{cfg.shape}:{shape}:seed{cfg.get('seed', 0)}:E{E}:{target}:{dtype}:{device.type}:{prompts.shape}:{tokens}"
     t0 = time.perf_counter()
+    if profile == "segments":
+        model.synthetic = build_segments(model, cfg, E, prompts, tokens, cache, key)
+    else:
+        model.synthetic = build_uniform(model, E, target, prompts, tokens, cache, key)
+    model.synthetic.update(shape=cfg.shape, build_s=round(built_s, 2),
+                           calibration_s=round(time.perf_counter() - t0, 2))
+    log.info("synthetic %s (%s): r = %.4f, agreement at layer %d %.3f", cfg.shape, profile,
+             model.synthetic["ratio"], E, model.synthetic["agreement"])
+    return model
+
+
+def build_uniform(model, E: int, target: float, prompts: torch.Tensor, tokens: int, cache: Path, key: str) -> dict:
+    """The uniform profile: r calibrated (or cached under `key`) and put in the weights → what model.synthetic
+    records."""
     ratio = _cached(cache, key)
     if ratio is None:
         ratio = calibrate(model, E, target, prompts, tokens)
         _store(cache, key, ratio)
     scale_residual_writes(model, ratio)
     profile = agreement_by_layer(model, prompts, tokens)
-    model.synthetic = {"shape": cfg.shape, "ratio": ratio, "target_agreement": target, "exit_layer": E,
-                       "agreement_by_layer": [round(a, 4) for a in profile], "agreement": round(profile[E - 1], 4),
-                       "build_s": round(built_s, 2), "calibration_s": round(time.perf_counter() - t0, 2)}
-    log.info("synthetic %s: r = %.4f, agreement at layer %d %.3f (asked %.3f)", cfg.shape, ratio, E,
-             profile[E - 1], target)
-    return model
+    return {"ratio": ratio, "target_agreement": target, "exit_layer": E,
+            "agreement_by_layer": [round(a, 4) for a in profile], "agreement": round(profile[E - 1], 4)}
+
+
+def build_segments(model, cfg, E: int, prompts: torch.Tensor, tokens: int, cache: Path, key: str) -> dict:
+    """The segments profile (models/synthetic_segments.py): its constants calibrated (or cached) and put in the
+    weights, then measured once more along longer continuations → what model.synthetic records."""
+    high, low = float(cfg.get("agreement_high", 0.95)), float(cfg.get("agreement_low", 0.3))
+    T, k = int(cfg.get("segment_tokens", 32)), int(cfg.get("mode_neurons", 16))
+    flatten = float(cfg.get("flatten", segments.FLATTEN))
+    if not 0 < low < high < 1:
+        raise ConfigError(f"model.agreement_low={low}, model.agreement_high={high}: need 0 < low < high < 1")
+    modes = segments.draw(model, E, k, int(cfg.get("seed", 0)))
+    key = f"{key}:segments-v{segments.VERSION}:{high}:{low}:{T}:{k}:f{flatten}"
+    longer = max(tokens, 4 * T)  # a segment's switch is seen only along continuations several segments long
+    constants = _cached(cache, key)
+    if constants is None:
+        constants = calibrate_segments(model, modes, E, (high, low, T, flatten), prompts, (tokens, longer))
+        _store(cache, key, constants)
+    else:
+        apply_segments(model, modes, E, constants)
+    matches, inputs = exit_matches(model, prompts, longer)
+    overall = [m.double().mean().item() for m in matches] + [1.0]
+    by_kind, positions = segments.agreement_by_kind(matches, inputs, modes.sign)
+    continuation = inputs[:, 1:]  # the generated tokens but the last
+    confidence = segments.confidence_by_kind(model, inputs, prompts, E, modes.sign)
+    return {"profile": "segments", **constants, "target_agreement": {"high": high, "low": low},
+            "target_segment_tokens": T, "mode_neurons": k, "flatten": flatten, "exit_layer": E,
+            "agreement_by_layer": [round(a, 4) for a in overall], "agreement": round(overall[E - 1], 4),
+            "agreement_by_kind": {kind: _rounded(a[E - 1]) for kind, a in by_kind.items()},
+            "agreement_by_layer_by_kind": {kind: [_rounded(x) for x in a] for kind, a in by_kind.items()},
+            "confidence_by_kind": {kind: _rounded(x, 8) for kind, x in confidence.items()},
+            "positions_by_kind": positions, "segment_tokens_by_kind": segments.segment_lengths(continuation,
+                                                                                                modes.sign),
+            "switch_rate": round(segments.switch_rate(continuation, modes.sign), 4), "measured_tokens": longer}
+
+
+def calibrate_segments(model, modes, E: int, targets: tuple, prompts: torch.Tensor, tokens: tuple[int, int]) -> dict:
+    """The segments profile's constants, each calibrated with the ones before it in the weights (targets: agreement
+    high, low, segment tokens, flatten; tokens: continuations for the agreements, for the segments): c from layer
+    1's write; r (writers off) for `high` at high-kind positions; the gates' gain from the mode's margin; the
+    writers' scale for `low` at low-kind positions; the persistence s for a switch every T tokens."""
+    high, low, T, flatten = targets
+    c = segments.MODE_SHARE * segments.layer_one_write(model, prompts)
+    segments.install(model, modes, c, flatten, E)
+
+    def high_agreement(ratio: float) -> float:  # at high-kind positions: where the writers will stay silent
+        with residual_scale(model, ratio):
+            matches, inputs = exit_matches(model, prompts, tokens[0], [E])
+        return segments.agreement_by_kind(matches, inputs, modes.sign)[0]["high"][0] or 0.0
+
+    ratio = segments.bisect(high_agreement, RATIO_RANGE, high, BISECTION_STEPS)
+    scale_residual_writes(model, ratio)
+    gain = segments.GATE_ON / segments.mode_margin(model, prompts, E, modes.u)
+
+    def low_agreement(scale: float) -> float:
+        segments.write(model, modes, E, gain, scale * c)
+        matches, inputs = exit_matches(model, prompts, tokens[0], [E])
+        return segments.agreement_by_kind(matches, inputs, modes.sign)[0]["low"][0] or 0.0
+
+    scale = segments.bisect(low_agreement, segments.WRITER_RANGE, low, BISECTION_STEPS)
+    segments.write(model, modes, E, gain, scale * c)
+
+    def switches(s: float) -> float:
+        segments.persist(model, modes, s)
+        return segments.switch_rate(greedy(model, prompts, tokens[1])[:, prompts.shape[1]:], modes.sign)
+
+    s = segments.bisect(switches, segments.PERSIST_RANGE, 1 / T, BISECTION_STEPS)
+    segments.persist(model, modes, s)
+    return {"ratio": ratio, "mode_scale": c, "gate_gain": gain, "writer_scale": scale, "persistence": s,
+            "flatten": flatten}
+
+
+def apply_segments(model, modes, E: int, constants: dict) -> None:
+    """The cached constants put in the weights, in calibrate_segments' order (the same weights it left)."""
+    segments.install(model, modes, constants["mode_scale"], constants["flatten"], E)
+    scale_residual_writes(model, constants["ratio"])
+    segments.write(model, modes, E, constants["gate_gain"], constants["writer_scale"] * constants["mode_scale"])
+    segments.persist(model, modes, constants["persistence"])
+
+
+def _rounded(value: float | None, digits: int = 4) -> float | None:
+    return None if value is None else round(value, digits)
+
+
+def profile_tag(*, _parent_) -> str:
+    """${synthetic_profile:} in a synthetic model config's `weights`: "" for the uniform profile (the weights' name
+    as it always was), else the segments profile's settings, so runs of other settings never pair or resume."""
+    if _parent_.get("agreement_profile", "uniform") == "uniform":
+        return ""
+    keys = ("agreement_high", "agreement_low", "segment_tokens", "mode_neurons", "flatten")
+    high, low, tokens, neurons, flatten = (_parent_.get(k) for k in keys)
+    return f"-segments-h{high}-l{low}-T{tokens}-k{neurons}" + (f"-f{flatten}" if flatten else "")
 
 
 def random_text(rng: random.Random, chars: int) -> str:
@@ -164,8 +275,8 @@ def calibrate(model, exit_layer: int, target: float, prompts: torch.Tensor, toke
     best = (2.0, 1.0)
     for _ in range(BISECTION_STEPS):
         mid = (lo * hi) ** 0.5  # geometric: r's effect is through its powers
-        with residual_scale(model, mid):
-            agreement = agreement_by_layer(model, prompts, tokens)[exit_layer - 1]
+        with residual_scale(model, mid):  # the exit layer's matches alone: the same bits as among all layers'
+            agreement = exit_matches(model, prompts, tokens, [exit_layer])[0].double().mean().item()
         best = min(best, (abs(agreement - target), mid))
         lo, hi = (mid, hi) if agreement > target else (lo, mid)
     return best[1]
@@ -176,8 +287,24 @@ def agreement_by_layer(model, prompts: torch.Tensor, tokens: int) -> list[float]
     """For each layer i (1-based, list index i − 1): the fraction of the model's greedy continuations' positions
     (each prompt continued `tokens` tokens) at which the head on layer i's normed state picks the last layer's
     token — what LS's drafts at exit i meet along its own output."""
-    sequences = model.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=False,
-                               max_new_tokens=tokens, min_new_tokens=tokens, pad_token_id=0)
+    return [m.double().mean().item() for m in exit_matches(model, prompts, tokens)[0]] + [1.0]
+
+
+@torch.inference_mode()
+def greedy(model, prompts: torch.Tensor, tokens: int) -> torch.Tensor:
+    """[B, P] → [B, P + tokens]: the prompts and their greedy continuations."""
+    return model.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=False, max_new_tokens=tokens,
+                          min_new_tokens=tokens, pad_token_id=0)
+
+
+@torch.inference_mode()
+def exit_matches(model, prompts: torch.Tensor, tokens: int,
+                 layers: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Along the greedy continuations: [L − 1, B, tokens] bool, whether the head on layer i's normed state (index
+    i − 1) picks the last layer's token at each position that chose a continuation token — or [len(layers), B,
+    tokens] for the 1-based `layers` given (a bisection reads one: the head over every layer is most of the cost) —
+    and [B, tokens] those positions' input tokens."""
+    sequences = greedy(model, prompts, tokens)
     out = model(sequences, output_hidden_states=True)
     P = prompts.shape[1]
     rows = slice(P - 1, sequences.shape[1] - 1)  # the positions that chose the continuation's tokens
@@ -185,18 +312,18 @@ def agreement_by_layer(model, prompts: torch.Tensor, tokens: int) -> list[float]
     head, norm = model.get_output_embeddings(), model.model.norm
     # hidden_states: the embeddings, then each layer's output — the last one already normed by HF, so the last
     # layer's exit token is the model's own by definition
-    early = out.hidden_states[1:-1]
-    return [(head(norm(h[:, rows])).argmax(-1) == final).double().mean().item() for h in early] + [1.0]
+    early = out.hidden_states[1:-1] if layers is None else [out.hidden_states[i] for i in layers]
+    return torch.stack([head(norm(h[:, rows])).argmax(-1) == final for h in early]), sequences[:, rows]
 
 
-def _cached(cache: Path, key: str) -> float | None:
+def _cached(cache: Path, key: str) -> float | dict | None:
     try:
         return json.loads((cache / CACHE_FILE).read_text()).get(key)
     except (OSError, ValueError):
         return None
 
 
-def _store(cache: Path, key: str, ratio: float) -> None:
+def _store(cache: Path, key: str, ratio: float | dict) -> None:
     path = cache / CACHE_FILE
     try:
         known = json.loads(path.read_text()) if path.is_file() else {}
