@@ -45,7 +45,7 @@ import pandas as pd
 
 from del_bench.bench import harness as h
 from del_bench.methods.dynamic_exit import DEL, round_cost, tpl_table
-from del_bench.records import read_jsonl
+from del_bench.report.collect import load_rounds
 
 CLASSES = ("prefill", "no draft", "first", "no prediction", "as planned", "output end", "stop cut", "estimate wrong")
 TRACE = ("chosen_exit_layer", "gamma_tpl", "tau", "alpha_exit", "tpl_predicted", "draft_confidences", "prefill_draft")
@@ -80,13 +80,10 @@ def predicted(method: DEL, alpha: float, exit_layer: int | None, gamma: int) -> 
 
 def load(run_dir: Path) -> tuple[pd.DataFrame, DEL, bool]:
     """One row per round (file order) with the trace fields, the round's cost in TPL's units and both TPLs."""
-    summary = json.loads((run_dir / "summary.json").read_text())
-    method, exact = run_method(summary)
-    rows = [{**(r.get("trace") or {}), **r} for r in read_jsonl(run_dir / "rounds.jsonl")]  # older: nested trace
-    df = pd.DataFrame([{"sample_id": str(r["sample_id"]), "repeat": r.get("repeat", 0), "turn": r.get("turn", 0),
-                        **{k: r.get(k) for k in ("round", "exit_layer", "budget", "drafted", "accepted", "emitted",
-                                                 "loaded_layers", "head_calls")},
-                        **{k: r.get(k) for k in TRACE}} for r in rows])
+    method, exact = run_method(json.loads((run_dir / "summary.json").read_text()))
+    columns = [*OUTPUT, "round", "exit_layer", "budget", "drafted", "accepted", "emitted", "loaded_layers",
+               "head_calls", *TRACE]
+    df = load_rounds(run_dir)[columns].copy()  # the report's reader: older records' nested trace included
     numeric = ["exit_layer", "chosen_exit_layer", "gamma_tpl", "tau", "alpha_exit", "tpl_predicted"]
     df[numeric] = df[numeric].apply(pd.to_numeric)  # None (a field the round lacks) → NaN
     L = method.num_layers

@@ -278,15 +278,16 @@ def aggregate(df: pd.DataFrame) -> pd.DataFrame:
 
 # ---------------------------------------------------------------- rounds (figures)
 
-ROUND_FIELDS = ["exit_layer", "budget", "drafted", "accepted", "emitted", "draft_s", "verify_s", "policy_s"]
+ROUND_FIELDS = ["exit_layer", "budget", "drafted", "accepted", "emitted", "loaded_layers", "head_calls", "draft_s",
+                "verify_s", "policy_s"]
 # per-round fields a method may add (Plan.trace: flattened into the round line by the engine, nested under
 # "trace" in older records). DEL writes tau, alpha_exit, chosen_exit_layer, gamma_tpl, tpl_predicted; conf_matched /
 # conf_mismatched (the decayed mean confidence of matched / mismatched shadow tokens at the chosen exit
 # layer, whose midpoint is τ) and draft_confidences (each draft candidate's top probability) are read when
-# a method records them (Figure 4b's band).
+# a method records them (Figure 4b's band); prefill_draft marks the plain round after DEL's prefill draft.
 TRACE_FIELDS = ["tau", "chosen_exit_layer", "alpha_exit", "gamma_tpl", "tpl_predicted", "conf_matched",
-                "conf_mismatched", "draft_confidences"]
-ROUND_COLUMNS = ["sample_id", "repeat", "round"] + ROUND_FIELDS + TRACE_FIELDS
+                "conf_mismatched", "draft_confidences", "prefill_draft"]
+ROUND_COLUMNS = ["sample_id", "repeat", "turn", "round"] + ROUND_FIELDS + TRACE_FIELDS
 
 
 def _trace(rnd: dict, name: str):
@@ -296,7 +297,8 @@ def _trace(rnd: dict, name: str):
 
 def load_rounds(run_dir: str | Path) -> pd.DataFrame:
     """rounds.jsonl of one run, one row per round (round 0 = prefill), in file order; absent fields → None."""
-    rows = [{"sample_id": str(r["sample_id"]), "repeat": r.get("repeat", 0), "round": r["round"],
+    rows = [{"sample_id": str(r["sample_id"]), "repeat": r.get("repeat", 0), "turn": r.get("turn", 0),
+             "round": r["round"],
              **{k: r.get(k) for k in ROUND_FIELDS}, **{k: _trace(r, k) for k in TRACE_FIELDS}}
             for r in read_jsonl(Path(run_dir) / "rounds.jsonl")]
     return pd.DataFrame(rows, columns=ROUND_COLUMNS)
