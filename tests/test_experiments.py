@@ -182,7 +182,7 @@ def test_a_calibration_experiment_sets_what_calibrate_would_default():
 def test_local_experiments_read_data_through_data_dir(monkeypatch, tmp_path):
     monkeypatch.setenv("DEL_BENCH_DATA", str(tmp_path / "data"))
     cfg = compose_cfg("run", "experiment=table3", "scale=local", "task=gsm8k")
-    assert cfg.model.name == "smollm2-135m" and cfg.limit <= 3 and cfg.max_new_tokens <= 64
+    assert cfg.model.name == "smollm2-135m" and cfg.limit <= 4 and cfg.max_new_tokens <= 128
     assert cfg.task.data_files == f"{tmp_path}/data/gsm8k/test.jsonl"
     assert cfg.task.shots_files == f"{tmp_path}/data/gsm8k/train.jsonl"
     assert cfg.out_dir.startswith("results/runs/local/smollm2-135m/gsm8k/")
