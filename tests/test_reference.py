@@ -31,7 +31,7 @@ def test_the_steps_are_every_experiment_on_both_models_and_the_benches():
     assert {s.argv[1] for s in plan if s.benches} <= targets
     assert all("records_root=results/reference" in s.argv for s in plan if not s.benches and s.argv[3] != "bench")
     tasks, limit, tokens = reference["table1_local"]()
-    assert tasks == ["aqua_rat", "cnndm_lm", "cnndm_sum", "xsum"] and (limit, tokens) == (2, 48)
+    assert tasks == ["aqua_rat", "cnndm_lm", "cnndm_sum", "xsum"] and (limit, tokens) == (4, 128)
     for model in reference["MODELS"]:  # Table 1's peer rows (†), on its prompts, tagged so that Table 1 reads them
         for task in tasks:
             peer = next(s for s in plan if s.name == f"table1-peers:{model}:{task}")
