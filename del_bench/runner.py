@@ -256,7 +256,7 @@ def warm_up(cfg, batch, ready: session.Session, samples: list) -> dict:
 def warmup_prompts(task, tokenizer, samples: list, max_new_tokens: int) -> tuple[list[int], list[int], int]:
     """(the shortest prompt's ids, the longest's, the longest sequence the samples reach: prompt + max_new_tokens).
     A multi-turn sample reaches, at most, its last turn rendered with empty answers plus max_new_tokens a turn."""
-    prompts = [list(tokenizer(s.prompt if s.turns is None else task.render(s, []))["input_ids"]) for s in samples]
+    prompts = session.prompt_ids(samples, task, tokenizer)
     return min(prompts, key=len), max(prompts, key=len), session.longest_sequence(samples, task, tokenizer,
                                                                                    max_new_tokens)
 

@@ -35,10 +35,11 @@ from del_bench.engine import path_choice
 from del_bench.engine.costs import measure_costs
 from del_bench.engine.decode import Engine
 from del_bench.engine.sampling import Sampling
-from del_bench.models import exit_adapters, loading
+from del_bench.models import exit_adapters, loading, synthetic
 from del_bench.models.layer_stack import LayerStack
 from del_bench.models.products import Products
 from del_bench.records import RunDir, cost_units
+from del_bench.selection import calibration_samples
 
 log = logging.getLogger(__name__)
 
@@ -65,10 +66,12 @@ class Session:
         return self.loaded.tokenizer
 
 
-def load_model(model_cfg, layers: str = "auto", products: str = "auto") -> tuple[loading.Loaded, LayerStack]:
+def load_model(model_cfg, layers: str = "auto", products: str = "auto",
+               calibration_texts: list[str] | None = None) -> tuple[loading.Loaded, LayerStack]:
     """The model and its LayerStack; layers: the decoder-layer loop (auto | fused | eager: models/fused.py); products:
-    the matrix products' layout (auto | wt_x | x_wt: models/products.py)."""
-    loaded = loading.load(model_cfg)
+    the matrix products' layout (auto | wt_x | x_wt: models/products.py); calibration_texts: a synthetic model's
+    (calibration_texts)."""
+    loaded = loading.load(model_cfg, calibration_texts)
     stack = path_choice.stack_of(loaded.model, layers=layers, products=products)
     exit_adapters.attach(stack, model_cfg)  # model.exit_adapters=D: the early-exit heads (else the own head)
     return loaded, stack
@@ -77,7 +80,23 @@ def load_model(model_cfg, layers: str = "auto", products: str = "auto") -> tuple
 def loader(cfg: DictConfig) -> Load:
     """A zero-argument loader of the run config's model on its layer loop and product layouts (what `build` calls when
     given none; wrap it in functools.cache to load once for many runs)."""
-    return lambda: load_model(cfg.model, cfg.layers, cfg.get("products", "auto"))
+    return lambda: load_model(cfg.model, cfg.layers, cfg.get("products", "auto"), calibration_texts(cfg))
+
+
+def calibration_texts(cfg: DictConfig) -> list[str] | None:
+    """What a synthetic model with model.calibrate_on=task calibrates on: the prompts (a multi-turn sample's first
+    turn) of `model.calibration_prompts` records of the run's task outside its evaluation set (the draw of `calibrate`,
+    seeded by the model's seed, so that a task's runs share one model); None: random text (or no synthetic model)."""
+    if cfg.model.get("source") != "synthetic" or cfg.model.get("calibrate_on", "random") != "task":
+        return None
+    task = instantiate(cfg.task)
+    samples = calibration_samples(task, int(cfg.model.calibration_prompts), int(cfg.model.get("seed", 0)), None)
+    return [s.prompt if s.turns is None else s.turns[0] for s in samples]
+
+
+def prompt_ids(samples, task, tokenizer) -> list[list[int]]:
+    """The ids each sample's first prompt is decoded from (a multi-turn sample: its first turn rendered)."""
+    return [list(tokenizer(s.prompt if s.turns is None else task.render(s, []))["input_ids"]) for s in samples]
 
 
 def eos_ids(model, tokenizer) -> set[int]:
@@ -149,6 +168,10 @@ def build(cfg: DictConfig, load: Load | None = None, *, task=None, method=None, 
     log.info("matrix products: %s (products=%s, timed in %.1f s)", stack.products.summary(), stack.products.setting,
              stack.products.setup_s)
     task.bind_tokenizer(loaded.tokenizer)  # multi-turn tasks render chat turns with it
+    if samples and getattr(loaded.model, "synthetic", None):  # what the run's own prompts meet, beside calibration's
+        tokens = int(cfg.model.get("calibration_tokens", 32))
+        on_run = synthetic.agreement_on(loaded.model, prompt_ids(samples, task, loaded.tokenizer), tokens)
+        setup["synthetic"] = {**loaded.model.synthetic, "on_run_prompts": on_run}
     eos, stop = eos_ids(loaded.model, loaded.tokenizer), stop_strings(task.stop_strings, loaded.tokenizer)
     sampling = sampling_of(cfg)
     peer = getattr(method, "decoder", None)  # a peer row (del_bench/methods/peers.py): transformers decodes, not ours

@@ -339,3 +339,34 @@ def test_script_runs(name, tmp_path, monkeypatch, capsys):
     assert "smoke: 1 jobs, 1 finished runs tagged, 0 not composable here" in capsys.readouterr().out
     summary = json.loads((Path(cfg.out_dir) / "summary.json").read_text())
     assert summary["run_key"]["experiments"] == ["smoke"]
+
+
+def test_tag_experiments_prune_untags_only_runs_of_settings_the_sweep_no_longer_has(tmp_path, monkeypatch, capsys):
+    """--prune: a run of the sweep's old settings (another max_new_tokens; another prompt count) loses the sweep's
+    name and stays on disk; the sweep's own run, and a run elsewhere of the same settings (a peer row), keep it."""
+    import shutil
+
+    cfg = compose_run("experiment=smoke", f"records_root={tmp_path / 'records'}", "threads=1", "warmup_tokens=0")
+    runner.run(cfg)
+    ours = Path(cfg.out_dir)
+    copies = {"same": None, "tokens": ("max_new_tokens", 999), "prompts": ("selection", {"limit": 999})}
+    for name, change in copies.items():
+        other = tmp_path / "records" / "elsewhere" / name
+        shutil.copytree(ours, other)
+        summary = json.loads((other / "summary.json").read_text())
+        if change and change[0] == "selection":
+            summary["selection"] = {**summary["selection"], **change[1]}
+        elif change:
+            summary["run_key"][change[0]] = change[1]
+        (other / "summary.json").write_text(json.dumps(summary))
+    monkeypatch.setattr(sys, "argv", ["tag_experiments.py", "smoke", "--records-root", str(tmp_path / "records"),
+                                      "--prune"])
+    runpy.run_path(str(REPO / "scripts" / "tag_experiments.py"), run_name="__main__")
+    assert "2 runs it no longer covers untagged" in capsys.readouterr().out
+
+    def experiments(run_dir: Path) -> list[str]:
+        return json.loads((run_dir / "summary.json").read_text())["run_key"]["experiments"]
+
+    assert experiments(ours) == experiments(tmp_path / "records" / "elsewhere" / "same") == ["smoke"]
+    assert experiments(tmp_path / "records" / "elsewhere" / "tokens") == []
+    assert experiments(tmp_path / "records" / "elsewhere" / "prompts") == []

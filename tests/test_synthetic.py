@@ -101,3 +101,61 @@ def test_the_configs_compose_and_keep_agreements_apart():
         assert synthetic.shape_of(cfg.model)["layers"] == cfg.model.num_layers
     weights = {compose_run("model=synthetic-smollm2", f"model.agreement={a}").model.weights for a in (0.6, 0.9)}
     assert len(weights) == 2
+    task_calibrated = compose_run("model=synthetic-smollm2", "model.calibrate_on=task").model.weights
+    assert task_calibrated == compose_run("model=synthetic-smollm2").model.weights + "-cal-task"
+
+
+ENGLISH = ["The committee met on Tuesday to discuss the budget for the coming year and agreed to review it again.",
+           "She walked along the river in the morning, counting the boats that passed under the old stone bridge.",
+           "Prices rose again last month as the cost of energy and food kept climbing across most of the country.",
+           "The team scored twice in the second half and held on to win the final in front of a record crowd.",
+           "Scientists said the new telescope would let them see the light of galaxies formed soon after the start.",
+           "He opened the letter slowly, read it twice, and then put it back in the drawer without saying a word."]
+
+
+def test_calibrated_on_texts_the_agreement_holds_on_texts_of_their_kind(tmp_path):
+    """model.calibrate_on=task: calibrated on the given texts (their last tokens; the digest recorded, the cache keyed
+    by it), the agreement asked is met on held-out texts of the same kind (within 0.1)."""
+    tokenizer = AnyIdTokenizer()
+    model = synthetic.build(OmegaConf.create(SMALL), torch.float64, tokenizer, tmp_path, texts=ENGLISH[:4])
+    tails = synthetic.text_prompts(tokenizer, ENGLISH[:4], 512, 64, "cpu")
+    assert tails.shape == (4, 64) and tails[0].tolist() == tokenizer(ENGLISH[0])["input_ids"][-64:]
+    assert (model.synthetic["calibrated_on"], model.synthetic["calibration_ids"]) == ("task",
+                                                                                      synthetic.ids_digest(tails))
+    assert len(json.loads((tmp_path / "synthetic.json").read_text())) == 1
+    build(tmp_path)  # random text: its own cache entry, not the texts' constants
+    assert len(json.loads((tmp_path / "synthetic.json").read_text())) == 2
+    held_out = [tokenizer(text)["input_ids"] for text in ENGLISH[4:]]
+    met = synthetic.agreement_on(model, held_out, 24)
+    assert met["prompts"] == 2 and met["agreement_by_layer"][-1] == 1.0
+    assert abs(met["agreement_by_layer"][E - 1] - AGREEMENT) <= 0.1, met
+
+
+def test_calibrate_on_task_draws_outside_the_evaluation_and_the_run_records_its_own_prompts(run_cfg, tmp_path,
+                                                                                           monkeypatch):
+    """session: calibrate_on=task calibrates on the task's calibration draw (selection.calibration_samples, seeded
+    by the model's seed), and the setup records the agreement along the run's own prompts — which LS's acceptance on
+    those prompts follows (within 0.15)."""
+    from hydra.utils import instantiate
+
+    from del_bench import session
+    from del_bench.selection import calibration_samples
+
+    monkeypatch.setenv("DEL_BENCH_CACHE", str(tmp_path / "cache"))
+    small = {k: v for k, v in SMALL.items() if k not in ("shape", "device")}
+    cfg = run_cfg("model=synthetic-testbed", "model.tokenizer=bytes", "model.dtype=float64", "model.calibrate_on=task",
+                  "limit=3", *(f"++model.{k}={v}" for k, v in small.items()))
+    task = instantiate(cfg.task)
+    assert session.calibration_texts(cfg) == [s.prompt for s in calibration_samples(task, 8, 0, None)]
+    samples = task.select(cfg.limit, cfg.seed)
+    ready = session.build(cfg, samples=samples)
+    recorded = ready.setup["synthetic"]
+    assert recorded["calibrated_on"] == "task" and ready.loaded.model.synthetic == {
+        k: v for k, v in recorded.items() if k != "on_run_prompts"}
+    on_run = recorded["on_run_prompts"]
+    assert (on_run["prompts"], on_run["tokens"], len(on_run["agreement_by_layer"])) == (3, 24, 6)
+    rounds = []
+    for ids in session.prompt_ids(samples, ready.task, ready.tokenizer):
+        gen = Engine(ready.stack, Sampling(), set()).generate(ids, LayerSkip(E, 3), 24, seed=0)
+        rounds += [{"accepted": r.accepted, "drafted": r.drafted} for r in gen.rounds if r.round > 0]
+    assert abs(token_acceptance(rounds) - on_run["agreement_by_layer"][E - 1]) <= 0.15

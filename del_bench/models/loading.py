@@ -104,7 +104,10 @@ class SyntheticModel(ModelConfig):
     segment_tokens: int = key(32, "segments: the mean tokens a segment lasts (calibrated)", ge=2)
     mode_neurons: int = key(16, "segments: MLP neurons per layer above the exit that write in low segments", ge=1)
     flatten: float = key(0.0, "segments: low segments' flattening component, in units of the mode's (0: none)", ge=0)
-    calibration_prompts: int = key(8, "random-text prompts agreement is calibrated on", ge=1)
+    calibrate_on: Literal["random", "task"] = key(
+        "random", "random: seeded random text; task: the run task's calibration draw (records outside its evaluation)")
+    calibration_prompts: int = key(8, "prompts agreement is calibrated on", ge=1)
+    calibration_prompt_tokens: int = key(64, "calibrate_on=task: each prompt's last this many tokens", ge=1)
     calibration_tokens: int = key(32, "each continued greedily this many tokens", ge=1)
     hidden_size: int | None = key(None, "D, overriding the shape's", ge=1)
     intermediate_size: int | None = key(None, "the MLP's width, overriding the shape's", ge=1)
@@ -144,14 +147,15 @@ def cache_root() -> Path:
     return Path(os.environ.get("DEL_BENCH_CACHE", Path.home() / ".cache" / "del_bench"))
 
 
-def load(cfg) -> Loaded:
-    """cfg: the `model` config group (source: hub | local | gguf_package | tiny_random)."""
+def load(cfg, calibration_texts: list[str] | None = None) -> Loaded:
+    """cfg: the `model` config group (source: hub | local | gguf_package | tiny_random | synthetic); calibration_texts:
+    what a synthetic model calibrates on (None: random text; session.calibration_texts)."""
     dtype = DTYPES[cfg.dtype]
     if cfg.source == "tiny_random":
         model, tokenizer = build_tiny_random(cfg, dtype)
     elif cfg.source == "synthetic":
         tokenizer = tokenizer_named(cfg.get("tokenizer", "bytes"))
-        model = synthetic.build(cfg, dtype, tokenizer, cache_root())
+        model = synthetic.build(cfg, dtype, tokenizer, cache_root(), calibration_texts)
     elif cfg.source == "gguf_package":
         model, tokenizer = _load_gguf_package(cfg, dtype)
     elif cfg.source == "hub":

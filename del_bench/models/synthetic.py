@@ -16,6 +16,12 @@ against the last layer's. The achieved agreement at every layer, measured once m
 on the model (`model.synthetic`) and recorded in the run's setup; r is cached per shape, seed, agreement, dtype and
 device type (~/.cache/del_bench/synthetic.json), so later builds skip the bisection and only measure.
 
+Random text is not what a task's prompts are: an agreement calibrated on it need not hold on real prompts (asked 0.6
+at SmolLM2's shape, LS met 0.13 on held-out WMT14/XSum/GSM8K prompts). `model.calibrate_on=task` calibrates on the
+run task's calibration draw instead (selection.calibration_samples: records outside the evaluation set, each cut to
+its last `calibration_prompt_tokens` tokens), and every run records, beside what calibration met, the agreement by
+layer along its own prompts (session.build: setup["synthetic"]["on_run_prompts"]).
+
 That is the `uniform` agreement profile (`model.agreement_profile`, the default): the agreement does not depend on
 the context, so a method that adapts to the context can at best tie the best static one. The `segments` profile
 (models/synthetic_segments.py) agrees at two levels by stretches of the generation; its constants are calibrated and
@@ -24,6 +30,7 @@ cached the same way, under a key of their own.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import random
@@ -91,9 +98,10 @@ def shape_of(cfg) -> dict:
     return shape
 
 
-def build(cfg, dtype: torch.dtype, tokenizer, cache: Path):
+def build(cfg, dtype: torch.dtype, tokenizer, cache: Path, texts: list[str] | None = None):
     """The synthetic model of `cfg` (source: synthetic) on cfg.device in `dtype`, calibrated (its constants cached in
-    the directory `cache`): → the model."""
+    the directory `cache`) on seeded random text or, given `texts` (model.calibrate_on=task: the task's calibration
+    draw), on those texts' last calibration_prompt_tokens tokens: → the model."""
     shape = shape_of(cfg)
     E, target = int(cfg.default_exit_layer), float(cfg.get("agreement", 0.8))
     profile = cfg.get("agreement_profile", "uniform")
@@ -109,16 +117,22 @@ def build(cfg, dtype: torch.dtype, tokenizer, cache: Path):
     t0 = time.perf_counter()
     model = random_llama(llama_config(shape, eos_token_id=eos), dtype, device, int(cfg.get("seed", 0)))
     built_s = time.perf_counter() - t0
-    prompts = calibration_prompts(tokenizer, shape["vocab"], int(cfg.get("calibration_prompts", 8)), device)
+    if texts is None:
+        prompts = calibration_prompts(tokenizer, shape["vocab"], int(cfg.get("calibration_prompts", 8)), device)
+    else:
+        prompts = text_prompts(tokenizer, texts, shape["vocab"], int(cfg.get("calibration_prompt_tokens", 64)), device)
     tokens = int(cfg.get("calibration_tokens", 32))
     key = f"{cfg.shape}:{shape}:seed{cfg.get('seed', 0)}:E{E}:{target}:{dtype}:{device.type}:{prompts.shape}:{tokens}"
+    if texts is not None:  # the same texts, the same constants: the key names their ids
+        key += f":texts-{ids_digest(prompts)}"
     t0 = time.perf_counter()
     if profile == "segments":
         model.synthetic = build_segments(model, cfg, E, prompts, tokens, cache, key)
     else:
         model.synthetic = build_uniform(model, E, target, prompts, tokens, cache, key)
-    model.synthetic.update(shape=cfg.shape, build_s=round(built_s, 2),
-                           calibration_s=round(time.perf_counter() - t0, 2))
+    model.synthetic.update(shape=cfg.shape, build_s=round(built_s, 2), calibration_s=round(time.perf_counter() - t0, 2),
+                           calibrated_on="random" if texts is None else "task",
+                           calibration_prompt_shape=list(prompts.shape), calibration_ids=ids_digest(prompts))
     log.info("synthetic %s (%s): r = %.4f, agreement at layer %d %.3f", cfg.shape, profile,
              model.synthetic["ratio"], E, model.synthetic["agreement"])
     return model
@@ -220,12 +234,14 @@ def _rounded(value: float | None, digits: int = 4) -> float | None:
 
 def profile_tag(*, _parent_) -> str:
     """${synthetic_profile:} in a synthetic model config's `weights`: "" for the uniform profile (the weights' name
-    as it always was), else the segments profile's settings, so runs of other settings never pair or resume."""
+    as it always was), else the segments profile's settings, so runs of other settings never pair or resume; and
+    "-cal-task" where the model is calibrated on the run task's prompts (its weights then depend on the task)."""
+    calibrated = "-cal-task" if _parent_.get("calibrate_on", "random") == "task" else ""
     if _parent_.get("agreement_profile", "uniform") == "uniform":
-        return ""
+        return calibrated
     keys = ("agreement_high", "agreement_low", "segment_tokens", "mode_neurons", "flatten")
     high, low, tokens, neurons, flatten = (_parent_.get(k) for k in keys)
-    return f"-segments-h{high}-l{low}-T{tokens}-k{neurons}" + (f"-f{flatten}" if flatten else "")
+    return f"-segments-h{high}-l{low}-T{tokens}-k{neurons}" + (f"-f{flatten}" if flatten else "") + calibrated
 
 
 def random_text(rng: random.Random, chars: int) -> str:
@@ -243,6 +259,34 @@ def calibration_prompts(tokenizer, vocab: int, count: int, device, length: int =
         if len(ids) == length and max(ids) < vocab:
             rows.append(ids)
     return torch.tensor(rows, device=device)
+
+
+def text_prompts(tokenizer, texts: list[str], vocab: int, length: int, device) -> torch.Tensor:
+    """[len(texts), n] ids: each text's last n tokens, n = `length` or the shortest text's length where shorter (one
+    length, so that calibration continues them as one batch, as it does random prompts)."""
+    rows = [tokenizer(text)["input_ids"] for text in texts]
+    n = min(length, *(len(ids) for ids in rows))
+    if n < 1:
+        raise ConfigError("model.calibrate_on=task: a calibration prompt of the task tokenizes to nothing")
+    if max(max(ids[-n:]) for ids in rows) >= vocab:
+        raise ConfigError(f"model.calibrate_on=task: the tokenizer gives ids beyond the shape's {vocab}-token "
+                          "vocabulary; use a tokenizer of that size (model.tokenizer) or a larger model.vocab_size")
+    return torch.tensor([ids[-n:] for ids in rows], device=device)
+
+
+def ids_digest(prompts: torch.Tensor) -> str:
+    """A short digest of prompt ids: which prompts a calibration saw (the cache key, the run's setup)."""
+    return hashlib.sha1(json.dumps(prompts.tolist()).encode()).hexdigest()[:12]
+
+
+@torch.inference_mode()
+def agreement_on(model, prompts: list[list[int]], tokens: int) -> dict:
+    """The agreement by layer along the model's greedy continuations (`tokens` each) of the given prompts, each
+    prompt continued on its own (they differ in length): what the run's prompts meet, beside what calibration met."""
+    device = next(model.parameters()).device
+    matches = torch.cat([exit_matches(model, torch.tensor([ids], device=device), tokens)[0] for ids in prompts], 1)
+    by_layer = [round(m.double().mean().item(), 4) for m in matches] + [1.0]
+    return {"prompts": len(prompts), "tokens": tokens, "agreement_by_layer": by_layer}
 
 
 @contextmanager

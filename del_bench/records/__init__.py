@@ -56,6 +56,7 @@ from del_bench.records.run_dir import (  # noqa: F401
     RunDir,
     add_experiment,
     cost_units,
+    drop_experiment,
     key_of,
     read_jsonl,
     write_json,

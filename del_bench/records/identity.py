@@ -107,6 +107,9 @@ class RunKey:
             return self
         return replace(self, experiments=tuple(sorted({*self.experiments, name})))
 
+    def without_experiment(self, name: str) -> RunKey:
+        return replace(self, experiments=tuple(e for e in self.experiments if e != name))
+
     def as_dict(self) -> dict:
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         out["hyperparameters"] = dict(self.hyperparameters)

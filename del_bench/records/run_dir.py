@@ -48,6 +48,21 @@ def add_experiment(run_dir: str | Path, name: str | None) -> None:
         write_json(path, summary)
 
 
+def drop_experiment(run_dir: str | Path, name: str) -> bool:
+    """Record that the sweep `name` no longer covers this run (its config has moved on to other settings; the run stays,
+    as data): → whether it did."""
+    path = Path(run_dir) / "summary.json"
+    if not path.is_file():
+        return False
+    summary = json.loads(path.read_text())
+    key = run_key_of(summary, _read_jsonl(Path(run_dir) / "samples.jsonl"))
+    if name not in key.experiments:
+        return False
+    summary["run_key"] = key.without_experiment(name).as_dict()
+    write_json(path, summary)
+    return True
+
+
 def _read_jsonl(path: Path) -> list[dict]:
     """Complete lines only; a torn trailing line (interrupted write) is cut off the file."""
     if not path.exists():
