@@ -118,10 +118,12 @@ def test_calibrated_on_texts_the_agreement_holds_on_texts_of_their_kind(tmp_path
     by it), the agreement asked is met on held-out texts of the same kind (within 0.1)."""
     tokenizer = AnyIdTokenizer()
     model = synthetic.build(OmegaConf.create(SMALL), torch.float64, tokenizer, tmp_path, texts=ENGLISH[:4])
-    tails = synthetic.text_prompts(tokenizer, ENGLISH[:4], 512, 64, "cpu")
-    assert tails.shape == (4, 64) and tails[0].tolist() == tokenizer(ENGLISH[0])["input_ids"][-64:]
+    texts = synthetic.text_prompts(tokenizer, ENGLISH[:4], 512, 2048, "cpu")
+    assert [t.tolist() for t in texts] == [[tokenizer(text)["input_ids"]] for text in ENGLISH[:4]]  # whole, own lengths
+    assert synthetic.text_prompts(tokenizer, ENGLISH[:1], 512, 10, "cpu")[0].tolist() == [texts[0][0, -10:].tolist()]
     assert (model.synthetic["calibrated_on"], model.synthetic["calibration_ids"]) == ("task",
-                                                                                      synthetic.ids_digest(tails))
+                                                                                      synthetic.ids_digest(texts))
+    assert model.synthetic["calibration_prompt_lengths"] == [len(t[0]) for t in texts]
     assert len(json.loads((tmp_path / "synthetic.json").read_text())) == 1
     build(tmp_path)  # random text: its own cache entry, not the texts' constants
     assert len(json.loads((tmp_path / "synthetic.json").read_text())) == 2

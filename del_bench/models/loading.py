@@ -107,7 +107,7 @@ class SyntheticModel(ModelConfig):
     calibrate_on: Literal["random", "task"] = key(
         "random", "random: seeded random text; task: the run task's calibration draw (records outside its evaluation)")
     calibration_prompts: int = key(8, "prompts agreement is calibrated on", ge=1)
-    calibration_prompt_tokens: int = key(64, "calibrate_on=task: each prompt's last this many tokens", ge=1)
+    calibration_prompt_tokens: int = key(2048, "calibrate_on=task: each prompt at most its last this many tokens", ge=1)
     calibration_tokens: int = key(32, "each continued greedily this many tokens", ge=1)
     hidden_size: int | None = key(None, "D, overriding the shape's", ge=1)
     intermediate_size: int | None = key(None, "the MLP's width, overriding the shape's", ge=1)

@@ -18,9 +18,9 @@ device type (~/.cache/del_bench/synthetic.json), so later builds skip the bisect
 
 Random text is not what a task's prompts are: an agreement calibrated on it need not hold on real prompts (asked 0.6
 at SmolLM2's shape, LS met 0.13 on held-out WMT14/XSum/GSM8K prompts). `model.calibrate_on=task` calibrates on the
-run task's calibration draw instead (selection.calibration_samples: records outside the evaluation set, each cut to
-its last `calibration_prompt_tokens` tokens), and every run records, beside what calibration met, the agreement by
-layer along its own prompts (session.build: setup["synthetic"]["on_run_prompts"]).
+run task's calibration draw instead (selection.calibration_samples: records outside the evaluation set, each at most
+its last `calibration_prompt_tokens` tokens, each continued on its own), and every run records, beside what
+calibration met, the agreement by layer along its own prompts (session.build: setup["synthetic"]["on_run_prompts"]).
 
 That is the `uniform` agreement profile (`model.agreement_profile`, the default): the agreement does not depend on
 the context, so a method that adapts to the context can at best tie the best static one. The `segments` profile
@@ -112,6 +112,9 @@ def build(cfg, dtype: torch.dtype, tokenizer, cache: Path, texts: list[str] | No
                           f"[1, {shape['layers'] - 1}]")
     if profile not in PROFILES:
         raise ConfigError(f"model.agreement_profile={profile!r}: one of {', '.join(PROFILES)}")
+    if texts is not None and profile != "uniform":
+        raise ConfigError("model.calibrate_on=task calibrates the uniform profile; the segments profile calibrates on "
+                          "random text (model.calibrate_on=random)")
     device = torch.device(cfg.get("device") or "cpu")
     eos = getattr(tokenizer, "eos_token_id", None)
     t0 = time.perf_counter()
@@ -119,10 +122,13 @@ def build(cfg, dtype: torch.dtype, tokenizer, cache: Path, texts: list[str] | No
     built_s = time.perf_counter() - t0
     if texts is None:
         prompts = calibration_prompts(tokenizer, shape["vocab"], int(cfg.get("calibration_prompts", 8)), device)
-    else:
-        prompts = text_prompts(tokenizer, texts, shape["vocab"], int(cfg.get("calibration_prompt_tokens", 64)), device)
+        lengths = prompts.shape
+    else:  # each text at its own length: agreement depends on how long a context the layers attend over
+        longest = int(cfg.get("calibration_prompt_tokens", 2048))
+        prompts = text_prompts(tokenizer, texts, shape["vocab"], longest, device)
+        lengths = tuple(p.shape[1] for p in prompts)
     tokens = int(cfg.get("calibration_tokens", 32))
-    key = f"{cfg.shape}:{shape}:seed{cfg.get('seed', 0)}:E{E}:{target}:{dtype}:{device.type}:{prompts.shape}:{tokens}"
+    key = f"{cfg.shape}:{shape}:seed{cfg.get('seed', 0)}:E{E}:{target}:{dtype}:{device.type}:{lengths}:{tokens}"
     if texts is not None:  # the same texts, the same constants: the key names their ids
         key += f":texts-{ids_digest(prompts)}"
     t0 = time.perf_counter()
@@ -132,7 +138,7 @@ def build(cfg, dtype: torch.dtype, tokenizer, cache: Path, texts: list[str] | No
         model.synthetic = build_uniform(model, E, target, prompts, tokens, cache, key)
     model.synthetic.update(shape=cfg.shape, build_s=round(built_s, 2), calibration_s=round(time.perf_counter() - t0, 2),
                            calibrated_on="random" if texts is None else "task",
-                           calibration_prompt_shape=list(prompts.shape), calibration_ids=ids_digest(prompts))
+                           calibration_prompt_lengths=list(lengths), calibration_ids=ids_digest(prompts))
     log.info("synthetic %s (%s): r = %.4f, agreement at layer %d %.3f", cfg.shape, profile,
              model.synthetic["ratio"], E, model.synthetic["agreement"])
     return model
@@ -261,22 +267,22 @@ def calibration_prompts(tokenizer, vocab: int, count: int, device, length: int =
     return torch.tensor(rows, device=device)
 
 
-def text_prompts(tokenizer, texts: list[str], vocab: int, length: int, device) -> torch.Tensor:
-    """[len(texts), n] ids: each text's last n tokens, n = `length` or the shortest text's length where shorter (one
-    length, so that calibration continues them as one batch, as it does random prompts)."""
-    rows = [tokenizer(text)["input_ids"] for text in texts]
-    n = min(length, *(len(ids) for ids in rows))
-    if n < 1:
+def text_prompts(tokenizer, texts: list[str], vocab: int, length: int, device) -> list[torch.Tensor]:
+    """[1, nᵢ] ids a text: each text's last nᵢ ≤ `length` tokens, at its own length (calibration continues each on
+    its own, as a run decodes it)."""
+    rows = [tokenizer(text)["input_ids"][-length:] for text in texts]
+    if min(len(ids) for ids in rows) < 1:
         raise ConfigError("model.calibrate_on=task: a calibration prompt of the task tokenizes to nothing")
-    if max(max(ids[-n:]) for ids in rows) >= vocab:
+    if max(max(ids) for ids in rows) >= vocab:
         raise ConfigError(f"model.calibrate_on=task: the tokenizer gives ids beyond the shape's {vocab}-token "
                           "vocabulary; use a tokenizer of that size (model.tokenizer) or a larger model.vocab_size")
-    return torch.tensor([ids[-n:] for ids in rows], device=device)
+    return [torch.tensor([ids], device=device) for ids in rows]
 
 
-def ids_digest(prompts: torch.Tensor) -> str:
+def ids_digest(prompts: torch.Tensor | list[torch.Tensor]) -> str:
     """A short digest of prompt ids: which prompts a calibration saw (the cache key, the run's setup)."""
-    return hashlib.sha1(json.dumps(prompts.tolist()).encode()).hexdigest()[:12]
+    ids = prompts.tolist() if isinstance(prompts, torch.Tensor) else [p.tolist() for p in prompts]
+    return hashlib.sha1(json.dumps(ids).encode()).hexdigest()[:12]
 
 
 @torch.inference_mode()
@@ -284,9 +290,18 @@ def agreement_on(model, prompts: list[list[int]], tokens: int) -> dict:
     """The agreement by layer along the model's greedy continuations (`tokens` each) of the given prompts, each
     prompt continued on its own (they differ in length): what the run's prompts meet, beside what calibration met."""
     device = next(model.parameters()).device
-    matches = torch.cat([exit_matches(model, torch.tensor([ids], device=device), tokens)[0] for ids in prompts], 1)
+    matches = matches_along(model, [torch.tensor([ids], device=device) for ids in prompts], tokens)
     by_layer = [round(m.double().mean().item(), 4) for m in matches] + [1.0]
     return {"prompts": len(prompts), "tokens": tokens, "agreement_by_layer": by_layer}
+
+
+def matches_along(model, prompts: torch.Tensor | list[torch.Tensor], tokens: int,
+                  layers: list[int] | None = None) -> torch.Tensor:
+    """exit_matches' [layers, B, tokens] of a batch of equal-length prompts, or of a list of [1, P] prompts each
+    continued on its own (B = the list's length)."""
+    if isinstance(prompts, torch.Tensor):
+        return exit_matches(model, prompts, tokens, layers)[0]
+    return torch.cat([exit_matches(model, p, tokens, layers)[0] for p in prompts], 1)
 
 
 @contextmanager
@@ -320,7 +335,7 @@ def calibrate(model, exit_layer: int, target: float, prompts: torch.Tensor, toke
     for _ in range(BISECTION_STEPS):
         mid = (lo * hi) ** 0.5  # geometric: r's effect is through its powers
         with residual_scale(model, mid):  # the exit layer's matches alone: the same bits as among all layers'
-            agreement = exit_matches(model, prompts, tokens, [exit_layer])[0].double().mean().item()
+            agreement = matches_along(model, prompts, tokens, [exit_layer]).double().mean().item()
         best = min(best, (abs(agreement - target), mid))
         lo, hi = (mid, hi) if agreement > target else (lo, mid)
     return best[1]
@@ -331,7 +346,7 @@ def agreement_by_layer(model, prompts: torch.Tensor, tokens: int) -> list[float]
     """For each layer i (1-based, list index i − 1): the fraction of the model's greedy continuations' positions
     (each prompt continued `tokens` tokens) at which the head on layer i's normed state picks the last layer's
     token — what LS's drafts at exit i meet along its own output."""
-    return [m.double().mean().item() for m in exit_matches(model, prompts, tokens)[0]] + [1.0]
+    return [m.double().mean().item() for m in matches_along(model, prompts, tokens)] + [1.0]
 
 
 @torch.inference_mode()
