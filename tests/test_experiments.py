@@ -294,7 +294,7 @@ def test_calibrate_writes_the_best_point_and_ls_uses_it(tmp_path, monkeypatch):
     assert (list(cfg.grid.exit_layers), list(cfg.grid.gammas)) == ([1, 2], [2, 3])  # the model's default grid
     loads = []
     real_load = loading.load
-    monkeypatch.setattr(loading, "load", lambda c: loads.append(c.name) or real_load(c))
+    monkeypatch.setattr(loading, "load", lambda c, *rest: loads.append(c.name) or real_load(c, *rest))
     entry = calibration.calibrate(cfg)
     assert loads == ["tiny-random"]  # one load for the whole grid
     saved = yaml.safe_load((tmp_path / "cal" / "tiny.yaml").read_text())["prompts"]
