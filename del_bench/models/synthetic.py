@@ -101,7 +101,7 @@ def shape_of(cfg) -> dict:
 def build(cfg, dtype: torch.dtype, tokenizer, cache: Path, texts: list[str] | None = None):
     """The synthetic model of `cfg` (source: synthetic) on cfg.device in `dtype`, calibrated (its constants cached in
     the directory `cache`) on seeded random text or, given `texts` (model.calibrate_on=task: the task's calibration
-    draw), on those texts' last calibration_prompt_tokens tokens: → the model."""
+    draw), on those texts, each at its own length (at most its last calibration_prompt_tokens): → the model."""
     shape = shape_of(cfg)
     E, target = int(cfg.default_exit_layer), float(cfg.get("agreement", 0.8))
     profile = cfg.get("agreement_profile", "uniform")
@@ -290,9 +290,8 @@ def agreement_on(model, prompts: list[list[int]], tokens: int) -> dict:
     """The agreement by layer along the model's greedy continuations (`tokens` each) of the given prompts, each
     prompt continued on its own (they differ in length): what the run's prompts meet, beside what calibration met."""
     device = next(model.parameters()).device
-    matches = matches_along(model, [torch.tensor([ids], device=device) for ids in prompts], tokens)
-    by_layer = [round(m.double().mean().item(), 4) for m in matches] + [1.0]
-    return {"prompts": len(prompts), "tokens": tokens, "agreement_by_layer": by_layer}
+    by_layer = agreement_by_layer(model, [torch.tensor([ids], device=device) for ids in prompts], tokens)
+    return {"prompts": len(prompts), "tokens": tokens, "agreement_by_layer": [round(a, 4) for a in by_layer]}
 
 
 def matches_along(model, prompts: torch.Tensor | list[torch.Tensor], tokens: int,
@@ -342,7 +341,7 @@ def calibrate(model, exit_layer: int, target: float, prompts: torch.Tensor, toke
 
 
 @torch.inference_mode()
-def agreement_by_layer(model, prompts: torch.Tensor, tokens: int) -> list[float]:
+def agreement_by_layer(model, prompts: torch.Tensor | list[torch.Tensor], tokens: int) -> list[float]:
     """For each layer i (1-based, list index i − 1): the fraction of the model's greedy continuations' positions
     (each prompt continued `tokens` tokens) at which the head on layer i's normed state picks the last layer's
     token — what LS's drafts at exit i meet along its own output."""
