@@ -139,8 +139,8 @@ def test_paper_experiments_use_appendix_b_settings():
 
 # scale=local: each experiment's size on this CPU, as its `_local` twin had it: (limit, max_new_tokens), a calibration
 # experiment's (samples, eval_limit, max_new_tokens) and where its records go
-LOCAL_SIZES = {**{name: (2, 48) for name in ("table2", "table4", "table6", "fig1a", "fig3", "fig3b")},
-               **{name: (4, 128) for name in ("table1", "table3", "fig4")}, "table5": (1, 48),
+LOCAL_SIZES = {**{name: (2, 48) for name in ("table4", "table6", "fig1a", "fig3", "fig3b")},
+               **{name: (4, 128) for name in ("table1", "table2", "table3", "fig4")}, "table5": (1, 48),
                "specbench": (None, 64)}
 LOCAL_CALIBRATIONS = {"fig1a_calibrate": ((2, 2, 32), "results/runs/local/calibration/smollm2-135m"),
                       "fig1b": ((2, None, 128), "results/runs/local/fig1b/smollm2-135m")}
