@@ -61,6 +61,15 @@ def batch_tag(batch_size) -> str:
     return "" if str(batch_size) == "1" else f"-b{batch_size}"
 
 
+def model_dir(*, _root_) -> str:
+    """The `${model_dir:}` resolver (out_dir's model part): the model's name — for a synthetic model its weights'
+    identity (agreement, exit layer, seed, profile: `model.weights`), so runs of another agreement get their own
+    directories instead of a RunConflict in one; `+exits-<digest8>` with model.exit_adapters."""
+    model = _root_.model
+    name = model.weights if model.get("source") == "synthetic" else model.name
+    return exit_adapters.model_variant(name, model.get("exit_adapters"))
+
+
 if not OmegaConf.has_resolver("batch_tag"):
     OmegaConf.register_new_resolver("batch_tag", batch_tag)
 if not OmegaConf.has_resolver("flag"):
@@ -71,8 +80,8 @@ if not OmegaConf.has_resolver("calibrated"):
     OmegaConf.register_new_resolver("calibrated", _calibrated)
 if not OmegaConf.has_resolver("at_scale"):
     OmegaConf.register_new_resolver("at_scale", _at_scale)
-if not OmegaConf.has_resolver("model_variant"):  # out_dir: `<model>+exits-<digest8>` with model.exit_adapters
-    OmegaConf.register_new_resolver("model_variant", exit_adapters.model_variant)
+if not OmegaConf.has_resolver("model_dir"):  # out_dir's model part
+    OmegaConf.register_new_resolver("model_dir", model_dir)
 if not OmegaConf.has_resolver("weights_digest"):  # cached: a config resolved twice hashes the weights once
     OmegaConf.register_new_resolver("weights_digest", weights_digest, use_cache=True)
 if not OmegaConf.has_resolver("local_layers"):  # model=local: the layer count read from DIR/config.json

@@ -95,12 +95,18 @@ def test_ls_accepts_drafts_about_as_often_as_the_agreement(model):
 
 def test_the_configs_compose_and_keep_agreements_apart():
     """Each synthetic config composes; a run of another agreement, seed or exit layer has other weights in its key
-    (RunKey.weights), so it never pairs with or resumes as this one."""
+    (RunKey.weights), so it never pairs with or resumes as this one — and its own out_dir, named by those weights, so
+    a sweep over agreements does not stop at a RunConflict in one directory."""
     for name in ("synthetic-llama2-7b", "synthetic-llama3-8b", "synthetic-smollm2", "synthetic-testbed"):
         cfg = compose_run(f"model={name}")
         assert synthetic.shape_of(cfg.model)["layers"] == cfg.model.num_layers
-    weights = {compose_run("model=synthetic-smollm2", f"model.agreement={a}").model.weights for a in (0.6, 0.9)}
-    assert len(weights) == 2
+    runs = [compose_run("model=synthetic-smollm2", f"model.agreement={a}") for a in (0.6, 0.9)]
+    assert len({cfg.model.weights for cfg in runs}) == 2
+    for cfg in runs:
+        assert cfg.out_dir.startswith(f"results/runs/{cfg.model.weights}/"), cfg.out_dir
+    segments = compose_run("model=synthetic-smollm2", "model.agreement_profile=segments", "model.segment_tokens=128")
+    assert "-segments-" in segments.out_dir and "-T128-" in segments.out_dir
+    assert compose_run("model=tiny-random").out_dir.startswith("results/runs/tiny-random/")  # others: the name
     task_calibrated = compose_run("model=synthetic-smollm2", "model.calibrate_on=task").model.weights
     assert task_calibrated == compose_run("model=synthetic-smollm2").model.weights + "-cal-task"
 
