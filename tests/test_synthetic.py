@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import json
 import random
+from unittest import mock
 
 import pytest
 import torch
@@ -137,6 +138,8 @@ def test_calibrated_on_texts_the_agreement_holds_on_texts_of_their_kind(tmp_path
     met = synthetic.agreement_on(model, held_out, 24)
     assert met["prompts"] == 2 and met["agreement_by_layer"][-1] == 1.0
     assert abs(met["agreement_by_layer"][E - 1] - AGREEMENT) <= 0.1, met
+    with mock.patch.object(synthetic, "exit_matches", side_effect=AssertionError("measured again")):
+        assert synthetic.agreement_on(model, held_out, 24) == met  # the same prompts again: measured once
 
 
 def test_calibrate_on_task_draws_outside_the_evaluation_and_the_run_records_its_own_prompts(run_cfg, tmp_path,

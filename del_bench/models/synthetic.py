@@ -128,9 +128,10 @@ def build(cfg, dtype: torch.dtype, tokenizer, cache: Path, texts: list[str] | No
         prompts = text_prompts(tokenizer, texts, shape["vocab"], longest, device)
         lengths = tuple(p.shape[1] for p in prompts)
     tokens = int(cfg.get("calibration_tokens", 32))
+    calibration_ids = ids_digest(prompts)
     key = f"{cfg.shape}:{shape}:seed{cfg.get('seed', 0)}:E{E}:{target}:{dtype}:{device.type}:{lengths}:{tokens}"
     if texts is not None:  # the same texts, the same constants: the key names their ids
-        key += f":texts-{ids_digest(prompts)}"
+        key += f":texts-{calibration_ids}"
     t0 = time.perf_counter()
     if profile == "segments":
         model.synthetic = build_segments(model, cfg, E, prompts, tokens, cache, key)
@@ -138,7 +139,8 @@ def build(cfg, dtype: torch.dtype, tokenizer, cache: Path, texts: list[str] | No
         model.synthetic = build_uniform(model, E, target, prompts, tokens, cache, key)
     model.synthetic.update(shape=cfg.shape, build_s=round(built_s, 2), calibration_s=round(time.perf_counter() - t0, 2),
                            calibrated_on="random" if texts is None else "task",
-                           calibration_prompt_lengths=list(lengths), calibration_ids=ids_digest(prompts))
+                           calibration_prompt_lengths=list(lengths), calibration_ids=calibration_ids)
+    model.agreement_on_prompts = {}  # agreement_on's measurements: the weights are fixed from here on
     log.info("synthetic %s (%s): r = %.4f, agreement at layer %d %.3f", cfg.shape, profile,
              model.synthetic["ratio"], E, model.synthetic["agreement"])
     return model
@@ -288,10 +290,15 @@ def ids_digest(prompts: torch.Tensor | list[torch.Tensor]) -> str:
 @torch.inference_mode()
 def agreement_on(model, prompts: list[list[int]], tokens: int) -> dict:
     """The agreement by layer along the model's greedy continuations (`tokens` each) of the given prompts, each
-    prompt continued on its own (they differ in length): what the run's prompts meet, beside what calibration met."""
+    prompt continued on its own (they differ in length): what the run's prompts meet, beside what calibration met.
+    Measured once per prompts and length on a built model (every row of a bench that shares one load asks again)."""
     device = next(model.parameters()).device
-    by_layer = agreement_by_layer(model, [torch.tensor([ids], device=device) for ids in prompts], tokens)
-    return {"prompts": len(prompts), "tokens": tokens, "agreement_by_layer": [round(a, 4) for a in by_layer]}
+    rows = [torch.tensor([ids], device=device) for ids in prompts]  # [1, Pᵢ] each
+    measured, key = model.agreement_on_prompts, (ids_digest(rows), tokens)
+    if key not in measured:
+        by_layer = [round(a, 4) for a in agreement_by_layer(model, rows, tokens)]
+        measured[key] = {"prompts": len(rows), "tokens": tokens, "agreement_by_layer": by_layer}
+    return dict(measured[key])
 
 
 def matches_along(model, prompts: torch.Tensor | list[torch.Tensor], tokens: int,
