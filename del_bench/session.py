@@ -77,19 +77,21 @@ def load_model(model_cfg, layers: str = "auto", products: str = "auto",
     return loaded, stack
 
 
-def loader(cfg: DictConfig) -> Load:
+def loader(cfg: DictConfig, task=None) -> Load:
     """A zero-argument loader of the run config's model on its layer loop and product layouts (what `build` calls when
-    given none; wrap it in functools.cache to load once for many runs)."""
-    return lambda: load_model(cfg.model, cfg.layers, cfg.get("products", "auto"), calibration_texts(cfg))
+    given none; wrap it in functools.cache to load once for many runs). task: the run's Task where one is built
+    already (a synthetic model calibrated on it draws its prompts there), else cfg.task's, built only if needed."""
+    return lambda: load_model(cfg.model, cfg.layers, cfg.get("products", "auto"), calibration_texts(cfg, task))
 
 
-def calibration_texts(cfg: DictConfig) -> list[str] | None:
+def calibration_texts(cfg: DictConfig, task=None) -> list[str] | None:
     """What a synthetic model with model.calibrate_on=task calibrates on: the prompts (a multi-turn sample's first
     turn) of `model.calibration_prompts` records of the run's task outside its evaluation set (the draw of `calibrate`,
-    seeded by the model's seed, so that a task's runs share one model); None: random text (or no synthetic model)."""
+    seeded by the model's seed, so that a task's runs share one model); None: random text (or no synthetic model).
+    task: the run's Task if built (None: cfg.task's, instantiated here)."""
     if cfg.model.get("source") != "synthetic" or cfg.model.get("calibrate_on", "random") != "task":
         return None
-    task = instantiate(cfg.task)
+    task = instantiate(cfg.task) if task is None else task
     samples = calibration_samples(task, int(cfg.model.calibration_prompts), int(cfg.model.get("seed", 0)), None)
     return [s.prompt if s.turns is None else s.turns[0] for s in samples]
 
@@ -154,7 +156,7 @@ def build(cfg: DictConfig, load: Load | None = None, *, task=None, method=None, 
     task = instantiate(cfg.task) if task is None else task
     method = instantiate(cfg.method) if method is None else method
     t0 = time.perf_counter()
-    loaded, stack = (load or loader(cfg))()
+    loaded, stack = (load or loader(cfg, task))()
     setting = cfg.get("products", "auto")
     earlier = products_before(run_dir, setting) if run_dir is not None else None
     if earlier is not None:  # a resume decodes in its first session's layouts: one run, one layout's bits

@@ -145,8 +145,8 @@ def test_calibrated_on_texts_the_agreement_holds_on_texts_of_their_kind(tmp_path
 def test_calibrate_on_task_draws_outside_the_evaluation_and_the_run_records_its_own_prompts(run_cfg, tmp_path,
                                                                                            monkeypatch):
     """session: calibrate_on=task calibrates on the task's calibration draw (selection.calibration_samples, seeded
-    by the model's seed), and the setup records the agreement along the run's own prompts — which LS's acceptance on
-    those prompts follows (within 0.15)."""
+    by the model's seed) of the task the run built (not a second instance of it), and the setup records the agreement
+    along the run's own prompts — which LS's acceptance on those prompts follows (within 0.15)."""
     from hydra.utils import instantiate
 
     from del_bench import session
@@ -159,7 +159,9 @@ def test_calibrate_on_task_draws_outside_the_evaluation_and_the_run_records_its_
     task = instantiate(cfg.task)
     assert session.calibration_texts(cfg) == [s.prompt for s in calibration_samples(task, 8, 0, None)]
     samples = task.select(cfg.limit, cfg.seed)
-    ready = session.build(cfg, samples=samples)
+    method = instantiate(cfg.method)
+    with mock.patch.object(session, "instantiate", side_effect=AssertionError("the run's task built again")):
+        ready = session.build(cfg, task=task, method=method, samples=samples)  # calibrates on the task it is given
     recorded = ready.setup["synthetic"]
     assert recorded["calibrated_on"] == "task" and ready.loaded.model.synthetic == {
         k: v for k, v in recorded.items() if k != "on_run_prompts"}
