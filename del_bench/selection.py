@@ -29,8 +29,10 @@ def select_samples(task, cfg: DictConfig) -> list:
     return task.select(cfg.limit, cfg.seed)
 
 
-def calibration_samples(task, count: int, seed: int, eval_limit: int | None) -> list:
-    """`count` samples outside the evaluation selection when the task has enough records, else from all."""
+def calibration_samples(task, count: int, seed: int, eval_limit: int | None, avoid: frozenset = frozenset()) -> list:
+    """`count` samples outside the evaluation selection when the task has enough records, else from all — then, if
+    that draw meets `avoid` (a run's own prompts) and the rest of the records suffice, from the records outside
+    `avoid` (a draw that does not meet them stays as it was)."""
     pool = task.load()
     evaluation = {s.id for s in task.select(eval_limit, seed)}
     rest = [s for s in pool if s.id not in evaluation]
@@ -38,6 +40,14 @@ def calibration_samples(task, count: int, seed: int, eval_limit: int | None) -> 
     if source is pool:
         log.warning("task %s: only %d records outside the evaluation set; calibration samples overlap it",
                     task.name, len(rest))
+    chosen = _draw(source, count, seed)
+    apart = [s for s in source if s.id not in avoid]
+    if any(s.id in avoid for s in chosen) and len(apart) >= count:
+        chosen = _draw(apart, count, seed)
+    return chosen
+
+
+def _draw(source: list, count: int, seed: int) -> list:
     rng = random.Random(f"calibration:{seed}")  # its own stream: not the evaluation's draw
     keep = sorted(rng.sample(range(len(source)), min(count, len(source))))
     return [source[i] for i in keep]

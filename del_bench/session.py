@@ -39,7 +39,7 @@ from del_bench.models import exit_adapters, loading, synthetic
 from del_bench.models.layer_stack import LayerStack
 from del_bench.models.products import Products
 from del_bench.records import RunDir, cost_units
-from del_bench.selection import calibration_samples
+from del_bench.selection import calibration_samples, select_samples
 
 log = logging.getLogger(__name__)
 
@@ -87,12 +87,15 @@ def loader(cfg: DictConfig, task=None) -> Load:
 def calibration_texts(cfg: DictConfig, task=None) -> list[str] | None:
     """What a synthetic model with model.calibrate_on=task calibrates on: the prompts (a multi-turn sample's first
     turn) of `model.calibration_prompts` records of the run's task outside its evaluation set (the draw of `calibrate`,
-    seeded by the model's seed, so that a task's runs share one model); None: random text (or no synthetic model).
+    seeded by the model's seed, so that a task's runs share one model) — where every record is evaluated (WMT14's
+    local 1,000), a draw that meets the run's own prompts is made again without them; None: random text (or no
+    synthetic model).
     task: the run's Task if built (None: cfg.task's, instantiated here)."""
     if cfg.model.get("source") != "synthetic" or cfg.model.get("calibrate_on", "random") != "task":
         return None
     task = instantiate(cfg.task) if task is None else task
-    samples = calibration_samples(task, int(cfg.model.calibration_prompts), int(cfg.model.get("seed", 0)), None)
+    own = frozenset(s.id for s in select_samples(task, cfg))  # the run's own prompts: never drawn
+    samples = calibration_samples(task, int(cfg.model.calibration_prompts), int(cfg.model.get("seed", 0)), None, own)
     return [s.prompt if s.turns is None else s.turns[0] for s in samples]
 
 

@@ -282,7 +282,13 @@ def test_calibration_samples_avoid_the_evaluation_set(tmp_path):
     evaluation = {s.id for s in task.select(2, 42)}
     chosen = selection.calibration_samples(task, 3, 42, eval_limit=2)
     assert len(chosen) == 3 and not {s.id for s in chosen} & evaluation
-    assert len(selection.calibration_samples(task, 3, 42, eval_limit=None)) == 3  # all evaluated: overlap
+    everything = selection.calibration_samples(task, 3, 42, eval_limit=None)
+    assert len(everything) == 3  # all evaluated: overlap
+    met = frozenset({everything[0].id})  # a run's own prompt the draw met: drawn again without it
+    again = selection.calibration_samples(task, 3, 42, eval_limit=None, avoid=met)
+    assert len(again) == 3 and not {s.id for s in again} & met
+    missed = frozenset({next(s.id for s in task.load() if s not in everything)})  # a draw that misses it: unchanged
+    assert selection.calibration_samples(task, 3, 42, eval_limit=None, avoid=missed) == everything
 
 
 def test_calibrate_writes_the_best_point_and_ls_uses_it(tmp_path, monkeypatch):
