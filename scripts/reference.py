@@ -78,7 +78,7 @@ def steps(root: str, python: str = sys.executable) -> list[Step]:
             out.append(Step(f"{name}:{model}", [*run, command, "-m", f"experiment={name}", "scale=local",
                                                 f"model={model}", f"records_root={root}"], f"{name}_local", model))
         for task in tasks:  # Table 1's peer rows (†): transformers' own decoding, per task, by bench peer
-            peers = f"{root}/local/{model}/{task}/peers"
+            peers = f"{root}/local/{model}/{task}/peers/max{max_new_tokens}"  # a new length: new runs, not a conflict
             out.append(Step(f"table1-peers:{model}:{task}", [
                 *run, "bench", "peer", "--model", model, "--task", task, "--limit", str(limit),
                 "--max-new-tokens", str(max_new_tokens), "--experiment", "table1_local", "--root", peers,
