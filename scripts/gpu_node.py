@@ -137,7 +137,7 @@ class Step:
 
 def steps(out: Path, python: str, dry: bool, runs: Path) -> list[Step]:
     """The checks, in the order of what their figures are worth (a budget spent early leaves the best measured), each
-    timeout its own budget: together 520 s of the default 540 (9 minutes: a lent machine's 15, less its ~3-minute
+    timeout its own budget: together 540 s of the default 540 (9 minutes: a lent machine's 15, less its ~3-minute
     start, leaves a rerun of a step room). Real: the sizes an H200 should run in them (estimates: not yet run there);
     dry: tiny, on the CPU, eager loop. Each step writes its result file as it goes (bench gpu after every prompt's
     rows); run records go under `runs`, apart from OUT_DIR (packed into records.tar.gz at the end)."""
@@ -165,6 +165,12 @@ def steps(out: Path, python: str, dry: bool, runs: Path) -> list[Step]:
                                             "--configs", "4:2", "--batch", "2", *tiny_cpu])]],
              "bench gpu on synthetic-llama2-7b: Vanilla eager / graphs / fused graphs, LS and DEL fused, Vanilla and "
              "LS at B = 8 fused, each against generate", results=["bench_gpu_7b.json"]),
+        # DEL's stop on τ four ways at the 7B layer shape (issue 51): a host read a candidate (today's engine), CUDA
+        # graph conditional nodes, masked continuation, the stop known — which way DEL's device-side stop should take
+        Step("del_stop", 20, [[*bench, "del-stop", *device, "--out", str(out / "del_stop.json"),
+                               *small(["--shape", "llama2-7b", "--reps", "20"], ["--shape", "tiny", "--reps", "2"])]],
+             "bench del-stop: DEL's stop read per candidate vs conditional nodes vs masked vs ideal, ms a round",
+             results=["del_stop.json"]),
         # the tests that need a GPU (conftest marks them `cuda`): the lossless tests on CUDA and the device tests; the
         # bench's captured rows at a tiny shape left out (bench_gpu_7b checks them at 7B: their compiles cost a minute)
         Step("pytest_cuda", 90, [[*py, "-m", "pytest", "-q", "-m", "cuda and not slow", "-k",
@@ -329,6 +335,11 @@ def digest(out: Path, name: str) -> list[str]:
                          f", reads/round {fmt(r.get('host_reads_per_round'))}, = generate "
                          f"{r.get('equal_generate', '-')}{graphs}")
         return lines
+    if data.get("bench") == "del-stop":
+        return [f"d={r['d']} {r['way']}: " + (f"{r['ms']:.3f} ms a round, ÷ideal {fmt(r.get('over_ideal'))}, "
+                                               f"{r['steps']} steps, {r['reads']} reads, = read {r['equal_read']}"
+                                               if "ms" in r else f"not run — {(r.get('not_run') or '')[:160]}")
+                for r in data["rows"]]
     if data.get("bench") == "batch":
         return [f"{r['row']} B={r['batch_size']}: {fmt(r.get('throughput'))} tok/s, ×B=1 {fmt(r.get('scaling'))}, "
                 f"speedup {fmt(r.get('speedup'))} (pred. {fmt(r.get('predicted_speedup'))}, meas/pred "

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from del_bench.bench import batch as bench_batch
+from del_bench.bench import del_stop, half_lossless
 from del_bench.bench import gpu as bench_gpu
-from del_bench.bench import half_lossless
 from del_bench.bench import harness as h
 from del_bench.bench import profile as bench_profile
 from tests.conftest import compose_run
@@ -32,7 +32,7 @@ if [ -n "$STUB_FAIL" ] && [[ "$*" == *"$STUB_FAIL"* ]]; then exit 3; fi
 if [ -n "$STUB_SLEEP" ] && [[ "$*" == *"$STUB_SLEEP"* ]]; then sleep 60 & echo $! > "$STUB_PID"; wait; fi
 exit 0
 """
-NON_CUDA = ["env", "bench_gpu_7b", "half_lossless_testbed", "profile"]
+NON_CUDA = ["env", "bench_gpu_7b", "del_stop", "half_lossless_testbed", "profile"]
 
 
 def gpu_node():
@@ -76,13 +76,13 @@ def test_a_failing_step_is_reported_and_the_others_still_run(tmp_path):
     assert rc == 1
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     status = {name: r["status"] for name, r in summary["steps"].items()}
-    assert status == {"wheels": "skipped", "env": "passed", "bench_gpu_7b": "passed", "pytest_cuda": "skipped",
-                      "half_lossless_testbed": "passed", "profile": "failed"}
+    assert status == {"wheels": "skipped", "env": "passed", "bench_gpu_7b": "passed", "del_stop": "passed",
+                      "pytest_cuda": "skipped", "half_lossless_testbed": "passed", "profile": "failed"}
     assert summary["not_passed"] == ["profile"]
     assert stdout.rstrip().endswith("==== not passed: profile")
     assert all((tmp_path / "out" / f"{name}.log").is_file() for name in NON_CUDA)
     # in order, every command of every step but the CUDA-only ones (a dry run), those after the failure too
-    order = [calls.index(marker) for marker in ("missing", "bench gpu --model synthetic",
+    order = [calls.index(marker) for marker in ("missing", "bench gpu --model synthetic", "bench del-stop",
                                                 "half-lossless --model testbed", "bench profile")]
     assert order == sorted(order) and "-m pytest" not in calls
     assert f"--root {tmp_path / 'out' / 'runs'}" in calls  # run records apart from the result files
@@ -176,7 +176,7 @@ def test_every_steps_command_is_one_its_tool_accepts(tmp_path):
     node = gpu_node()
     for dry in (False, True):
         steps = node.steps(tmp_path, "python3", dry, tmp_path / "runs")
-        assert [s.name for s in steps] == ["env", "bench_gpu_7b", "pytest_cuda", *NON_CUDA[2:]]
+        assert [s.name for s in steps] == ["env", "bench_gpu_7b", "del_stop", "pytest_cuda", *NON_CUDA[3:]]
         for command in (c for s in steps for c in s.commands):
             if command[1:4] == ["-m", "del_bench", "bench"]:
                 if command[4] == "profile":  # a run's overrides, composed as `run` composes them
@@ -189,6 +189,11 @@ def test_every_steps_command_is_one_its_tool_accepts(tmp_path):
                     assert args.batch_sizes == ("1,2" if dry else "1,8") and args.random
                     args = bench_gpu.parse_args(args.random)
                     assert args.model == ("synthetic-testbed" if dry else "synthetic-llama2-7b")
+                elif command[4] == "del-stop":  # its own layer shape: the 7B one in bf16 on CUDA, tiny on the CPU
+                    args = del_stop.parse(command[5:])
+                    assert args.device == ("cpu" if dry else "cuda") and args.dtype is None
+                    assert args.shape == ("tiny" if dry else "llama2-7b")
+                    continue
                 else:
                     parse = {"gpu": bench_gpu.parse_args, "half-lossless": half_lossless.parse_args}[command[4]]
                     args = parse(command[5:])

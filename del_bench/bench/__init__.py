@@ -26,6 +26,7 @@ BENCHES = {  # name: module of this package (a module's `main(argv)` runs it)
     "ab": "ab",
     "del-trace": "del_trace",
     "segments": "segments",
+    "del-stop": "del_stop",
 }
 
 
