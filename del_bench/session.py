@@ -35,6 +35,7 @@ from del_bench.engine import path_choice
 from del_bench.engine.costs import measure_costs
 from del_bench.engine.decode import Engine
 from del_bench.engine.sampling import Sampling
+from del_bench.errors import ConfigError
 from del_bench.models import exit_adapters, loading, synthetic
 from del_bench.models.layer_stack import LayerStack
 from del_bench.models.products import Products
@@ -89,13 +90,21 @@ def calibration_texts(cfg: DictConfig, task=None) -> list[str] | None:
     turn) of `model.calibration_prompts` records of the run's task outside its evaluation set (the draw of `calibrate`,
     seeded by the model's seed, so that a task's runs share one model) — where every record is evaluated (WMT14's
     local 1,000), a draw that meets the run's own prompts is made again without them; None: random text (or no
-    synthetic model).
+    synthetic model). calibrate_on=run: the prompts of the run's own selection (a multi-turn sample's first turn).
     task: the run's Task if built (None: cfg.task's, instantiated here)."""
-    if cfg.model.get("source") != "synthetic" or cfg.model.get("calibrate_on", "random") != "task":
+    mode = cfg.model.get("calibrate_on", "random")
+    if cfg.model.get("source") != "synthetic" or mode == "random":
         return None
+    if mode == "run" and cfg.get("sample_set", "eval") != "eval":
+        raise ConfigError("model.calibrate_on=run calibrates on an evaluation selection (limit, seed); `calibrate`'s "
+                          "grid decodes calibration samples: use calibrate_on=task there")
     task = instantiate(cfg.task) if task is None else task
-    own = frozenset(s.id for s in select_samples(task, cfg))  # the run's own prompts: never drawn
-    samples = calibration_samples(task, int(cfg.model.calibration_prompts), int(cfg.model.get("seed", 0)), None, own)
+    own = select_samples(task, cfg)
+    if mode == "run":  # the run's own prompts, as it decodes them: the agreement asked is the one it meets
+        samples = own
+    else:  # the task's calibration draw, never the run's own prompts
+        samples = calibration_samples(task, int(cfg.model.calibration_prompts), int(cfg.model.get("seed", 0)), None,
+                                      frozenset(s.id for s in own))
     return [s.prompt if s.turns is None else s.turns[0] for s in samples]
 
 

@@ -16,6 +16,7 @@ from omegaconf import OmegaConf
 from del_bench.bench.gpu import token_acceptance
 from del_bench.engine.decode import Engine
 from del_bench.engine.sampling import Sampling
+from del_bench.errors import ConfigError
 from del_bench.methods.clasp import CLaSp
 from del_bench.methods.dynamic_exit import DEL
 from del_bench.methods.ls import LayerSkip
@@ -140,6 +141,33 @@ def test_calibrated_on_texts_the_agreement_holds_on_texts_of_their_kind(tmp_path
     assert abs(met["agreement_by_layer"][E - 1] - AGREEMENT) <= 0.1, met
     with mock.patch.object(synthetic, "exit_matches", side_effect=AssertionError("measured again")):
         assert synthetic.agreement_on(model, held_out, 24) == met  # the same prompts again: measured once
+
+
+def test_calibrate_on_run_meets_the_agreement_asked_on_the_runs_own_prompts(run_cfg, tmp_path, monkeypatch):
+    """calibrate_on=run calibrates on the run's own selection (its prompts as it decodes them), so with
+    calibration_tokens the run's length the agreement along its prompts is calibration's measurement itself; the
+    weights name the selection (another limit or seed: another model, never resumed or paired as this one)."""
+    from hydra.utils import instantiate
+
+    from del_bench import session
+
+    monkeypatch.setenv("DEL_BENCH_CACHE", str(tmp_path / "cache"))
+    small = {k: v for k, v in SMALL.items() if k not in ("shape", "device")}
+    overrides = ("model=synthetic-testbed", "model.tokenizer=bytes", "model.dtype=float64", "model.calibrate_on=run",
+                 *(f"++model.{k}={v}" for k, v in small.items()))
+    cfg = run_cfg(*overrides, "limit=3")
+    assert cfg.model.weights.endswith(f"-cal-run-l3-s{cfg.seed}")
+    assert run_cfg(*overrides, "limit=4").model.weights.endswith(f"-cal-run-l4-s{cfg.seed}")
+    task = instantiate(cfg.task)
+    samples = task.select(cfg.limit, cfg.seed)
+    assert session.calibration_texts(cfg) == [s.prompt for s in samples]
+    ready = session.build(cfg, task=task, samples=samples)
+    recorded = ready.setup["synthetic"]
+    assert recorded["calibrated_on"] == "run"
+    assert recorded["on_run_prompts"]["agreement_by_layer"] == recorded["agreement_by_layer"]
+    assert abs(recorded["agreement"] - AGREEMENT) <= 0.1
+    with pytest.raises(ConfigError, match="calibrate_on=run"):
+        session.calibration_texts(run_cfg(*overrides, "+sample_set=calibration"))
 
 
 def test_calibrate_on_task_draws_outside_the_evaluation_and_the_run_records_its_own_prompts(run_cfg, tmp_path,

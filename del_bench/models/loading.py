@@ -104,10 +104,12 @@ class SyntheticModel(ModelConfig):
     segment_tokens: int = key(32, "segments: the mean tokens a segment lasts (calibrated)", ge=2)
     mode_neurons: int = key(16, "segments: MLP neurons per layer above the exit that write in low segments", ge=1)
     flatten: float = key(0.0, "segments: low segments' flattening component, in units of the mode's (0: none)", ge=0)
-    calibrate_on: Literal["random", "task"] = key(
-        "random", "random: seeded random text; task: the run task's calibration draw (records outside its evaluation)")
+    calibrate_on: Literal["random", "task", "run"] = key(
+        "random", "random: seeded random text; task: the run task's calibration draw (records outside its evaluation); "
+        "run: the run's own prompts")
     calibration_prompts: int = key(8, "prompts agreement is calibrated on", ge=1)
-    calibration_prompt_tokens: int = key(2048, "calibrate_on=task: each prompt at most its last this many tokens", ge=1)
+    calibration_prompt_tokens: int = key(2048, "calibrate_on=task/run: each prompt at most its last this many tokens",
+                                         ge=1)
     calibration_tokens: int = key(32, "each continued greedily this many tokens", ge=1)
     hidden_size: int | None = key(None, "D, overriding the shape's", ge=1)
     intermediate_size: int | None = key(None, "the MLP's width, overriding the shape's", ge=1)

@@ -101,7 +101,8 @@ def shape_of(cfg) -> dict:
 def build(cfg, dtype: torch.dtype, tokenizer, cache: Path, texts: list[str] | None = None):
     """The synthetic model of `cfg` (source: synthetic) on cfg.device in `dtype`, calibrated (its constants cached in
     the directory `cache`) on seeded random text or, given `texts` (model.calibrate_on=task: the task's calibration
-    draw), on those texts, each at its own length (at most its last calibration_prompt_tokens): → the model."""
+    draw; run: the run's own prompts), on those texts, each at its own length (at most its last
+    calibration_prompt_tokens): → the model."""
     shape = shape_of(cfg)
     E, target = int(cfg.default_exit_layer), float(cfg.get("agreement", 0.8))
     profile = cfg.get("agreement_profile", "uniform")
@@ -113,8 +114,8 @@ def build(cfg, dtype: torch.dtype, tokenizer, cache: Path, texts: list[str] | No
     if profile not in PROFILES:
         raise ConfigError(f"model.agreement_profile={profile!r}: one of {', '.join(PROFILES)}")
     if texts is not None and profile != "uniform":
-        raise ConfigError("model.calibrate_on=task calibrates the uniform profile; the segments profile calibrates on "
-                          "random text (model.calibrate_on=random)")
+        raise ConfigError(f"model.calibrate_on={cfg.get('calibrate_on')} calibrates the uniform profile; the segments "
+                          "profile calibrates on random text (model.calibrate_on=random)")
     device = torch.device(cfg.get("device") or "cpu")
     eos = getattr(tokenizer, "eos_token_id", None)
     t0 = time.perf_counter()
@@ -138,7 +139,7 @@ def build(cfg, dtype: torch.dtype, tokenizer, cache: Path, texts: list[str] | No
     else:
         model.synthetic = build_uniform(model, E, target, prompts, tokens, cache, key)
     model.synthetic.update(shape=cfg.shape, build_s=round(built_s, 2), calibration_s=round(time.perf_counter() - t0, 2),
-                           calibrated_on="random" if texts is None else "task",
+                           calibrated_on="random" if texts is None else cfg.get("calibrate_on", "task"),
                            calibration_prompt_lengths=list(lengths), calibration_ids=calibration_ids)
     model.agreement_on_prompts = {}  # agreement_on's measurements: the weights are fixed from here on
     log.info("synthetic %s (%s): r = %.4f, agreement at layer %d %.3f", cfg.shape, profile,
@@ -240,11 +241,16 @@ def _rounded(value: float | None, digits: int = 4) -> float | None:
     return None if value is None else round(value, digits)
 
 
-def profile_tag(*, _parent_) -> str:
+def profile_tag(*, _parent_, _root_) -> str:
     """${synthetic_profile:} in a synthetic model config's `weights`: "" for the uniform profile (the weights' name
     as it always was), else the segments profile's settings, so runs of other settings never pair or resume; and
-    "-cal-task" where the model is calibrated on the run task's prompts (its weights then depend on the task)."""
-    calibrated = "-cal-task" if _parent_.get("calibrate_on", "random") == "task" else ""
+    "-cal-task" where the model is calibrated on the run task's prompts (its weights then depend on the task),
+    "-cal-run-l<limit>-s<seed>" where on the run's own (they depend on its selection too: the task is in the run's
+    key and directory, the selection only here)."""
+    calibrated = {"random": "", "task": "-cal-task"}.get(_parent_.get("calibrate_on", "random"), "-cal-run")
+    if calibrated == "-cal-run" and "seed" in _root_:
+        limit = _root_.get("limit")
+        calibrated += f"-l{'all' if limit is None else limit}-s{_root_.seed}"
     if _parent_.get("agreement_profile", "uniform") == "uniform":
         return calibrated
     keys = ("agreement_high", "agreement_low", "segment_tokens", "mode_neurons", "flatten")
@@ -274,9 +280,9 @@ def text_prompts(tokenizer, texts: list[str], vocab: int, length: int, device) -
     its own, as a run decodes it)."""
     rows = [tokenizer(text)["input_ids"][-length:] for text in texts]
     if min(len(ids) for ids in rows) < 1:
-        raise ConfigError("model.calibrate_on=task: a calibration prompt of the task tokenizes to nothing")
+        raise ConfigError("model.calibrate_on: a calibration prompt of the task tokenizes to nothing")
     if max(max(ids) for ids in rows) >= vocab:
-        raise ConfigError(f"model.calibrate_on=task: the tokenizer gives ids beyond the shape's {vocab}-token "
+        raise ConfigError(f"model.calibrate_on: the tokenizer gives ids beyond the shape's {vocab}-token "
                           "vocabulary; use a tokenizer of that size (model.tokenizer) or a larger model.vocab_size")
     return [torch.tensor([ids], device=device) for ids in rows]
 
