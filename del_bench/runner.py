@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import importlib.metadata
 import json
 import logging
@@ -61,6 +62,7 @@ def run(cfg: DictConfig, load=None, task=None) -> dict:
     decode (`calibrate` passes one that loads the model once for its whole grid; session.loader). task: a Task already
     built (the lm-eval backend's requests, del_bench/lm_eval_backend.py), else the one cfg.task instantiates."""
     validate(cfg)
+    code_state()  # the code this process decodes with, before anything may change it (provenance)
     if cfg.threads:
         torch.set_num_threads(int(cfg.threads))
     task = task if task is not None else instantiate(cfg.task)
@@ -492,16 +494,16 @@ def provenance(layer_path: str | None = None, device: str | None = None) -> dict
     tracked or untracked files outside results/ — records written there are data, not code), package versions, the
     device the model ran on (`device`: the model config's; None, as loading chooses: CUDA where there is one), the CPU
     as the kernel names it and the host's kind, torch's threads, the layer loop."""
-    repo = Path(__file__).resolve().parent.parent
     versions = {}
     for name in PACKAGES:
         try:
             versions[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
             versions[name] = None
+    commit, dirty = code_state()
     return {
-        "git_commit": git(repo, "rev-parse", "--verify", "HEAD") or None,
-        "git_dirty": git_dirty(repo),
+        "git_commit": commit,
+        "git_dirty": dirty,
         "packages": versions,
         "python": platform.python_version(),
         "device": device_name(device),
@@ -511,6 +513,15 @@ def provenance(layer_path: str | None = None, device: str | None = None) -> dict
         "torch_threads": torch.get_num_threads(),
         **({"layer_path": layer_path} if layer_path else {}),
     }
+
+
+@functools.cache
+def code_state() -> tuple[str | None, bool]:
+    """(the commit, whether the code differed from it) as this process found them first — `run` and every bench ask
+    at their start — so that a commit made while a run decodes does not relabel records measured with the code the
+    process had loaded."""
+    repo = Path(__file__).resolve().parent.parent
+    return git(repo, "rev-parse", "--verify", "HEAD") or None, git_dirty(repo)
 
 
 def git(repo: Path, *args) -> str:

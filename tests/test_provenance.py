@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import subprocess
 
+import pytest
 import torch
 
 from del_bench import runner
@@ -88,3 +89,32 @@ def test_a_bench_table_marks_a_speedup_across_machine_states(capsys):
     harness.print_table(rows, ["row", "tok/s"])
     out = capsys.readouterr().out
     assert "LS §" in out and "§ its speedup pairs two states of the machine" in out
+
+
+def test_provenance_is_the_code_the_process_started_with(monkeypatch):
+    """A commit made while a run decodes does not relabel its records: the commit and the code's state are read once,
+    when the process first asks (run and every bench ask at their start)."""
+    runner.code_state.cache_clear()
+    try:
+        monkeypatch.setattr(runner, "git", lambda repo, *args: "c1")
+        monkeypatch.setattr(runner, "git_dirty", lambda repo: False)
+        runner.code_state()  # the start of a run
+        monkeypatch.setattr(runner, "git", lambda repo, *args: "c2")  # committed (or edited) while it decodes
+        monkeypatch.setattr(runner, "git_dirty", lambda repo: True)
+        assert {k: runner.provenance()[k] for k in ("git_commit", "git_dirty")} == {"git_commit": "c1",
+                                                                                   "git_dirty": False}
+    finally:
+        runner.code_state.cache_clear()
+
+
+def test_a_run_reads_the_codes_state_before_it_decodes(run_cfg, monkeypatch):
+    class Started(Exception):
+        pass
+
+    def started():
+        raise Started
+
+    monkeypatch.setattr(runner, "code_state", started)
+    monkeypatch.setattr(runner, "instantiate", lambda *a, **k: (_ for _ in ()).throw(AssertionError("too late")))
+    with pytest.raises(Started):  # before the task, the method or the model is built
+        runner.run(run_cfg("model=tiny-random", "max_new_tokens=4", "limit=1"))
