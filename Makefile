@@ -14,7 +14,7 @@ export HF_DATASETS_OFFLINE ?= 1
 export TRANSFORMERS_NO_ADVISORY_WARNINGS ?= 1
 
 .DEFAULT_GOAL := help
-.PHONY: help setup constraints reference bench bench-ab bench-gpu bench-synthetic bench-segments gpu-wheels gpu-check demo test lint tables figures bench-peer bench-profile bench-parts bench-engine bench-compile bench-controller bench-memory bench-del bench-testbed bench-swift bench-adapters bench-half-lossless bench-sandbox bench-batch bench-del-trace exits smoke-tasks testbed clean
+.PHONY: help setup constraints reference bench bench-ab bench-gpu bench-synthetic bench-segments gpu-wheels gpu-check demo test lint tables figures bench-peer bench-profile bench-parts bench-engine bench-compile bench-controller bench-memory bench-del bench-testbed bench-swift bench-adapters bench-half-lossless bench-sandbox bench-batch bench-del-trace bench-del-stop exits smoke-tasks testbed clean
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -142,6 +142,9 @@ bench-swift: setup ## SWIFT (searched, then its found set fixed) vs Vanilla, LS 
 TRACE_RUNS ?= results/reference/local/smollm2-135m/specbench/del-w0.95-measured-v1024-deferred/greedy-max64-seed42 \
   results/reference/local/smollm2-135m/humaneval_pass10/del-w0.95-layers-vNone/sample-t0.6-p0.95-max48-seed42 \
   results/reference/bench/testbed_runs/code/del-w0.95-layers-vNone
+bench-del-stop: setup ## DEL's stop on τ four ways — a host read per candidate, CUDA graph conditional nodes, masked continuation, the stop known — ms a round at Llama-2-7B's layer shape on a GPU (make gpu-check runs it; on a CPU: SHAPE=tiny, outputs only) → $(RECORDS)/bench/del_stop.json
+	$(PY) -m del_bench bench del-stop --shape $(or $(SHAPE),llama2-7b) --out $(RECORDS)/bench/del_stop.json
+
 bench-del-trace: setup ## DEL round by round from records (no decoding): plans, predicted vs realised TPL, where rounds lose → $(RECORDS)/bench/del_trace.json, del_trace/*.png
 	$(PY) -m del_bench bench del-trace $(TRACE_RUNS) --out $(RECORDS)/bench/del_trace.json
 

@@ -42,6 +42,7 @@ from del_bench.config import (
     resolve_aliases,
 )
 from del_bench.errors import CalibrationError, ConfigError, RunConflict, TaskError
+from del_bench.git_state import code_state
 
 USER_ERRORS = (ConfigError, RunConflict, TaskError)  # reported in one line, exit code 2
 
@@ -389,11 +390,16 @@ COMMANDS = {"run": cmd_run, "calibrate": cmd_calibrate, "ls": cmd_ls, "show": cm
             "bench": cmd_bench, "lm-eval": cmd_lm_eval}
 
 
+MEASURING = ("run", "calibrate", "train-layerskip", "train-exits", "bench", "lm-eval")  # commands that write records
+
+
 def main() -> int:
     if len(sys.argv) < 2 or sys.argv[1] not in COMMANDS:
         print(__doc__.strip(), file=sys.stderr)
         return 2
     command = sys.argv[1]
+    if command in MEASURING:
+        code_state()  # the code this process measures with, before a model loads (provenance; git_state)
     try:
         return COMMANDS[command](sys.argv[2:])
     except ConfigError as err:

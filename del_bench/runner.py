@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import copy
-import functools
 import importlib.metadata
 import json
 import logging
 import os
 import platform
-import subprocess
 import time
 import weakref
 import zlib
@@ -27,6 +25,7 @@ from del_bench.averages import mean
 from del_bench.config import validate
 from del_bench.engine.batch import Batch
 from del_bench.engine.decode import Engine, Request
+from del_bench.git_state import code_state
 from del_bench.machine_load import LoadProbe
 from del_bench.models import exit_adapters
 from del_bench.records import (
@@ -513,30 +512,6 @@ def provenance(layer_path: str | None = None, device: str | None = None) -> dict
         "torch_threads": torch.get_num_threads(),
         **({"layer_path": layer_path} if layer_path else {}),
     }
-
-
-@functools.cache
-def code_state() -> tuple[str | None, bool]:
-    """(the commit, whether the code differed from it) as this process found them first — `run` and every bench ask
-    at their start — so that a commit made while a run decodes does not relabel records measured with the code the
-    process had loaded."""
-    repo = Path(__file__).resolve().parent.parent
-    return git(repo, "rev-parse", "--verify", "HEAD") or None, git_dirty(repo)
-
-
-def git(repo: Path, *args) -> str:
-    """A git command's output in `repo` ("" where git fails or is missing)."""
-    try:
-        done = subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return ""
-    return done.stdout.strip() if done.returncode == 0 else ""
-
-
-def git_dirty(repo: Path) -> bool:
-    """Whether the code differs from the commit: any tracked file changed or untracked file added (ignored ones
-    aside), outside results/ — the records and tables written there are data, committed apart from code."""
-    return bool(git(repo, "status", "--porcelain", "--", ".", ":(exclude)results"))
 
 
 def device_name(device: str | None) -> str:

@@ -4,7 +4,7 @@ both local models, and the benches the README cites — into results/reference, 
 
     python scripts/reference.py [--root results/reference] [--retries 2] [--steps a,b] [--list] [--keep-old]
 
-- Refuses to start when the code differs from its commit (runner.git_dirty: records under results/ do not count):
+- Refuses to start when the code differs from its commit (git_state.git_dirty: records under results/ do not count):
   every run must say which code measured it.
 - Records measured by other code are removed first (git keeps them; `--keep-old` keeps them, and they are then
   re-used as finished runs), except `gpu/`, which no CPU can re-measure. Code is the commit's tree with results/ left
@@ -35,8 +35,8 @@ from pathlib import Path
 
 import pandas as pd
 
+from del_bench.git_state import git, git_dirty
 from del_bench.report.collect import load_runs
-from del_bench.runner import git, git_dirty
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -10,7 +10,7 @@ import subprocess
 import pytest
 import torch
 
-from del_bench import runner
+from del_bench import git_state, runner
 from del_bench.__main__ import format_table
 from del_bench.bench import harness
 from del_bench.records import machine_of
@@ -27,16 +27,16 @@ def test_git_dirty_is_the_codes_state_not_the_records(tmp_path):
     (tmp_path / "results" / "kept.json").write_text("{}\n")
     _git(tmp_path, "add", ".")
     _git(tmp_path, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "c")
-    assert not runner.git_dirty(tmp_path)
+    assert not git_state.git_dirty(tmp_path)
     (tmp_path / "results" / "kept.json").write_text('{"new": 1}\n')  # a committed record rewritten
     (tmp_path / "results" / "run").mkdir()
     (tmp_path / "results" / "run" / "samples.jsonl").write_text("{}\n")  # a new record
-    assert not runner.git_dirty(tmp_path)
+    assert not git_state.git_dirty(tmp_path)
     (tmp_path / "helper.py").write_text("y = 2\n")  # new code, not yet added
-    assert runner.git_dirty(tmp_path)
+    assert git_state.git_dirty(tmp_path)
     (tmp_path / "helper.py").unlink()
     (tmp_path / "code.py").write_text("x = 2\n")
-    assert runner.git_dirty(tmp_path)
+    assert git_state.git_dirty(tmp_path)
 
 
 def test_the_device_is_where_the_model_ran(monkeypatch):
@@ -94,17 +94,17 @@ def test_a_bench_table_marks_a_speedup_across_machine_states(capsys):
 def test_provenance_is_the_code_the_process_started_with(monkeypatch):
     """A commit made while a run decodes does not relabel its records: the commit and the code's state are read once,
     when the process first asks (run and every bench ask at their start)."""
-    runner.code_state.cache_clear()
+    git_state.code_state.cache_clear()
     try:
-        monkeypatch.setattr(runner, "git", lambda repo, *args: "c1")
-        monkeypatch.setattr(runner, "git_dirty", lambda repo: False)
-        runner.code_state()  # the start of a run
-        monkeypatch.setattr(runner, "git", lambda repo, *args: "c2")  # committed (or edited) while it decodes
-        monkeypatch.setattr(runner, "git_dirty", lambda repo: True)
+        monkeypatch.setattr(git_state, "git", lambda repo, *args: "c1")
+        monkeypatch.setattr(git_state, "git_dirty", lambda repo: False)
+        git_state.code_state()  # the start of a run
+        monkeypatch.setattr(git_state, "git", lambda repo, *args: "c2")  # committed (or edited) while it decodes
+        monkeypatch.setattr(git_state, "git_dirty", lambda repo: True)
         assert {k: runner.provenance()[k] for k in ("git_commit", "git_dirty")} == {"git_commit": "c1",
                                                                                    "git_dirty": False}
     finally:
-        runner.code_state.cache_clear()
+        git_state.code_state.cache_clear()
 
 
 def test_a_run_reads_the_codes_state_before_it_decodes(run_cfg, monkeypatch):

@@ -42,6 +42,7 @@ BENCHES = {
     "compile": ["--models", TINY, "--context", "8", "--reps", "1", "--threads", "1", "--backend", "eager",
                 "--no-fused"],
     "controller": ["--model", TINY, "--limit", "1", "--max-new-tokens", "8", "--vocab", "64", "--every", "2", *RUNS],
+    "del-stop": ["--device", "cpu", "--shape", "tiny", "--budget", "4", "--stops", "1,3", "--reps", "1"],
     "del-trace": ["{tmp}/del_run"],
     "del": ["--model", TINY, "--tasks", "humaneval", "--limit", "2", "--max-new-tokens", "8", "--grid", "1:2",
             "--del-methods", "del_cpu", *RUNS],

@@ -47,7 +47,4 @@ def main(argv: list[str]) -> int:
         print(f"{unknown}python -m del_bench bench NAME [ARGS] (NAME --help for its arguments):\n{listing()}")
         return 2 if unknown else 0
     module = importlib.import_module(f"{__name__}.{BENCHES[argv[0]]}")
-    from del_bench.runner import code_state
-
-    code_state()  # the code the bench measures with, before anything may change it (its result's provenance)
     return module.main(argv[1:]) or 0
