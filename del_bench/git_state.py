@@ -1,7 +1,8 @@
 """The code a process runs, as git sees it (a run's and a bench's `provenance`): read once per process, when it starts
 measuring — the CLI asks before any command that measures, before a model loads — so that a commit made while a run
-decodes does not relabel what it measured. Kept apart from the runner so that asking costs no import: a fork made
-after the model's first kernels moved the memory bench's peak RSS by ±8 MiB."""
+decodes does not relabel what it measured. Kept apart from the runner so that asking costs no import: asked where a
+bench started instead (its modules and the runner imported, no model yet), git's fork moved the memory bench's peak
+RSS by ±8 MiB from run to run (tests/test_memory.py failed); asked first thing, it did not in five runs."""
 
 from __future__ import annotations
 
