@@ -195,7 +195,7 @@ def test_errors_is_the_bottom_and_main_the_top():
 LAYERS = [
     ("foundations", ["del_bench", "del_bench.errors", "del_bench.numerics", "del_bench.averages", "del_bench.transfer",
                      "del_bench.memory",
-                     "del_bench.machine_load", "del_bench.sandbox", "del_bench.selection",
+                     "del_bench.machine_load", "del_bench.git_state", "del_bench.sandbox", "del_bench.selection",
                      "del_bench.calibration_store", "del_bench.metrics", "del_bench.schema"]),
     ("models and methods", ["del_bench.models", "del_bench.methods"]),
     ("records and tasks", ["del_bench.records", "del_bench.specbench", "del_bench.tasks"]),
