@@ -131,7 +131,7 @@ class Rounds:
     steps captured as graphs (one memory pool), elsewhere run eagerly."""
 
     def __init__(self, drafter: DraftStep, stops: list[int]):
-        self.drafter, self.stops = drafter, stops
+        self.drafter = drafter
         self.cuda = drafter.token.device.type == "cuda"
         self.pool = torch.cuda.graph_pool_handle() if self.cuda else None
         self.conditional_error: str | None = None

@@ -247,8 +247,9 @@ def profile_tag(*, _parent_, _root_) -> str:
     "-cal-task" where the model is calibrated on the run task's prompts (its weights then depend on the task),
     "-cal-run-l<limit>-s<seed>" where on the run's own (they depend on its selection too: the task is in the run's
     key and directory, the selection only here)."""
-    calibrated = {"random": "", "task": "-cal-task"}.get(_parent_.get("calibrate_on", "random"), "-cal-run")
-    if calibrated == "-cal-run" and "seed" in _root_:
+    mode = _parent_.get("calibrate_on", "random")
+    calibrated = "" if mode == "random" else f"-cal-{mode}"
+    if mode == "run" and "seed" in _root_:  # a run config (not a model config alone): its selection
         limit = _root_.get("limit")
         calibrated += f"-l{'all' if limit is None else limit}-s{_root_.seed}"
     if _parent_.get("agreement_profile", "uniform") == "uniform":
