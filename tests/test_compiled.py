@@ -57,39 +57,55 @@ def stack_and_prompt():
     return LayerStack(model), tok(PROMPT)["input_ids"]
 
 
-def long_prompt(prompt: list[int]) -> list[int]:
-    return (prompt * (LONG // len(prompt) + 1))[:LONG]
+def long_prompt(prompt: list[int], length: int = LONG) -> list[int]:
+    return (prompt * (length // len(prompt) + 1))[:length]
 
 
-def attended_spy(functions, monkeypatch) -> list[tuple[int, torch.Tensor]]:
-    """Every step the graphs' functions run, recorded as (the key slots it attends over, its positions): chains,
-    sublayer steps and a batch's chains (read after the decode: no host read inside a step)."""
-    seen: list[tuple[int, torch.Tensor]] = []
-    chain, attention, rows = functions.chain, functions.attention, functions.rows
+def attended_spy(graphs, monkeypatch) -> list[tuple[int, torch.Tensor, int | None]]:
+    """Every step the graphs' functions run, recorded as (the key slots it attends over, its positions, and for a
+    draft chain's pass the slots its round's budget may reach) — chains, sublayer steps, a batch's chains, draft
+    chains' passes (read after the decode: no host read inside a step)."""
+    seen: list[tuple[int, torch.Tensor, int | None]] = []
+    functions = graphs.functions
+    chain, attention, rows, draft_chain = functions.chain, functions.attention, functions.rows, graphs.draft_chain
+    reach: list[int] = []  # while a draft chain replays: the slots its round may use
 
     def chain_spy(ws, h, positions, ks, vs, *args, **kwargs):
-        seen.append((ks[0].shape[2], positions.clone()))
+        seen.append((ks[0].shape[2], positions.clone(), reach[-1] if reach else None))
         return chain(ws, h, positions, ks, vs, *args, **kwargs)
 
     def attention_spy(w, h, positions, k, v):
-        seen.append((k.shape[2], positions.clone()))
+        seen.append((k.shape[2], positions.clone(), None))
         return attention(w, h, positions, k, v)
 
     def rows_spy(ws, h, positions, live, ks, vs, *args, **kwargs):
-        seen.append((ks[0].shape[2], positions.clone()))
+        seen.append((ks[0].shape[2], positions.clone(), None))
         return rows(ws, h, positions, live, ks, vs, *args, **kwargs)
+
+    def draft_chain_spy(exit_layer, pos, budget, cache):
+        graph = draft_chain(exit_layer, pos, budget, cache)
+        if graph is None:
+            return None
+
+        def replay():
+            reach.append(pos + budget + 1)
+            graph.replay()
+            reach.pop()
+        return type("Spied", (), {"replay": staticmethod(replay)})()
 
     for name, spy in (("chain", chain_spy), ("attention", attention_spy), ("rows", rows_spy)):
         monkeypatch.setattr(functions, name, spy)
+    monkeypatch.setattr(graphs, "draft_chain", draft_chain_spy)
     return seen
 
 
 def assert_attends_to_its_length(seen, max_len: int) -> set[int]:
-    """Each step attended over the smallest attended length that holds the slots it used (positions 0..max): no more
-    keys than that. → the lengths seen."""
-    for length, positions in seen:
-        assert length == attended(int(positions.max()) + 1, max_len), (length, positions.max())
-    return {length for length, _ in seen}
+    """Each step attended over the smallest attended length that holds the slots it used (positions 0..max; a draft
+    chain's: the slots its round may reach): no more keys than that. → the lengths seen."""
+    for length, positions, reach in seen:
+        needed = reach if reach is not None else int(positions.max()) + 1
+        assert length == attended(needed, max_len), (length, needed)
+    return {length for length, _, _ in seen}
 
 
 def decode(stack, prompt, method, tokens: int = TOKENS, graphs=None) -> list[int]:
@@ -120,6 +136,14 @@ class Replayed(CudaGraphRunner):
             Replayed.replays += 1
 
         return type("Recorded", (), {"replay": staticmethod(replay)})()
+
+    @staticmethod
+    def when(flag, body):
+        """A conditional node's test (a draft chain's): the device's on CUDA — here the host's, outside the counter."""
+        with torch._C.DisableTorchFunction():
+            taken = bool(flag)
+        if taken:
+            body()
 
 
 def test_bucket_and_mask():
@@ -157,7 +181,7 @@ def test_every_method_on_the_graphs_gives_eager_tokens(stack_and_prompt, name, m
     frames = counter.frame_count
     assert info["compiled"] and info["graph_kind"] == "compiled" and info["compile_s"] > 0
     assert set(vars(stack)) == own  # the engine holds its graphs: nothing of them is stored on the model's stack
-    seen = attended_spy(graphs.functions, monkeypatch)
+    seen = attended_spy(graphs, monkeypatch)
     engine = Engine(stack, Sampling(), set(), path=LayerPath(stack, graphs))
     with stack.counting() as work:
         gen = engine.generate(prompt, copy.deepcopy(method), TOKENS, seed=0)
@@ -261,9 +285,9 @@ def test_the_cuda_graph_runner_replays_the_engines_steps(stack_and_prompt, name,
     """The CUDA path's bookkeeping, replayed on the CPU, with the steps' kernels fused (compiled: on) or not (graphs):
     every step reads and writes its width's static buffers, so chains, layer-by-layer and sublayer steps compose; the
     engine decodes in the cache the graphs were captured on; no step reads from the device; the tokens are the eager
-    engine's; a chain is one replay — DEL's too, its layers' states kept inside it: a round replays d + 1 draft
-    passes and one verification. A prompt longer than that cache decodes on the stack's loop, with a warning, the
-    same tokens."""
+    engine's; a chain is one replay — DEL's too, its layers' states kept inside it, and its whole draft, the draft
+    chain: a round replays its draft and one verification. A prompt longer than that cache decodes on the stack's
+    loop, with a warning, the same tokens."""
     stack, prompt = stack_and_prompt
     method = METHODS[name]
     reference = decode(stack, prompt, method)
@@ -271,16 +295,19 @@ def test_the_cuda_graph_runner_replays_the_engines_steps(stack_and_prompt, name,
                                              capture=True, runner=Replayed, backend=CompileCounterWithBackend(BACKEND))
     assert info["graph_kind"] == kind and graphs.cache.max_len == compiled.CACHE_QUANTUM
     engine = Engine(stack, Sampling(), set(), path=LayerPath(stack, graphs))
-    chains, forward_layers = [], graphs.forward_layers
+    chains, forward_layers, draft_chain = [], graphs.forward_layers, graphs.draft_chain
     graphs.forward_layers = lambda *a, **k: chains.append(forward_layers(*a, **k)) or chains[-1]
+    graphs.draft_chain = lambda *a, **k: chains.append(draft_chain(*a, **k)) or chains[-1]
     before = Replayed.replays
     gen = engine.generate(prompt, copy.deepcopy(method), TOKENS, seed=0)
-    del graphs.forward_layers
+    del graphs.forward_layers, graphs.draft_chain
     assert gen.output_ids == reference
-    if name in ("vanilla", "ls", "del"):  # early exit: each chain one replay, ≤ d + 2 a round
+    if name in ("vanilla", "ls", "del"):  # early exit: each chain one replay (DEL's draft one), ≤ d + 2 a round
         replays = Replayed.replays - before
         assert replays == sum(out is not None for out in chains)
         assert replays <= sum(r.drafted + 2 for r in gen.rounds if r.round > 0)
+        if name == "del":  # its whole draft one replay: a drafting round replays its draft chain and verification
+            assert replays == sum(1 + (r.budget > 0) for r in gen.rounds if r.round > 0)
     assert engine.cache is graphs.cache
     long_prompt = prompt * (compiled.CACHE_QUANTUM // len(prompt) + 1)
     with caplog.at_level(logging.WARNING):
@@ -294,16 +321,17 @@ def test_captured_graphs_attend_to_their_length_across_a_boundary(stack_and_prom
     """CUDA graphs per attended length (the runner replayed on the CPU): on a cache captured for 512 slots a graph
     is made for 256 and for 512, each a view of the one cache; a decode that crosses slot 256 replays the 256-slot
     graphs, then the 512-slot ones — every replay attending over the smallest length that holds its slots — with
-    the eager engine's tokens (chains, DEL's collecting chains; sublayer steps take their length the same way:
-    test_every_method_on_the_graphs_gives_eager_tokens[swift])."""
+    the eager engine's tokens (chains, DEL's collecting chains and its draft chains, whose passes attend over the
+    length that holds the slots their round's budget may reach — so DEL's prompt ends 20 slots earlier; sublayer
+    steps take their length the same way: test_every_method_on_the_graphs_gives_eager_tokens[swift])."""
     stack, prompt = stack_and_prompt
-    prompt, method = long_prompt(prompt), METHODS[name]
+    prompt, method = long_prompt(prompt, LONG - 20 if name == "del" else LONG), METHODS[name]
     reference = decode(stack, prompt, method)
-    graphs, info = path_choice.choose_graphs(stack, "on", method, TOKENS, cache_len=len(prompt) + TOKENS + 1,
+    graphs, info = path_choice.choose_graphs(stack, "on", method, TOKENS, cache_len=LONG + TOKENS + 1,
                                              capture=True, runner=Replayed, backend=CompileCounterWithBackend(BACKEND))
     assert info["cache_slots"] == 512 and info["attended_lengths"] == [256, 512]
     assert {key[-1] for key in graphs.runner.made} == {256, 512}  # a graph per length, each prepared
-    seen = attended_spy(graphs.functions, monkeypatch)
+    seen = attended_spy(graphs, monkeypatch)
     engine = Engine(stack, Sampling(), set(), path=LayerPath(stack, graphs))
     assert engine.generate(prompt, copy.deepcopy(method), TOKENS, seed=0).output_ids == reference
     assert engine.cache is graphs.cache and not graphs.declined.get("steps of a shape not prepared", 0) > 1
@@ -494,7 +522,7 @@ def test_a_batchs_graphs_grow_with_a_longer_request_and_attend_to_their_length(c
                                         capture=True, runner=Replayed, batch=2)
     assert graphs.cache.max_len == 256
     batch = Batch(stack, 2, Sampling(), set(), cache_len=80, path=LayerPath(stack, graphs))
-    seen = attended_spy(graphs.functions, monkeypatch)
+    seen = attended_spy(graphs, monkeypatch)
     monkeypatch.setattr(RowSteps, "_eager", lambda *a, **k: pytest.fail("a batch's step ran eagerly"))
     out = {}
 
@@ -506,6 +534,6 @@ def test_a_batchs_graphs_grow_with_a_longer_request_and_attend_to_their_length(c
     assert [out[i] for i in range(len(prompts))] == alone
     assert graphs.regrown == [(256, 512)] and "made again on 512" in caplog.text
     assert batch.cache is graphs.cache and graphs.cache.max_len == 512 and not graphs.declined
-    for length, positions in seen:
+    for length, positions, _ in seen:
         assert int(positions[positions != length - 1].max()) < length - 1
-    assert {length for length, _ in seen} == {256, 512}
+    assert {length for length, _, _ in seen} == {256, 512}

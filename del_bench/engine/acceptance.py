@@ -55,12 +55,21 @@ def _greedy(engine, run, draft: Draft, verified: Verified, ride, logits: torch.T
     the device (targets[k])."""
     d, n, gen = len(draft.ids), run.n, run.gen
     targets = verified.targets = logits.argmax(-1)  # [d+1]
-    unread = len(draft.drafts) < d  # drafts left on the device: read them with the targets
+    undecided = draft.undecided  # a draft chain's: its candidates, confidences and counts ride first
+    unread = undecided is None and len(draft.drafts) < d  # drafts left on the device: read them with the targets
     values, parse = read_values(engine, torch.cat([torch.cat(draft.ids).to(targets.device), targets]) if unread
                                 else targets, logits, ride())  # [2d+1] or [d+1] ids (+ gaps, rider)
+    if undecided is not None:
+        values = torch.cat([undecided[0], values.double()])
 
     def finish(read: list) -> tuple[int, int]:
+        nonlocal d
+        if undecided is not None:  # the method decides over the chain's candidates: the draft is what it kept
+            chained, read = read[: undecided[0].numel()], read[undecided[0].numel() :]
+            undecided[1](chained)
+            draft.undecided, d = None, len(draft.ids)
         targets_host, gaps = parse(read)
+        targets_host = [int(x) for x in targets_host]
         if unread:
             draft.drafts, targets_host = targets_host[:d], targets_host[d:]
         k = next((i for i, (x, t) in enumerate(zip(draft.drafts, targets_host)) if x != t), d)

@@ -30,6 +30,7 @@ import time
 
 import torch
 
+from del_bench.engine.draft_chain import DraftChain
 from del_bench.engine.graph_runners import (  # noqa: F401 (CACHE_QUANTUM: part of this module's API)
     CACHE_QUANTUM,
     CompiledRunner,
@@ -38,7 +39,7 @@ from del_bench.engine.graph_runners import (  # noqa: F401 (CACHE_QUANTUM: part 
     collects_in_graph,
 )
 from del_bench.engine.static_steps import StaticSteps, StepFunctions, StepRows, attended, attended_lengths
-from del_bench.methods.base import LAYER_SKIPPING
+from del_bench.methods.base import EARLY_EXIT, LAYER_SKIPPING
 from del_bench.models.kv_cache import KVCache
 from del_bench.models.layer_stack import LayerStack
 
@@ -93,6 +94,8 @@ class Graphs:
         self.declined: dict[str, int] = {}  # calls the graphs could not take, by reason (a wider batch, …)
         self.shape: StepShapes | None = None  # what prepare made the graphs for
         self.regrown: list[tuple[int, int]] = []  # (from, to) slots: a batch's captured cache grown mid-run
+        self.chain: DraftChain | None = None  # the draft chains' buffers, where prepare made chains (draft_chain)
+        self.chain_error: str | None = None  # why the chains could not be made (the engine reads each candidate)
 
     @property
     def kind(self) -> str:
@@ -117,6 +120,10 @@ class Graphs:
         out: dict = {"inductor_options": self.functions.options} if self.functions.fused else {}
         if self.cache is not None and self.runner.static_lengths:
             out.update(cache_slots=self.cache.max_len, attended_lengths=attended_lengths(self.cache.max_len))
+        if self.chain is not None:
+            out["draft_chains"] = sum(key[0][0] == "chain" for key in self.runner.made)
+        if self.chain_error is not None:
+            out["draft_chain_error"] = self.chain_error
         return out
 
     @property
@@ -274,9 +281,47 @@ class Graphs:
                 cache.lengths = [pos] * L
                 h = torch.zeros(1, width, D, dtype=self.stack.dtype, device=device)
                 self._run(plan, h, pos, cache, [] if collects else None)
+        if shape.chains and self.runner.chains:
+            self._prepare_chains(shape, cache)
         cache.crop(0)
         self.runner.clear(cache)
         self.shape, self.frozen = shape, True
+
+    def _prepare_chains(self, shape: "StepShapes", cache: KVCache) -> None:
+        """A draft chain (engine/draft_chain.py) for every exit layer the method may draft from and every attended
+        length; where they cannot be made here (no conditional nodes: CUDA < 12.4, an older torch) none is kept, the
+        reason is recorded (setup: draft_chain_error) and the engine reads each candidate, as without them."""
+        counter, self.stack.counter = self.stack.counter, None  # no Python-side counting inside a graph
+        t0 = time.perf_counter()
+        try:
+            self.chain = DraftChain(self, shape.budget, shape.vocab, shape.collects)
+            for exit_layer in shape.exits(self.stack.num_layers):
+                for length in self.lengths(cache.max_len):
+                    if length > shape.budget:  # room for the budget's passes from slot 0 (the warm-up's)
+                        self.runner.draft_chain(self.chain, exit_layer, length)
+        except Exception as err:  # noqa: BLE001 — any failure to capture means: no chains, said so
+            self.chain, self.chain_error = None, f"{type(err).__name__}: {err}"
+            self.runner.made = {k: g for k, g in self.runner.made.items() if k[0][0] != "chain"}
+            log.warning("graph-captured steps: no draft chains (%s); DEL and DV read each candidate", self.chain_error)
+        finally:
+            self.stack.counter = counter
+        self.stack.synchronize()
+        self.compile_s += time.perf_counter() - t0
+
+    def draft_chain(self, exit_layer: int, pos: int, budget: int, cache: KVCache):
+        """The captured draft chain for a round drafting from exit_layer with the pending token at pos and this
+        budget: the graph to replay, or None (no chains, another cache, past the cache, or no graph made for it)."""
+        if self.chain is None or budget > self.chain.budget or not self.runner.takes(cache):
+            return None
+        need = pos + budget + 1  # the budget's last pass writes slot pos + budget
+        if need > cache.max_len:
+            self.decline("a draft chain past the cache's last slot", expected=True)
+            return None
+        key = (self.chain.key(exit_layer), 1, self.chain.collects, attended(need, cache.max_len))
+        graph = self.runner.made.get(key)
+        if graph is None:
+            self.decline("a draft chain not prepared", expected=True)
+        return graph
 
     @torch.inference_mode()
     def prepare_rows(self, shape: "StepShapes", cache_len: int) -> None:
@@ -326,18 +371,28 @@ class StepShapes:
     budget + 1; a skipping draft (SWIFT, CLaSp, KnapSpec) composes sublayers at width 1 and verifies all L layers at
     every width up to its budget + 1."""
 
-    def __init__(self, exit_layer: int | None, budget: int, skips: bool = False, collects: bool = False):
-        """collects: the method reads every layer's states (DEL's shadow tokens): its chains keep them."""
+    def __init__(self, exit_layer: int | None, budget: int, skips: bool = False, collects: bool = False,
+                 chains: bool = False, vocab: int | None = None):
+        """collects: the method reads every layer's states (DEL's shadow tokens): its chains keep them. chains: it
+        stops drafting at a threshold (Method.stops_at_threshold): a draft chain per exit layer (CUDA graphs only;
+        vocab: its shadow_vocab, the scale of its confidences)."""
         self.exit_layer, self.budget, self.skips, self.collects = exit_layer, budget, skips, collects
+        self.chains, self.vocab = chains and budget > 0 and not skips, vocab
 
     def key(self) -> tuple:
-        return self.exit_layer, self.budget, self.skips, self.collects
+        return self.exit_layer, self.budget, self.skips, self.collects, self.chains, self.vocab
 
     @staticmethod
     def of(method, max_new_tokens: int) -> "StepShapes":
         shape = method.static_shape()
         budget = min(shape.max_draft, max(max_new_tokens - 1, 0))
-        return StepShapes(shape.exit_layer, budget, skips=method.family == LAYER_SKIPPING, collects=method.wants_shadow)
+        chains = method.family == EARLY_EXIT and method.wants_confidence and method.stops_at_threshold
+        return StepShapes(shape.exit_layer, budget, skips=method.family == LAYER_SKIPPING, collects=method.wants_shadow,
+                          chains=chains, vocab=method.shadow_vocab)
+
+    def exits(self, L: int) -> list[int]:
+        """The exit layers a draft may leave from: the fixed one, else every layer below the last."""
+        return [self.exit_layer] if self.exit_layer else list(range(1, L))
 
     def plans(self, L: int, buckets) -> list[tuple[list[Step], int, bool]]:
         """(steps, width, collects) to make: chains where the shape is fixed (or, keeping states, for every exit
@@ -347,7 +402,7 @@ class StepShapes:
         plans = [([("layers", 0, L)], 1, False)]  # Vanilla's step; any method's round with no budget left
         E = self.exit_layer
         if self.collects and not self.skips:  # every pass keeps its states: drafts 1..E, verification E+1..L
-            exits = [E] if E else range(1, L)
+            exits = self.exits(L)
             plans += [([("layers", 0, L)], 1, True)] + [([("layers", 0, e)], 1, True) for e in exits]
             if self.budget:
                 plans += [([("layers", e, L)], b, True) for e in exits for b in widths]
@@ -374,7 +429,7 @@ class StepShapes:
         if self.skips:
             return [(("rows", 0, L), 1, False)] + [(("rows", 0, L), b, keeps) for b in widths
                                                    for keeps in (False, True)]
-        exits = ([self.exit_layer] if self.exit_layer else list(range(1, L))) if self.budget else []
+        exits = self.exits(L) if self.budget else []
         keeps = self.collects
         return ([(("rows", 0, e), 1, keeps) for e in [*exits, L]]
                 + [(("rows", e, L), b, keeps) for e in exits for b in widths])

@@ -34,7 +34,11 @@ class EarlyExit(DraftShape):
         each kept drafting, then decided in order as one by one — the same drafts and decisions, one read per K;
         the passes of candidates drafted past a stop are `wasted`, counted in loaded layers). An EOS drafted by a
         method that does not stop on confidence is seen only at acceptance: the drafts after it are paid for (and
-        counted), never emitted."""
+        counted), never emitted.
+
+        A row whose round a captured draft chain can draft (engine/draft_chain.py: a threshold stop, greedy, a batch
+        of one on CUDA graphs) drafts there instead — its whole draft one replay, read with its acceptance, the same
+        drafts (Draft.undecided)."""
         L = batch.stack.num_layers
         reach = max((s.round.plan.exit_layer for s in slots if s.round.plan.budget > 0), default=L)
         for slot in slots:
@@ -43,7 +47,13 @@ class EarlyExit(DraftShape):
             r.stop = r.plan.budget == 0
             r.depth = r.plan.exit_layer if r.plan.budget > 0 else reach  # where its passes leave off this round
             r.window = []
-        passing = list(slots)
+        passing = []
+        for slot in slots:
+            graph = _chain_for(batch, slot)
+            if graph is None:
+                passing.append(slot)
+            else:
+                _draft_on_device(batch, slot, graph)
         while passing:
             _layers(batch, passing)
             heads = [s for s in passing if not (s.round.stop or _drafted(s.round) >= s.round.plan.budget)]
@@ -72,6 +82,88 @@ class EarlyExit(DraftShape):
                     r.draft.early[0] += late
                     late = []
             r.verified = Verified(st.norm(h), late, st.head, gaps={} if s.engine.track_gaps else None)
+
+
+def _chain_for(batch, slot):
+    """The captured draft chain that drafts this row's round (Graphs.draft_chain), or None: the host's loop drafts
+    it (no chains, a batch, sampling, no budget, a stop that is not a threshold, a chain not made, or a method told
+    to read its candidates `lookahead` > 1 at a time: the host's loop as asked — bench gpu's A/B row)."""
+    graphs, r, method = batch.path.graphs, slot.round, slot.method
+    if graphs is None or graphs.chain is None or batch.size != 1 or slot.engine.sampling.do_sample:
+        return None
+    if r.plan.budget == 0 or not (method.wants_confidence and method.stops_at_threshold) or method.lookahead > 1:
+        return None
+    return graphs.draft_chain(r.plan.exit_layer, r.pos, r.plan.budget, slot.engine.cache)
+
+
+def _draft_on_device(batch, slot, graph) -> None:
+    """The row's whole draft as one replay of its chain, read with the round's acceptance: until then the draft is
+    provisional — the budget's candidates and the states of its budget + 1 passes (those past the stop: a slot's
+    stale, finite states), verified together at that width — and once read, the method decides over the candidates
+    in order as it would one by one (steps.decide; Draft.undecided): the kept drafts, their passes' states, the
+    round's accounting as the host's loop keeps it. The chain decided the same stops on the device (below τ, the
+    budget); only an EOS ends the draft on the host first (the passes past it are `wasted`)."""
+    r, method = slot.round, slot.method
+    chain, E, draft, budget = batch.path.graphs.chain, r.plan.exit_layer, r.draft, r.plan.budget
+    chain.load(r.token, r.pos, method.stop_threshold(), budget, method.drop_stopped_draft)
+    counter, batch.stack.counter = batch.stack.counter, None  # what ran is counted once read (settle)
+    try:
+        graph.replay()
+    finally:
+        batch.stack.counter = counter
+    ids = chain.candidates[:budget].clone()  # [budget]: the drafts stay on the device
+    states = chain.states[: budget + 1].clone()  # [budget + 1, 1, 1, D]
+    draft.ids = list(ids.split(1))  # [1] each
+    draft.draft_probs = [None] * budget
+    draft.exit_states = list(states.unbind(0))  # [1, 1, D] each: the pending token's, then each candidate's
+    if draft.early is not None:  # [position][layer] → [1, 1, D]: layers 1..E of each pass
+        draft.early = [list(layers.unbind(0)) for layers in chain.early[: budget + 1, :E].clone()]
+    slot.engine.cache.lengths[:E] = [r.pos + budget + 1] * E  # at most: acceptance crops to what it keeps
+    r.pos += budget + 1
+    r.stop = True
+
+    def settle(read: list[float]) -> None:
+        count, passes, candidates, confidences = chain.parse(read)
+        kept = _decide_read(slot, draft, candidates, confidences)
+        if passes < kept + 1:
+            raise RuntimeError(f"the draft chain stopped after {passes} passes where the method kept {kept} drafts")
+        del draft.ids[kept:], draft.draft_probs[kept:], draft.exit_states[kept + 1 :]
+        if draft.early is not None:
+            del draft.early[kept + 1 :]
+        draft.candidates += count
+        draft.wasted = passes - (kept + 1)  # passes past an EOS
+        _count_chain(batch, slot, E, passes, count, counter)
+
+    draft.undecided = (chain.values(), settle)
+
+
+def _decide_read(slot, draft: Draft, candidates: list[int], confidences: list[float]) -> int:
+    """The method's decisions over a chain's candidates as read, in order (a candidate joins the draft's host ids
+    unless dropped; its device id is already there) → how many it kept."""
+    kept = 0
+    for candidate, confidence in zip(candidates, confidences):
+        keep = decide(draft, slot.method, candidate, confidence)
+        if keep is None:  # dropped (drop_stopped_draft): the chain did not pass it
+            break
+        draft.drafts.append(candidate)
+        kept += 1
+        if not keep or candidate in slot.engine.eos_ids:
+            break
+    return kept
+
+
+def _count_chain(batch, slot, E: int, passes: int, heads: int, counter) -> None:
+    """A chain's work as the host's loop counts it: E layers a pass and a head row a candidate — in the row's and the
+    batch's loads, and in the stack's counter (tests) where one was counting."""
+    for _ in range(passes):
+        batch._alone(slot, E)
+    for _ in range(heads):
+        batch._head_pass([slot])
+    if counter is not None:
+        counter.layers += E * passes
+        counter.head_rows += heads
+        if batch.stack.has_adapter(E):
+            counter.adapter_rows += heads
 
 
 def _drafted(r) -> int:

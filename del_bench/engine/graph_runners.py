@@ -54,6 +54,7 @@ class CompiledRunner:
     tensors), and every attended length (marked dynamic)."""
 
     static_lengths = False  # one graph for every attended length
+    chains = False  # no draft chains (engine/draft_chain.py): nothing to branch on without a capture
 
     def __init__(self, graphs):
         self.graphs = graphs
@@ -138,6 +139,7 @@ class CudaGraphRunner:
     and one copy out."""
 
     static_lengths = True  # a graph per attended length: each reads its own view of the captured cache
+    chains = True  # draft chains (engine/draft_chain.py), their candidates' work in conditional nodes
 
     def __init__(self, graphs):
         self.graphs = graphs
@@ -275,6 +277,30 @@ class CudaGraphRunner:
         self._graph(step, width, collects, length).replay()
         states = self._states(width)[: end - start, :, :T].clone().unbind(0) if collects else []
         return state[:, :T].clone(), list(states)
+
+    def draft_chain(self, chain, exit_layer: int, length: int) -> torch.cuda.CUDAGraph:
+        """The draft chain from exit_layer over the cache's first `length` slots (DraftChain.body), captured once: a
+        round's whole draft in one replay."""
+        key = (chain.key(exit_layer), 1, chain.collects, length)
+        if key not in self.made:
+            chain.prime()
+            self.made[key] = self._capture(chain.body(self.when, exit_layer, length), 1)
+        return self.made[key]
+
+    @staticmethod
+    def when(flag: torch.Tensor, body: Callable[[], None]) -> None:
+        """body under the device's flag (a bool []): inside a capture, a CUDA graph conditional node (CUDA ≥ 12.4:
+        on replay the device runs it iff the flag holds then, no host read); outside one (the warm-up), the host
+        tests the flag."""
+        if torch.cuda.is_current_stream_capturing():
+            graph = torch.cuda.CUDAGraph.get_currently_capturing_graph()
+            graph.begin_capture_to_if_node(flag)
+            try:
+                body()
+            finally:
+                graph.end_capture_to_conditional_node()
+        elif bool(flag):
+            body()
 
     def _capture(self, body: Callable[[], None], width: int) -> torch.cuda.CUDAGraph:
         """Warm the body up on a side stream (cuBLAS workspaces, lazily loaded kernels, a compiled body's first

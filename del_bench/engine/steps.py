@@ -41,6 +41,10 @@ class Draft:
     logits: torch.Tensor | None = None  # [V] the draft head's logits of the newest candidate
     siblings: list[list[int]] = field(default_factory=list)  # token tree (SWIFT): other candidates beside draft i
     wasted: int = 0  # look-ahead (Method.lookahead): passes through layers 1..E of candidates past the stop
+    # a draft chain's (engine/draft_chain.py): what it leaves for the acceptance read to bring to the host, and the
+    # host's part once read — the method's decisions, the draft trimmed to what it kept (until then `ids` and the
+    # states hold the whole budget's, verified together)
+    undecided: tuple[torch.Tensor, Callable[[list], None]] | None = None
 
     def tree(self) -> tuple[list[int], TreeMask, Siblings] | None:
         """The token tree of the pending token (node 0), the chain (nodes 1..d) and the siblings (leaves, in
@@ -99,19 +103,28 @@ def candidate_of(engine, draft: Draft, logits: torch.Tensor, rng, method: Method
     distribution q [V] when sampling)."""
     draft.logits = logits
     draft.candidates += 1
-    if engine.sampling.do_sample:  # q: the warped draft distribution [V]
-        q = engine.sampling.probs(logits)
-        token = rng.sample(q)  # [1]
-    else:
-        q, token = None, logits.argmax(-1, keepdim=True)  # [1]
-    # the draft distribution's top probability: it does not depend on which token was sampled, so stopping on it
-    # keeps speculative sampling exact. On τ's scale, as shadow confidences are computed: in float32 for
-    # half-precision models (numerics.widened), and with shadow_vocab=K normalised over the first K ids and the
-    # top token (top_confidence) — both must compare like with like
-    top = None
-    if method.wants_confidence:
-        top = top_confidence(q if q is not None else widened(logits).softmax(-1), method.shadow_vocab)
+    if not engine.sampling.do_sample:
+        return (*greedy_candidate(logits, method.wants_confidence, method.shadow_vocab), None)
+    q = engine.sampling.probs(logits)  # the warped draft distribution [V]
+    token = rng.sample(q)  # [1]
+    # its top probability: it does not depend on which token was sampled, so stopping on it keeps speculative
+    # sampling exact (on τ's scale: see greedy_candidate)
+    top = top_confidence(q, method.shadow_vocab) if method.wants_confidence else None
     return token, top, q
+
+
+def greedy_candidate(logits: torch.Tensor, confident: bool, vocab: int | None) -> tuple[
+        torch.Tensor, torch.Tensor | None]:
+    """A greedy draft candidate from the draft head's logits [V], on the device: (its token [1], its confidence []
+    where the method stops on one, else None). The confidence is the top probability on τ's scale,
+    as shadow confidences are computed: in float32 for half-precision models (numerics.widened), and with
+    shadow_vocab = K (vocab) normalised over the first K ids and the top token (top_confidence) — both must compare
+    like with like. The engine's step (candidate_of) and the device's draft chain (engine/draft_chain.py) both
+    call it: the same ops, so the same bits and stop decisions."""
+    token = logits.argmax(-1, keepdim=True)  # [1]
+    if not confident:
+        return token, None
+    return token, top_confidence(widened(logits).softmax(-1), vocab)
 
 
 def judge(draft: Draft, method: Method, token: torch.Tensor, q: torch.Tensor | None, candidate: int,

@@ -174,6 +174,7 @@ class Method:
     order = 1000  # its place among a table block's rows, low first: Vanilla 0, LS 10, …, DEL 70, peers 100+
     wants_confidence = False  # True: the engine asks `keep_drafting` after every draft candidate
     lookahead = 1  # wants_confidence: candidates drafted before their confidences are read (EarlyExit.draft)
+    stops_at_threshold = False  # keep_drafting is `confidence >= stop_threshold()`: the device can decide it
     drop_stopped_draft = False  # True: the candidate that stopped drafting is discarded (DEL's Algorithm 1)
     wants_shadow = False  # True: evidence carries shadow tokens; observe_prefill gets the prompt's last ones
     prefill_window = 32  # prompt positions whose shadow tokens seed the statistics
@@ -250,6 +251,12 @@ class Method:
         as shadow confidences are: layer_math.top_confidence). False stops drafting after (or, with
         drop_stopped_draft, without) this candidate."""
         return True
+
+    def stop_threshold(self) -> float:
+        """stops_at_threshold: the τ of this round that keep_drafting compares every candidate's confidence with
+        (keep drafting iff confidence ≥ τ, whatever the draft so far) — so a draft chain on the device makes the
+        decision itself (engine/draft_chain.py) and the host reads the round's candidates once."""
+        raise NotImplementedError(f"{type(self).__name__} does not stop at a threshold")
 
     def tree_width(self, confidence: float) -> int:
         """Candidates at a draft depth whose chain token has this confidence (SWIFT's dynamic token tree): the

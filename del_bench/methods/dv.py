@@ -35,6 +35,7 @@ class DraftVerify(Method):
     label_hyperparameters = (("exit_layer", "E"),)
     config = DVConfig
     wants_confidence = True
+    stops_at_threshold = True  # confidence ≥ θ
 
     def __init__(self, exit_layer: int, d_max: int = 18, theta: float = 0.6, beta1: float = 0.5,
                  beta2: float = 0.9, epsilon: float = 0.01, target_acceptance: float = 0.8,
@@ -56,7 +57,10 @@ class DraftVerify(Method):
         return Plan(exit_layer=self.exit_layer, max_draft=self.d_max)
 
     def keep_drafting(self, drafted: int, confidence: float) -> bool:
-        return confidence >= self.theta
+        return confidence >= self.stop_threshold()
+
+    def stop_threshold(self) -> float:
+        return self.theta
 
     def observe(self, evidence: RoundEvidence) -> None:
         if evidence.drafted == 0:

@@ -48,7 +48,9 @@ plans on statistics up to R − 1 rounds old; the statistics themselves end up t
 measures how often the plan (E, γ) differs from the exact one's on the same rounds.
 Beyond the paper, engine-side (`lookahead: K`, default 1): the stop decision on τ is read K candidates at a time
 (EarlyExit.draft) — identical drafts and decisions, one host read per K candidates (a read drains a GPU's
-queue), the passes of candidates drafted past the stop counted in loaded layers (so eTPL says what it cost).
+queue), the passes of candidates drafted past the stop counted in loaded layers (so eTPL says what it cost). On
+CUDA graphs, greedy, at lookahead 1, the engine drafts the whole round on the device instead (engine/draft_chain.py:
+the stop `confidence ≥ τ` decided there, stopped candidates skipped, one read a round with the acceptance).
 Ablations: DEL-E = no dynamic draft-exiting, γ from TPL; DEL-γ = fixed E (`exit_layer`), τ on;
 DEL-E-lim = E restricted to 3 < ℓ < L (`min_exit_layer: 4`).
 DEL as the KnapSpec authors' code runs it (`del_knapspec`, a peer's reading, not the paper; docs/design.md §3.8):
@@ -239,6 +241,7 @@ class DEL(Method):
     label, family, order = "DEL", EARLY_EXIT, 70
     label_hyperparameters = (("exit_layer", "E"), ("omega", "ω", DEFAULT_OMEGA))
     wants_shadow = True
+    stops_at_threshold = True  # confidence ≥ τ of the round's E
     config = DELConfig
 
     def __init__(self, omega: float = 0.95, d_max: int = 18, dynamic_draft_exit: bool = True,
@@ -439,7 +442,10 @@ class DEL(Method):
         return Plan(exit_layer=c["exit_layer"], max_draft=budget, trace={**trace, "chosen_exit_layer": c["exit_layer"]})
 
     def keep_drafting(self, drafted: int, confidence: float) -> bool:
-        return confidence >= self.threshold
+        return confidence >= self.stop_threshold()
+
+    def stop_threshold(self) -> float:
+        return self.threshold
 
     @classmethod
     def table_label(cls, name: str, hyperparameters: dict) -> str:
