@@ -14,7 +14,7 @@ export HF_DATASETS_OFFLINE ?= 1
 export TRANSFORMERS_NO_ADVISORY_WARNINGS ?= 1
 
 .DEFAULT_GOAL := help
-.PHONY: help setup constraints reference bench bench-ab bench-gpu bench-synthetic bench-segments gpu-wheels gpu-check demo test lint tables figures bench-peer bench-profile bench-parts bench-engine bench-compile bench-controller bench-memory bench-del bench-testbed bench-swift bench-adapters bench-half-lossless bench-sandbox bench-batch bench-del-trace bench-del-stop exits smoke-tasks testbed clean
+.PHONY: help setup constraints reference bench bench-ab bench-gpu bench-synthetic bench-segments gpu-wheels gpu-check demo test lint tables figures bench-peer bench-profile bench-parts bench-engine bench-compile bench-controller bench-memory bench-del bench-testbed bench-swift bench-adapters bench-half-lossless bench-sandbox bench-batch bench-del-trace bench-del-stop bench-graph-reads exits smoke-tasks testbed clean
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -144,6 +144,9 @@ TRACE_RUNS ?= results/reference/local/smollm2-135m/specbench/del-w0.95-measured-
   results/reference/bench/testbed_runs/code/del-w0.95-layers-vNone
 bench-del-stop: setup ## DEL's stop on τ four ways — a host read per candidate, CUDA graph conditional nodes, masked continuation, the stop known — ms a round at Llama-2-7B's layer shape on a GPU (make gpu-check runs it; on a CPU: SHAPE=tiny, outputs only) → $(RECORDS)/bench/del_stop.json
 	$(PY) -m del_bench bench del-stop --shape $(or $(SHAPE),llama2-7b) --out $(RECORDS)/bench/del_stop.json
+
+bench-graph-reads: setup ## host reads a round on the CUDA-graph path, counted on this CPU by its bookkeeping replayed: Vanilla, LS, DV, DEL (and DEL reading each candidate), batches (testbed, 4 × 64 tokens, no clock) → $(RECORDS)/bench/graph_reads.json
+	$(PY) -m del_bench bench graph-reads --model $(or $(MODEL),testbed) --out $(RECORDS)/bench/graph_reads.json
 
 bench-del-trace: setup ## DEL round by round from records (no decoding): plans, predicted vs realised TPL, where rounds lose → $(RECORDS)/bench/del_trace.json, del_trace/*.png
 	$(PY) -m del_bench bench del-trace $(TRACE_RUNS) --out $(RECORDS)/bench/del_trace.json

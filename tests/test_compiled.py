@@ -23,7 +23,7 @@ from del_bench.engine.batch import Batch
 from del_bench.engine.compiled import Graphs, StepShapes, bucket_of
 from del_bench.engine.costs import measure_costs
 from del_bench.engine.decode import Engine, Request
-from del_bench.engine.graph_runners import CudaGraphRunner
+from del_bench.engine.graph_runners import RecordedRunner
 from del_bench.engine.layer_path import LayerPath
 from del_bench.engine.sampling import Sampling
 from del_bench.engine.static_steps import RowSteps, StaticSteps, attended, attended_lengths, static_mask
@@ -120,9 +120,10 @@ def set_costs(method, stack) -> None:
         method.set_costs(**cost_units(costs))
 
 
-class Replayed(CudaGraphRunner):
-    """The CUDA-graph runner with each capture replaced by a recording: the step's body, run again on every replay
-    (as a CUDA graph replays its kernels on the same buffers), under a host-read counter that must stay at zero."""
+class Replayed(RecordedRunner):
+    """The CUDA-graph runner's bookkeeping replayed on the CPU (graph_runners.RecordedRunner), each replay under a
+    host-read counter that must stay at zero; a conditional node's flag (a draft chain's) tested outside it — the
+    device's test on CUDA."""
 
     replays = 0  # graphs replayed, all instances together
 
@@ -139,8 +140,7 @@ class Replayed(CudaGraphRunner):
 
     @staticmethod
     def when(flag, body):
-        """A conditional node's test (a draft chain's): the device's on CUDA — here the host's, outside the counter."""
-        with torch._C.DisableTorchFunction():
+        with torch._C.DisableTorchFunction():  # not seen by count_syncs' function mode
             taken = bool(flag)
         if taken:
             body()

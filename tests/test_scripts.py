@@ -43,6 +43,7 @@ BENCHES = {
                 "--no-fused"],
     "controller": ["--model", TINY, "--limit", "1", "--max-new-tokens", "8", "--vocab", "64", "--every", "2", *RUNS],
     "del-stop": ["--device", "cpu", "--shape", "tiny", "--budget", "4", "--stops", "1,3", "--reps", "1"],
+    "graph-reads": ["--model", TINY, "--prompts", "1", "--max-new-tokens", "8", "--batch", "2", "--threads", "1"],
     "del-trace": ["{tmp}/del_run"],
     "del": ["--model", TINY, "--tasks", "humaneval", "--limit", "2", "--max-new-tokens", "8", "--grid", "1:2",
             "--del-methods", "del_cpu", *RUNS],

@@ -27,6 +27,7 @@ BENCHES = {  # name: module of this package (a module's `main(argv)` runs it)
     "del-trace": "del_trace",
     "segments": "segments",
     "del-stop": "del_stop",
+    "graph-reads": "graph_reads",
 }
 
 

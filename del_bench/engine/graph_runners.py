@@ -1,4 +1,4 @@
-"""The two ways Graphs (engine/compiled.py) runs the static steps (engine/static_steps.py):
+"""The ways Graphs (engine/compiled.py) runs the static steps (engine/static_steps.py):
 
 - CudaGraphRunner: on CUDA, captured as CUDA graphs (`torch.cuda.CUDAGraph`, one per (step, width, attended length),
   captured from the steps' kernels — inductor's fused ones, or the eager ones — before any timed decode) and
@@ -10,7 +10,10 @@
   (static_steps.attended: the smallest of 256, 512, … that holds every slot in use);
 - CompiledRunner: elsewhere compiled whole by torch.compile (`fullgraph=True`: a graph break is an error; inductor's
   C++ kernels on CPU), the layer's tensors passed as arguments so one graph serves every layer of a shape, and the
-  attended length marked dynamic so one graph serves every length too.
+  attended length marked dynamic so one graph serves every length too;
+- RecordedRunner: the CUDA-graph runner's bookkeeping on any device, each capture recorded as its body and run again
+  on every replay (as a CUDA graph replays its kernels on the same buffers), a conditional node's flag tested by the
+  host: how the tests and `bench graph-reads` check on a CPU what CUDA graphs would run and read.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from del_bench.engine.static_steps import CACHE_QUANTUM, StepRows, adopt, live_s
 from del_bench.models.kv_cache import KVCache
 from del_bench.transfer import upload
 
-__all__ = ["CACHE_QUANTUM", "CompiledRunner", "CudaGraphRunner", "Step", "collects_in_graph"]
+__all__ = ["CACHE_QUANTUM", "CompiledRunner", "CudaGraphRunner", "RecordedRunner", "Step", "collects_in_graph"]
 
 # a step: ("layers", start, end) — whole layers [start, end) — or ("attn", i) / ("mlp", i) — one sublayer; a batch's:
 # ("rows", start, end)
@@ -331,3 +334,30 @@ class CudaGraphRunner:
             elif collect is not None:
                 collect.append(state[:, :T].clone())  # the buffer is the next step's input
         return state[:, :T].clone()
+
+
+class RecordedRunner(CudaGraphRunner):
+    """CudaGraphRunner with each capture replaced by a recording: the body runs once where CUDA would warm it up and
+    capture it, then again on every replay, on the same static buffers and cache; a draft chain's conditional node
+    is the host's test of its flag (on a CPU, host memory: nothing waits). Decodes as the CUDA graphs would — the same
+    steps, buffers, composition and host reads — on any device, eagerly (no speed claimed)."""
+
+    replays = 0  # recordings replayed, all instances together
+
+    def _capture(self, body: Callable[[], None], width: int):
+        body()  # capture's warm-up writes, as on CUDA
+        return _Recording(body)
+
+    @staticmethod
+    def when(flag: torch.Tensor, body: Callable[[], None]) -> None:
+        if bool(flag):
+            body()
+
+
+class _Recording:
+    def __init__(self, body: Callable[[], None]):
+        self.body = body
+
+    def replay(self) -> None:
+        self.body()
+        RecordedRunner.replays += 1
