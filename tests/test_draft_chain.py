@@ -13,7 +13,6 @@ import copy
 
 import pytest
 import torch
-from torch._dynamo.testing import CompileCounterWithBackend
 
 from del_bench.engine import path_choice
 from del_bench.engine.decode import Engine
@@ -23,7 +22,7 @@ from del_bench.methods.dv import DraftVerify
 from del_bench.methods.dynamic_exit import DEL
 from del_bench.models.layer_stack import LayerStack
 from tests.conftest import tiny_model
-from tests.test_compiled import BACKEND, PROMPT, Replayed
+from tests.test_compiled import PROMPT, Replayed
 
 TOKENS = 32
 METHODS = {  # each stops on a threshold; on the tiny model each drafts several candidates in some round
@@ -46,8 +45,9 @@ _MADE: dict = {}  # (stack, method, runner) → graphs and the setup line: made 
 def graphs_for(stack, prompt, method, runner=Replayed):
     key = (id(stack), repr(sorted(method.describe().items())), type(method).__name__, runner)
     if key not in _MADE:
-        _MADE[key] = (stack, path_choice.make_graphs(stack, "on", method, TOKENS, len(prompt) + TOKENS + 1,
-                                                     CompileCounterWithBackend(BACKEND), capture=True, runner=runner))
+        # the steps' eager kernels captured (compile=graphs): test_compiled replays DEL's chains on the fused ones
+        _MADE[key] = (stack, path_choice.make_graphs(stack, "graphs", method, TOKENS, len(prompt) + TOKENS + 1,
+                                                     capture=True, runner=runner))
     return _MADE[key][1]
 
 
