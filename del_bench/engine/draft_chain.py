@@ -1,11 +1,12 @@
 """An early-exit draft whose stop is decided on the device: a round's whole draft — every candidate's pass through
 layers 1..E, its exit head, its confidence and the method's stop test `confidence ≥ τ` — as one captured graph, each
 candidate's work inside a CUDA graph conditional node on flags the previous candidate set, so the candidates past
-the stop are skipped on the device and the host reads the round's candidates once (issue 51: a read per candidate
-drained the GPU's queue before each next one — DEL read the host 3.7 times a round on the H200).
+the stop are skipped on the device and the round reads the host once, with its acceptance (issue 51: a read per
+candidate drained the GPU's queue before each next one — DEL read the host 3.7 times a round on the H200).
 
 For methods whose stop is a threshold (Method.stops_at_threshold: DEL, DV), greedy, a batch of one, on captured
-graphs (compiled.Graphs: CUDA graphs, or their bookkeeping replayed on a CPU by the tests). The chain of a round's
+graphs (compiled.Graphs: CUDA graphs, or their bookkeeping replayed on a CPU: graph_runners.RecordedRunner). The
+engine's side is EarlyExit.draft's (engine/early_exit.py). The chain of a round's
 budget K is 2K + 1 conditional bodies, in order:
 
   pass k   (if `passing`): the token at position base + k through layers 1..E — its layer-E state (and, for
@@ -17,9 +18,12 @@ budget K is 2K + 1 conditional bodies, in order:
 
 So a round runs the passes and heads the engine's host loop would (EarlyExit.draft: the pending token and every kept
 candidate through 1..E — the last one's pass is verification's first part — and a head per candidate, a dropped one
-too), then one read brings the candidates, confidences and counts to the host, which takes the method's decisions
-over them in order (steps.decide) as it would have one by one: the same drafts. An EOS among them ends the draft
-there on the host (the device drafts on past it: those passes are counted `wasted`, as look-ahead's are).
+too). The host does not know the draft's length until it reads: the verification runs at the budget's width over
+every slot's state (those past the stop: stale, finite; their keys are overwritten before anything attends to them),
+and the round's one read brings the candidates, confidences and counts with the acceptance's targets; the host then
+takes the method's decisions over the candidates in order (steps.decide) as it would have one by one — the same
+drafts — and keeps the verified rows up to them (steps.Draft.undecided, acceptance._greedy). An EOS among them ends
+the draft there on the host (the device drafts on past it: those passes are counted `wasted`, as look-ahead's are).
 
 The chain attends over one attended length for the whole round: the smallest that holds the budget's last slot
 (a step of the host's loop takes the smallest that holds its own), so near a length boundary its passes may read up
@@ -123,7 +127,8 @@ class DraftChain:
         self.token.copy_(token.view(1, 1))
 
     def values(self) -> torch.Tensor:
-        """What the round's one read brings: [count, passes, K candidates, K confidences] (float64: ids exact)."""
+        """What the chain adds to the round's read: [count, passes, K candidates, K confidences] (float64: ids
+        exact)."""
         return torch.cat([torch.stack([self.count, self.passes]).double(), self.candidates.double(),
                           self.confidences])
 
