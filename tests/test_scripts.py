@@ -6,6 +6,7 @@ run like ours — its records pair with our Vanilla and hold the work its hooks 
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import runpy
@@ -151,6 +152,15 @@ def test_the_ab_bench_interleaves_the_sides_and_compares_round_by_round():
     assert [c[0] for c in calls[:4]] == ["this", "base", "this", "base"]
     assert [c[0] for c in calls[4:8]] == ["base", "this", "base", "this"]
     assert table["m:ls"]["ratio_median"] == pytest.approx(1.1) and table["m:ls"]["etpl_equal"]
+
+
+def test_the_ab_bench_says_why_a_run_failed(tmp_path):
+    """A side's run that exits non-zero stops the bench with the run's own last log lines (they were swallowed)."""
+    from del_bench.bench import ab
+
+    args = argparse.Namespace(limit=1, max_new_tokens=4)
+    with pytest.raises(SystemExit, match=r"exited 2:[\s\S]*no-such-model"):
+        ab.decode(ab.ROOT, "no-such-model", "vanilla", tmp_path / "run", args)
 
 
 def test_no_sys_path_edits_in_the_repo():

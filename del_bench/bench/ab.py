@@ -55,7 +55,10 @@ def decode(tree: Path, model: str, method: str, out: Path, args) -> dict:
     cmd = [sys.executable, "-m", "del_bench", "run", f"model={model}", f"method={method}",
            f"task={TASKS.get(model, 'humaneval')}", f"limit={args.limit}", f"max_new_tokens={args.max_new_tokens}",
            f"out_dir={out}", f"data_dir={ROOT.parent / 'shared' / 'data'}"]
-    subprocess.run(cmd, cwd=tree, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    done = subprocess.run(cmd, cwd=tree, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if done.returncode:  # say why: its log's last lines (a run of other settings in `out`: pick another --work)
+        tail = "\n".join(done.stderr.strip().splitlines()[-5:])
+        raise SystemExit(f"{' '.join(cmd)}\n(in {tree}) exited {done.returncode}:\n{tail}")
     summary = json.loads((out / "summary.json").read_text())
     return {"tokens_per_s": summary["tokens_per_s"], "busy": (summary.get("load") or {}).get("overloaded", 0),
             "etpl": summary["etpl"]}
