@@ -59,17 +59,18 @@ def _greedy(engine, run, draft: Draft, verified: Verified, ride, logits: torch.T
     unread = undecided is None and len(draft.drafts) < d  # drafts left on the device: read them with the targets
     values, parse = read_values(engine, torch.cat([torch.cat(draft.ids).to(targets.device), targets]) if unread
                                 else targets, logits, ride())  # [2d+1] or [d+1] ids (+ gaps, rider)
+    chained = 0
     if undecided is not None:
-        values = torch.cat([undecided[0], values.double()])
+        chain_values, settle = undecided
+        chained = chain_values.numel()
+        values = torch.cat([chain_values, values.double()])
 
     def finish(read: list) -> tuple[int, int]:
         nonlocal d
         if undecided is not None:  # the method decides over the chain's candidates: the draft is what it kept
-            chained, read = read[: undecided[0].numel()], read[undecided[0].numel() :]
-            undecided[1](chained)
+            settle(read[:chained])
             draft.undecided, d = None, len(draft.ids)
-        targets_host, gaps = parse(read)
-        targets_host = [int(x) for x in targets_host]
+        targets_host, gaps = parse(read[chained:])
         if unread:
             draft.drafts, targets_host = targets_host[:d], targets_host[d:]
         k = next((i for i, (x, t) in enumerate(zip(draft.drafts, targets_host)) if x != t), d)
@@ -144,8 +145,8 @@ def read_values(engine, values: torch.Tensor, logits: torch.Tensor,
                 rider: torch.Tensor | None) -> tuple[torch.Tensor, Callable[[list], tuple[list[int], list]]]:
     """read_targets in two parts: what to read (the ids as they are, or with the gaps' top-2 logits and the rider all
     in float64: token ids are exact there) and how to take it apart once read."""
-    if not engine.track_gaps and rider is None:
-        return values, lambda read: (read, [])
+    if not engine.track_gaps and rider is None:  # ids as read (floats where a batch's read carried floats)
+        return values, lambda read: ([int(x) for x in read], [])
     parts = [values.double()]
     if engine.track_gaps:
         parts.append(logits.topk(2, dim=-1).values.double().flatten())  # [T·2]

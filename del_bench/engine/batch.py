@@ -308,11 +308,9 @@ class Batch(BatchWork):
         with charged([s.ledger for s in chains]):  # one read, every row's values
             read = to_list(torch.cat([v.double() if floating else v for v in values]))
         start = 0
-        for slot, v in zip(chains, values):
+        for slot, v in zip(chains, values):  # each row's part (its ids made ints again by its parse)
             part = read[start : start + v.numel()]
             start += v.numel()
-            if floating and not v.is_floating_point():
-                part = [int(x) for x in part]
             slot.round.accepted = slot.round.acceptance.finish(part)
 
     def _settle_statistics(self, slots: list[Slot]) -> None:

@@ -119,8 +119,6 @@ def _draft_on_device(batch, slot, graph) -> None:
     if draft.early is not None:  # [position][layer] → [1, 1, D]: layers 1..E of each pass
         draft.early = [list(layers.unbind(0)) for layers in chain.early[: budget + 1, :E].clone()]
     slot.engine.cache.lengths[:E] = [r.pos + budget + 1] * E  # at most: acceptance crops to what it keeps
-    r.pos += budget + 1
-    r.stop = True
 
     def settle(read: list[float]) -> None:
         count, passes, candidates, confidences = chain.parse(read)
