@@ -325,7 +325,7 @@ def digest(out: Path, name: str) -> list[str]:
                 lines.append(f"{r['row']}: not run — {r['failure'][:160]}")
                 continue
             graphs = f", graphs {'yes' if r.get('graphs') else 'no'}" if r.get("path") != "eager" else ""
-            if r.get("draft_chains") or r.get("draft_chain_error"):  # DEL's draft on the device, or why not
+            if r.get("draft_chains") or r.get("draft_chain_error"):  # a draft on the device, or why not
                 graphs += f", draft chains {r.get('draft_chains') or 'none: ' + r['draft_chain_error'][:120]}"
             batch = (f" (B={r['batch_size']}: {fmt(r.get('throughput'))} tok/s a batch, ×B=1 {fmt(r.get('scaling'))})"
                      if (r.get("batch_size") or 1) > 1 else "")

@@ -58,9 +58,9 @@ def mixed_batch(stack, prompts, methods, size=4, spy=None):
     batch = Batch(stack, size, Sampling(), set(), cache_len=48)
     steps, step = [], batch.step
 
-    def spied(passes, collect=None):
+    def spied(passes, collect=None, tails=None):
         steps.append([(p.start, p.end, p.skip) for p in passes.values()])
-        return step(passes, collect)
+        return step(passes, collect, tails)
 
     batch.step = spied
     out = {}

@@ -14,6 +14,7 @@ import logging
 import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from del_bench import runner
 from del_bench.bench.syncs import count_syncs
@@ -314,6 +315,56 @@ def test_the_cuda_graph_runner_replays_the_engines_steps(stack_and_prompt, name,
         assert engine.generate(long_prompt, copy.deepcopy(method), 4, seed=0).output_ids == \
             decode(stack, long_prompt, method)[:4]
     assert engine.cache is not graphs.cache and "were captured on" in caplog.text
+
+
+class HeadAfterTheGraph(RecordedRunner):
+    """The stand-in without the token's tail: the head runs after a step's graph (the engine before TokenTail)."""
+
+    tails = False
+
+
+class HeadOps(TorchDispatchMode):
+    """Counts the head's ops (products, argmax) dispatched outside a recording's replay."""
+
+    HEAD = {"aten.mm.default", "aten.matmul.default", "aten.addmm.default", "aten.argmax.default", "aten.bmm.default"}
+
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not RecordedRunner.replaying and str(func) in self.HEAD:
+            self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=["fp64", "bf16"])
+def test_a_tokens_head_runs_inside_its_steps_graph(dtype):
+    """At a batch of one on captured graphs a step ending at the last layer carries the token's tail (final norm, LM
+    head, argmax, top-2: graph_runners.TokenTail) and LS's draft is a draft chain: a Vanilla or LS decode round
+    launches no head product or argmax outside its replays (the same graphs without the tail: one a round at least).
+    The same tokens, near-tie gaps (bf16: the head row by row inside the graph, as after it) and counted work — layers
+    and head rows — as the head after the graph, and as the eager engine."""
+    model, tok = tiny_model(dtype)
+    stack, prompt = LayerStack(model), tok(PROMPT)["input_ids"]
+    for decoding in (Vanilla(), LayerSkip(1, 5), DEL()):
+        outs = {}
+        for stand_in in (RecordedRunner, HeadAfterTheGraph):
+            graphs, _ = path_choice.make_graphs(stack, "graphs", decoding, TOKENS, len(prompt) + TOKENS + 1,
+                                                capture=True, runner=stand_in)
+            engine = Engine(stack, Sampling(), set(), path=LayerPath(stack, graphs), shadow_with_acceptance=True)
+            ops = []
+            for tokens in (1, TOKENS):  # one token: the prefill alone; the rest: the decode rounds'
+                with HeadOps() as head, stack.counting() as work:
+                    gen = engine.generate(prompt, copy.deepcopy(decoding), tokens, seed=0)
+                ops.append(head.ops)
+            outs[stand_in] = (gen.output_ids, gen.top2_gap_ulps, dict(vars(work)), ops[1] - ops[0],
+                            sum(r.round > 0 for r in gen.rounds))
+        (ids, gaps, work, head_ops, rounds), (bare_ids, bare_gaps, bare_work, bare_ops, _) = outs.values()
+        assert ids == bare_ids == decode(stack, prompt, decoding) and gaps == bare_gaps and work == bare_work
+        assert bare_ops >= rounds
+        if not decoding.wants_shadow:  # DEL scores its shadow tokens after the verification (ShadowScorer.ride)
+            assert head_ops == 0, type(decoding).__name__
 
 
 @pytest.mark.parametrize("name", ["vanilla", "del"])

@@ -20,6 +20,7 @@ from del_bench.engine.layer_path import LayerPath
 from del_bench.engine.sampling import Sampling
 from del_bench.methods.dv import DraftVerify
 from del_bench.methods.dynamic_exit import DEL
+from del_bench.methods.ls import LayerSkip
 from del_bench.models.layer_stack import LayerStack
 from tests.conftest import tiny_model
 from tests.test_compiled import PROMPT, Replayed
@@ -128,6 +129,33 @@ def test_an_eos_drafted_ends_the_draft_on_the_host(stack_and_prompt):
         assert r.loaded_layers == (r.drafted + w) * E + L  # the passes past the EOS paid for
 
 
+BUDGET_ONLY = {"ls": LayerSkip(exit_layer=2, gamma=4), "del-e": DEL(dynamic_draft_exit=False)}
+
+
+@pytest.mark.parametrize("name", list(BUDGET_ONLY))
+def test_a_chain_stopped_by_the_budget_alone_drafts_as_the_loop_in_two_replays(stack_and_prompt, name):
+    """LS and DEL-E draft by id to the round's budget (no confidence read): their chain has no stop test. The same
+    rounds, work and tokens as the host's loop on the same graphs; a drafting round is two replays — its draft, its
+    verification with the head inside it (graph_runners.TokenTail) — and one read, where the loop replays a pass per
+    token drafted."""
+    stack, prompt = stack_and_prompt
+    method = BUDGET_ONLY[name]
+    graphs, info = graphs_for(stack, prompt, method)
+    exits = 1 if method.static_shape().exit_layer else stack.num_layers - 1
+    assert info["draft_chains"] == exits
+    before = Replayed.replays
+    chained = generate(stack, prompt, method, graphs)
+    replays = Replayed.replays - before
+    looped = on_the_hosts_loop(stack, prompt, method, graphs)
+    assert chained.output_ids == looped.output_ids == generate(stack, prompt, method).output_ids
+    assert what_it_decided(chained.rounds) == what_it_decided(looped.rounds)
+    assert chained.work == looped.work  # the budget's width either way: nothing padded
+    drafting = [r for r in chained.rounds[1:] if r.budget > 0]
+    assert drafting and all(r.drafted == r.budget for r in drafting)
+    assert all(r.host_syncs == 1 for r in chained.rounds[1:])
+    assert replays == sum(1 + (r.budget > 0) for r in chained.rounds[1:])
+
+
 class WithoutConditionalNodes(Replayed):
     """A CUDA-graph runner where capturing a conditional node fails (CUDA < 12.4, an older torch)."""
 
@@ -147,15 +175,17 @@ def test_where_chains_cannot_be_captured_the_host_reads_each_candidate(stack_and
     assert any(r.host_syncs > 2 for r in gen.rounds[1:])  # a candidate read at a time
 
 
-def test_the_chain_is_for_greedy_threshold_stops_at_batch_one(stack_and_prompt):
-    """Sampling, a method without a threshold stop (LS drafts by id, read at acceptance) and a batch draft on the
-    host's loop; the shapes say which methods get chains."""
+def test_the_chain_is_for_greedy_threshold_or_budget_stops_at_batch_one(stack_and_prompt):
+    """Sampling and a batch draft on the host's loop; the shapes say which methods get chains: early-exit drafts
+    stopped by a threshold (confident) or by the budget alone, not a stop the host decides (CLaSp's, SWIFT's)."""
     from del_bench.engine.compiled import StepShapes
-    from del_bench.methods.ls import LayerSkip
+    from del_bench.methods.clasp import CLaSp
 
     assert StepShapes.of(METHODS["del"], TOKENS).chains and StepShapes.of(METHODS["dv"], TOKENS).chains
-    assert not StepShapes.of(LayerSkip(1, 4), TOKENS).chains
-    assert not StepShapes.of(DEL(dynamic_draft_exit=False), TOKENS).chains  # DEL-E: no stop to decide
+    assert StepShapes.of(METHODS["del"], TOKENS).confident
+    budget_only = [StepShapes.of(m, TOKENS) for m in (LayerSkip(1, 4), DEL(dynamic_draft_exit=False))]  # LS, DEL-E
+    assert all(shape.chains and not shape.confident for shape in budget_only)
+    assert not StepShapes.of(CLaSp(), TOKENS).chains
     stack, prompt = stack_and_prompt
     method = METHODS["dv"]
     graphs, _ = graphs_for(stack, prompt, method)

@@ -289,7 +289,7 @@ def compile_state(summary: dict) -> dict:
     return {"compile": last.get("compile"), "graphs": bool(last.get("compiled")), "graph_kind": last.get("graph_kind"),
             "graphs_made": first.get("graphs"), "compile_s": first.get("compile_s"),  # the first session made them
             "compile_reason": last.get("reason"), "compile_fallbacks": last.get("fallbacks"),
-            # DEL's and DV's draft chains (engine/draft_chain.py): how many were captured, or why none could be
+            # the draft chains (engine/draft_chain.py: DEL's, DV's, LS's): how many were captured, or why none could be
             "draft_chains": first.get("draft_chains"), "draft_chain_error": first.get("draft_chain_error")}
 
 

@@ -9,6 +9,12 @@ round (the prefill's apart) and a generated token, rounds, the draft chains made
 same engine's on the stack's loop (no graphs). "DEL, host's loop" is DEL on the same graphs with its draft chains set
 aside (a read per candidate: the engine before them). Batch rows (--batch B > 1): the batch's graphs, its reads a
 round. No clock: eager replays on a CPU say nothing of a GPU's speed (`make gpu-check` measures that).
+
+Beside the reads, what the host launches: replays a round (each a graph launch on CUDA) and host ops a round — the
+tensor ops the engine dispatches outside every replay (views aside: each a kernel launch on a GPU, where the host's
+time between replays is the device's idle time). "Vanilla, head after the graph" decodes on graphs made without the
+token's tail (graph_runners.TokenTail: the final norm, the head, argmax and top-2 inside the step's graph), as the
+engine did before it.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import copy
 import json
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from del_bench.bench import harness as h
 from del_bench.bench.half_lossless import load_pair
@@ -40,9 +47,28 @@ def methods(exit_layer: int) -> list[tuple[str, object]]:
             (f"DV(E{exit_layer})", DraftVerify(exit_layer)), ("DEL", DEL(keep_stopped_draft=True, prefill_draft=True))]
 
 
-def graphs_of(stack, method, tokens: int, reach: int, batch: int = 1):
+class HeadAfterGraph(RecordedRunner):
+    """The stand-in without the token's tail: the head runs after the step's graph, on the host's launches."""
+
+    tails = False
+
+
+class HostOps(TorchDispatchMode):
+    """Counts the tensor ops dispatched outside a recording's replay, views aside: the host's kernel launches."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not RecordedRunner.replaying and not func.is_view:
+            self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def graphs_of(stack, method, tokens: int, reach: int, batch: int = 1, runner: type = RecordedRunner):
     graphs, info = path_choice.make_graphs(stack, "graphs", method, tokens, reach, capture=True,
-                                           runner=RecordedRunner, batch=batch)
+                                           runner=runner, batch=batch)
     if graphs is None:
         raise RuntimeError(f"no graphs: {info}")
     return graphs, info
@@ -53,15 +79,30 @@ def decode(stack, prompts, eos, method, tokens: int, graphs=None) -> list:
     return [engine.generate(p, copy.deepcopy(method), tokens, seed=0) for p in prompts]
 
 
-def row(label: str, gens: list, loop: list, info: dict) -> dict:
+def launches(stack, prompts, eos, method, tokens: int, graphs) -> tuple[list, dict]:
+    """decode on the graphs, counting the host's launches of its decode rounds: (the generations, their replays and
+    host ops less those of the same prompts decoding one token — the prefills and set-up: no decode round)."""
+    counts = []
+    for n in (1, tokens):
+        before = RecordedRunner.replays
+        with HostOps() as ops:
+            gens = decode(stack, prompts, eos, method, n, graphs)
+        counts.append((RecordedRunner.replays - before, ops.ops))
+    (replays_1, ops_1), (replays, ops) = counts
+    return gens, {"replays": replays - replays_1, "host_ops": ops - ops_1}
+
+
+def row(label: str, gens: list, counts: dict, loop: list, info: dict) -> dict:
     rounds = [r for g in gens for r in g.rounds if r.round > 0]
     prefills = [r for g in gens for r in g.rounds if r.round == 0]
     tokens = sum(len(g.output_ids) for g in gens)
     reads = sum(r.host_syncs for g in gens for r in g.rounds)
+    per_round = {f"{k}_per_round": v / len(rounds) for k, v in counts.items()}
     return {"row": label, "batch_size": 1, "rounds": len(rounds),
             "reads_per_round": sum(r.host_syncs for r in rounds) / len(rounds),
             "prefill_reads": sum(r.host_syncs for r in prefills) / len(prefills),
             "reads_per_token": reads / tokens, "drafting_rounds": sum(r.budget > 0 for r in rounds) / len(rounds),
+            **per_round,
             "equal_loop": sum(g.output_ids == ref.output_ids for g, ref in zip(gens, loop)), "outputs": len(gens),
             "graphs": info.get("graphs"), "draft_chains": info.get("draft_chains"),
             "draft_chain_error": info.get("draft_chain_error")}
@@ -90,8 +131,9 @@ def batch_row(label: str, stack, prompts, eos, method, tokens: int, size: int, l
 
 COLUMNS = [("row", "row", "", 22), ("rounds", "rounds", "d", 6), ("reads/round", "reads_per_round", ".3f", 11),
            ("prefill", "prefill_reads", ".2f", 7), ("reads/token", "reads_per_token", ".3f", 11),
-           ("drafting", "drafting_rounds", ".2f", 8), ("= loop", "equal_loop", "d", 6), ("graphs", "graphs", "d", 6),
-           ("chains", "draft_chains", "d", 6)]
+           ("drafting", "drafting_rounds", ".2f", 8), ("replays/round", "replays_per_round", ".2f", 13),
+           ("host ops/round", "host_ops_per_round", ".1f", 14), ("= loop", "equal_loop", "d", 6),
+           ("graphs", "graphs", "d", 6), ("chains", "draft_chains", "d", 6)]
 
 
 def parse_args(argv: list[str]):
@@ -117,11 +159,15 @@ def main(argv: list[str]) -> int:
     for label, method in methods(exit_layer):
         loops[label] = decode(stack, prompts, eos, method, tokens)  # the stack's loop: the tokens to equal
         graphs, info = graphs_of(stack, method, tokens, reach)
-        rows.append(row(label, decode(stack, prompts, eos, method, tokens, graphs), loops[label], info))
+        rows.append(row(label, *launches(stack, prompts, eos, method, tokens, graphs), loops[label], info))
+        if label == "Vanilla":  # the same, its head after the step's graph (the engine before the token's tail)
+            bare, bare_info = graphs_of(stack, method, tokens, reach, runner=HeadAfterGraph)
+            rows.append(row(f"{label}, head after the graph", *launches(stack, prompts, eos, method, tokens, bare),
+                            loops[label], bare_info))
         if graphs.chain is not None:  # the same graphs, the host's loop drafting: a read per candidate
             chain, graphs.chain = graphs.chain, None
-            rows.append(row(f"{label}, host's loop", decode(stack, prompts, eos, method, tokens, graphs), loops[label],
-                            {**info, "draft_chains": None}))
+            rows.append(row(f"{label}, host's loop", *launches(stack, prompts, eos, method, tokens, graphs),
+                            loops[label], {**info, "draft_chains": None}))
             graphs.chain = chain
     if args.batch > 1:
         for label, method in methods(exit_layer)[:2]:

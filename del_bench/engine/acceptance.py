@@ -16,6 +16,7 @@ import torch
 
 from del_bench.engine.sampling import accept_greedy_tree, accept_sampling, accept_sampling_tree
 from del_bench.engine.steps import Draft, Verified
+from del_bench.models.layer_stack import verifier_logits
 from del_bench.numerics import gap_from_top2
 from del_bench.transfer import to_list
 
@@ -33,9 +34,7 @@ class Acceptance:
 def verified_logits(engine, verified: Verified) -> torch.Tensor:
     """The verifier's logits of every row, [T, V]: one product, or row by row where each row must keep a decode
     step's bits (LayerStack.exact_rows: CPU half precision, whose GEMM rounds by the row count)."""
-    if engine.stack.exact_rows:
-        return torch.cat([verified.head(verified.h[:, i : i + 1])[0] for i in range(verified.h.shape[1])])
-    return verified.head(verified.h)[0]
+    return verifier_logits(engine.stack, verified.h)
 
 
 def chain(engine, run, draft: Draft, verified: Verified, E: int, logits: torch.Tensor) -> Acceptance:
@@ -53,12 +52,13 @@ def _greedy(engine, run, draft: Draft, verified: Verified, ride, logits: torch.T
     """chain, greedy, in one host read: their argmax (targets) on the device, then the drafts still on the device, the
     targets and (half precision) each row's top-2 logits come to the host together. The next pending token stays on
     the device (targets[k])."""
-    d, n, gen = len(draft.ids), run.n, run.gen
-    targets = verified.targets = logits.argmax(-1)  # [d+1]
+    d, n, gen, tail = len(draft.ids), run.n, run.gen, verified.tail
+    targets = verified.targets = logits.argmax(-1) if tail is None else tail.targets  # [d+1]
     undecided = draft.undecided  # a draft chain's: its candidates, confidences and counts ride first
     unread = undecided is None and len(draft.drafts) < d  # drafts left on the device: read them with the targets
     values, parse = read_values(engine, torch.cat([torch.cat(draft.ids).to(targets.device), targets]) if unread
-                                else targets, logits, ride())  # [2d+1] or [d+1] ids (+ gaps, rider)
+                                else targets, logits, ride(), None if tail is None else tail.top2)
+    # values: [2d+1] or [d+1] ids (+ gaps, rider)
     chained = 0
     if undecided is not None:
         chain_values, settle = undecided
@@ -94,7 +94,7 @@ def _sampling(engine, run, draft: Draft, verified: Verified, ride, logits: torch
     drafts = torch.cat(draft.ids).to(logits.device) if d else logits.new_zeros(0, dtype=torch.long)  # [d]
     q = torch.stack(draft.draft_probs) if d else None  # [d, V]
     k, token = accept_sampling(drafts, q, logits, engine.sampling, run.rng)  # [], [1]
-    verified.targets = logits.argmax(-1)  # [d+1]
+    verified.targets = logits.argmax(-1) if verified.tail is None else verified.tail.targets  # [d+1]
     values, parse = read_values(engine, torch.cat([drafts, verified.targets, k.view(1), token]), logits, ride())
 
     def finish(read: list) -> tuple[int, int]:
@@ -141,15 +141,16 @@ def read_targets(engine, values: torch.Tensor, logits: torch.Tensor,
     return parse(to_list(values))
 
 
-def read_values(engine, values: torch.Tensor, logits: torch.Tensor,
-                rider: torch.Tensor | None) -> tuple[torch.Tensor, Callable[[list], tuple[list[int], list]]]:
-    """read_targets in two parts: what to read (the ids as they are, or with the gaps' top-2 logits and the rider all
-    in float64: token ids are exact there) and how to take it apart once read."""
+def read_values(engine, values: torch.Tensor, logits: torch.Tensor, rider: torch.Tensor | None,
+                top2: torch.Tensor | None = None) -> tuple[torch.Tensor, Callable[[list], tuple[list[int], list]]]:
+    """read_targets in two parts: what to read (the ids as they are, or with the gaps' top-2 logits — top2 [T, 2]
+    where a graph took them already — and the rider, all in float64: token ids are exact there) and how to take it
+    apart once read."""
     if not engine.track_gaps and rider is None:  # ids as read (floats where a batch's read carried floats)
         return values, lambda read: ([int(x) for x in read], [])
     parts = [values.double()]
     if engine.track_gaps:
-        parts.append(logits.topk(2, dim=-1).values.double().flatten())  # [T·2]
+        parts.append((logits.topk(2, dim=-1).values if top2 is None else top2).double().flatten())  # [T·2]
     if rider is not None:
         parts.append(rider)
     count = values.numel()

@@ -48,6 +48,7 @@ from del_bench.engine.row import Decoding, Request, RowEngine
 from del_bench.engine.sampling import Sampling
 from del_bench.engine.steps import shape_named
 from del_bench.models.kv_cache import KVCache
+from del_bench.models.layer_math import joined
 from del_bench.models.layer_stack import LayerStack
 from del_bench.models.products import products_for
 from del_bench.transfer import charged, reads, to_list
@@ -292,13 +293,7 @@ class Batch(BatchWork):
                                                           slot.round.verified)
         if not chains:
             return
-        if self.stack.exact_rows:  # each row a decode step's bits (half precision on a CPU)
-            logits = [acceptance.verified_logits(s.engine, s.round.verified) for s in chains]
-        else:
-            hs = [s.round.verified.h for s in chains]  # [1, T_r, D] each: normed
-            sizes = [h.shape[1] for h in hs]
-            with products_for(self.stack, sum(sizes)):
-                logits = self.stack.head(torch.cat(hs, dim=1))[0].split(sizes)  # [T_r, V] each
+        logits = self._verifier_logits(chains)
         self._head_pass(chains)
         for slot, rows in zip(chains, logits):
             r = slot.round
@@ -306,12 +301,33 @@ class Batch(BatchWork):
         values = [s.round.acceptance.values for s in chains]
         floating = any(v.is_floating_point() for v in values)
         with charged([s.ledger for s in chains]):  # one read, every row's values
-            read = to_list(torch.cat([v.double() if floating else v for v in values]))
+            read = to_list(joined([v.double() if floating else v for v in values]))
         start = 0
         for slot, v in zip(chains, values):  # each row's part (its ids made ints again by its parse)
             part = read[start : start + v.numel()]
             start += v.numel()
             slot.round.accepted = slot.round.acceptance.finish(part)
+
+    def _verifier_logits(self, slots: list[Slot]) -> list[torch.Tensor]:
+        """Each row's verifier logits [T_r, V]: where its step's graph ran the head (Verified.tail), those; the
+        others' in one product (row by row where each row must keep a decode step's bits: exact_rows)."""
+        todo = [s for s in slots if s.round.verified.tail is None]
+        if self.stack.exact_rows:  # each row a decode step's bits (half precision on a CPU)
+            computed = [acceptance.verified_logits(s.engine, s.round.verified) for s in todo]
+        elif todo:
+            hs = [s.round.verified.h for s in todo]  # [1, T_r, D] each: normed
+            sizes = [h.shape[1] for h in hs]
+            with products_for(self.stack, sum(sizes)):
+                computed = self.stack.head(joined(hs, dim=1))[0].split(sizes)  # [T_r, V] each
+        else:
+            computed = []
+        rest, out = iter(computed), []
+        for slot in slots:
+            tail = slot.round.verified.tail
+            if tail is not None and self.stack.counter is not None:  # the head's rows, as stack.head counts them
+                self.stack.counter.head_rows += tail.logits.shape[0]
+            out.append(next(rest) if tail is None else tail.logits)
+        return out
 
     def _settle_statistics(self, slots: list[Slot]) -> None:
         """DEL's statistics scored apart from the acceptance read (a CPU's way: ShadowScorer), every row's that

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from del_bench.engine.acceptance import Acceptance
+from del_bench.engine.graph_runners import TokenTail
 from del_bench.engine.row import Decoding, Request, RoundPlan, RowEngine
 from del_bench.engine.steps import Draft, Verified
 from del_bench.methods.base import SkipSet
@@ -64,6 +65,7 @@ class RowRound:
     stop: bool = False  # the next pass is the draft's last (its candidate stopped drafting, or ended the budget)
     window: list = field(default_factory=list)  # candidates drafted ahead of their stop decision (Method.lookahead)
     window_size: int = 1
+    tail: TokenTail | None = None  # a row with no draft: its pass to the last layer carried the head (graph_runners)
     acceptance: Acceptance | None = None
     accepted: tuple[int, int] = (0, 0)  # (k accepted drafts, tokens emitted)
     selected: dict = field(default_factory=dict)
@@ -113,13 +115,14 @@ class BatchWork:
                 tree: TreeMask | None = None) -> Pass:
         return Pass(h, pos, start, end, skip, tree)
 
-    def step(self, passes: dict[Slot, Pass], collect: str | None = None
+    def step(self, passes: dict[Slot, Pass], collect: str | None = None, tails: dict | None = None
              ) -> tuple[dict[Slot, torch.Tensor], dict[Slot, list[torch.Tensor]]]:
         """One batched step: each slot's pass through its layers; every other running row idles. → (each slot's
         output [1, T_r, D], each slot's states collected over its own layers: "layers" (each layer's output) or
-        "sublayers" (each sublayer's), [1, T_r, D] each)."""
+        "sublayers" (each sublayer's), [1, T_r, D] each). tails: where a lone row's step to the last layer ran on
+        graphs carrying the token's tail, its TokenTail goes in (slot → tail: graph_runners)."""
         if len(passes) == 1 and self.path.lone_row_alone:
-            return self._alone_step(*next(iter(passes.items())), collect)
+            return self._alone_step(*next(iter(passes.items())), collect, tails)
         if any(p.tree is not None for p in passes.values()):
             raise ValueError("a token tree's pass runs alone in its step")
         order = [s for s in self.slots[: self.running] if s in passes]  # the running rows, first (_compact)
@@ -134,7 +137,7 @@ class BatchWork:
                     s.engine.cache.lengths[i] = p.pos + p.h.shape[1]
         return dict(zip(order, done.outputs)), dict(zip(order, done.states))
 
-    def _alone_step(self, slot: Slot, p: Pass, collect: str | None):
+    def _alone_step(self, slot: Slot, p: Pass, collect: str | None, tails: dict | None = None):
         """A step of one row on the stack's own loop (or the graphs of one row): what it runs is its alone."""
         engine, states = slot.engine, [] if collect else None
         if p.skip is not None:
@@ -142,7 +145,11 @@ class BatchWork:
         elif collect == "sublayers":
             out = engine.forward_skipping(p.h, p.pos, engine.cache, SkipSet(), collect=states)
         else:
-            out = engine.forward_layers(p.h, p.start, p.end, p.pos, engine.cache, collect=states, tree=p.tree)
+            tail = [] if tails is not None else None
+            out = engine.forward_layers(p.h, p.start, p.end, p.pos, engine.cache, collect=states, tree=p.tree,
+                                        tail=tail)
+            if tail:
+                tails[slot] = tail[0]
         self._alone(slot, p.layers)
         return {slot: out}, {slot: states or []}
 

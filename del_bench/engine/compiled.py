@@ -30,16 +30,18 @@ import time
 
 import torch
 
-from del_bench.engine.draft_chain import DraftChain
+from del_bench.engine.draft_chain import DraftChain, drafts_in_chain
 from del_bench.engine.graph_runners import (  # noqa: F401 (CACHE_QUANTUM: part of this module's API)
     CACHE_QUANTUM,
+    TAIL,
     CompiledRunner,
     CudaGraphRunner,
     Step,
     collects_in_graph,
+    with_tail,
 )
 from del_bench.engine.static_steps import StaticSteps, StepFunctions, StepRows, attended, attended_lengths
-from del_bench.methods.base import EARLY_EXIT, LAYER_SKIPPING
+from del_bench.methods.base import LAYER_SKIPPING
 from del_bench.models.kv_cache import KVCache
 from del_bench.models.layer_stack import LayerStack
 
@@ -148,27 +150,33 @@ class Graphs:
 
     # ---- the stack's calls -----------------------------------------------------------------------------------
     def forward_layers(self, h: torch.Tensor, start: int, end: int, pos: int, cache: KVCache,
-                       collect: list | None = None) -> torch.Tensor | None:
+                       collect: list | None = None, tail: list | None = None) -> torch.Tensor | None:
         """LayerStack.forward_layers for a chain of T positions from pos through [start, end) (each layer's output
         appended to `collect` when given), or None where no graph takes it. A chain prepared whole (with its states
-        kept inside it where `collect` asks for them) is one graph; any other composes single layers. Sets the
-        layers' lengths and counts their work as the stack's loop does."""
+        kept inside it where `collect` asks for them) is one graph; any other composes single layers. A chain ending
+        at the last layer whose graph carries the token's tail (prepare) appends it to `tail` when given: the
+        TokenTail of its T rows. Sets the layers' lengths and counts their work as the stack's loop does."""
         if start >= end:
             return None
         chain = ("layers", start, end)
         width = self._width(h)
         need = pos + (width or 0)
         length = attended(need, cache.max_len) if width and need <= cache.max_len else 0
-        if self._key(chain, width, collects_in_graph(chain, collect), length) in self.runner.made:
-            plan = [chain]
-        else:
+        made, collects = self.runner.made, collects_in_graph(chain, collect)
+        plan = next(([step] for step in (chain, with_tail(chain)) if self._key(step, width, collects, length) in made),
+                    None)
+        if plan is None:  # single layers, the last one's graph with the tail where it was made so
             plan = [("layers", i, i + 1) for i in range(start, end)]
+            if self._key(with_tail(plan[-1]), width, False, length) in made:
+                plan[-1] = with_tail(plan[-1])
         out = self._run(plan, h, pos, cache, collect)
         if out is None:
             return None
         if self.stack.counter is not None:  # every layer of [start, end) runs once, whole
             self.stack.counter.layers += end - start
         cache.lengths[start:end] = [pos + h.shape[1]] * (end - start)
+        if tail is not None and plan[-1][-1] == TAIL:
+            tail.append(self.runner.tail_of(width, h.shape[1]))
         return out
 
     def forward_skipping(self, h: torch.Tensor, pos: int, cache: KVCache, skip_attn: frozenset[int],
@@ -275,7 +283,10 @@ class Graphs:
         cache = self.runner.cache_of(cache_len)
         D, L = self.stack.embed_weight.shape[1], self.stack.num_layers
         device = self.stack.layers[0].device
+        tails = self.runner.tails and self.batch == 1 and not shape.skips  # a skipping verification: no tail
         for plan, width, collects in shape.plans(L, self.buckets):
+            if tails:  # every caller of a step to the last layer runs the head next (a token, a verification)
+                plan = [with_tail(step) if step[0] == "layers" and step[2] == L else step for step in plan]
             for length in self.lengths(cache.max_len):
                 pos = max(0, min(length, cache.max_len) - width)  # the step's last slot: the length's last
                 cache.lengths = [pos] * L
@@ -294,7 +305,7 @@ class Graphs:
         counter, self.stack.counter = self.stack.counter, None  # no Python-side counting inside a graph
         t0 = time.perf_counter()
         try:
-            self.chain = DraftChain(self, shape.budget, shape.vocab, shape.collects)
+            self.chain = DraftChain(self, shape.budget, shape.vocab, shape.collects, shape.confident)
             for exit_layer in shape.exits(self.stack.num_layers):
                 for length in self.lengths(cache.max_len):
                     if length > shape.budget:  # room for the budget's passes from slot 0 (the warm-up's)
@@ -372,23 +383,23 @@ class StepShapes:
     every width up to its budget + 1."""
 
     def __init__(self, exit_layer: int | None, budget: int, skips: bool = False, collects: bool = False,
-                 chains: bool = False, vocab: int | None = None):
-        """collects: the method reads every layer's states (DEL's shadow tokens): its chains keep them. chains: it
-        stops drafting at a threshold (Method.stops_at_threshold): a draft chain per exit layer (CUDA graphs only;
-        vocab: its shadow_vocab, the scale of its confidences)."""
+                 chains: bool = False, vocab: int | None = None, confident: bool = True):
+        """collects: the method reads every layer's states (DEL's shadow tokens): its chains keep them. chains: its
+        drafts can run as draft chains (draft_chain.drafts_in_chain): one per exit layer (CUDA graphs only; vocab:
+        its shadow_vocab, the scale of its confidences; confident: it stops at a threshold, else at the budget)."""
         self.exit_layer, self.budget, self.skips, self.collects = exit_layer, budget, skips, collects
-        self.chains, self.vocab = chains and budget > 0 and not skips, vocab
+        self.chains, self.vocab, self.confident = chains and budget > 0 and not skips, vocab, confident
 
     def key(self) -> tuple:
-        return self.exit_layer, self.budget, self.skips, self.collects, self.chains, self.vocab
+        return self.exit_layer, self.budget, self.skips, self.collects, self.chains, self.vocab, self.confident
 
     @staticmethod
     def of(method, max_new_tokens: int) -> "StepShapes":
         shape = method.static_shape()
         budget = min(shape.max_draft, max(max_new_tokens - 1, 0))
-        chains = method.family == EARLY_EXIT and method.wants_confidence and method.stops_at_threshold
         return StepShapes(shape.exit_layer, budget, skips=method.family == LAYER_SKIPPING, collects=method.wants_shadow,
-                          chains=chains, vocab=method.shadow_vocab)
+                          chains=drafts_in_chain(method), vocab=method.shadow_vocab,
+                          confident=method.wants_confidence)
 
     def exits(self, L: int) -> list[int]:
         """The exit layers a draft may leave from: the fixed one, else every layer below the last."""

@@ -4,7 +4,8 @@ candidate's work inside a CUDA graph conditional node on flags the previous cand
 the stop are skipped on the device and the round reads the host once, with its acceptance (issue 51: a read per
 candidate drained the GPU's queue before each next one — DEL read the host 3.7 times a round on the H200).
 
-For methods whose stop is a threshold (Method.stops_at_threshold: DEL, DV), greedy, a batch of one, on captured
+For early-exit methods whose stop is a threshold (Method.stops_at_threshold: DEL, DV) or the budget alone (no
+confidence asked: LS, FS, DEL-E — their chain has no stop test, only the budget's), greedy, a batch of one, on captured
 graphs (compiled.Graphs: CUDA graphs, or their bookkeeping replayed on a CPU: graph_runners.RecordedRunner). The
 engine's side is EarlyExit.draft's (engine/early_exit.py). The chain of a round's
 budget K is 2K + 1 conditional bodies, in order:
@@ -38,17 +39,26 @@ import torch
 
 from del_bench.engine.graph_runners import attended_views
 from del_bench.engine.steps import greedy_candidate
+from del_bench.methods.base import EARLY_EXIT, Method
+
+
+def drafts_in_chain(method: Method) -> bool:
+    """Whether a draft chain can draft this method's rounds: an early-exit draft stopped by a threshold on the
+    candidate's confidence or by the budget alone (a stop the host must decide — CLaSp's, SWIFT's — cannot be)."""
+    return method.family == EARLY_EXIT and (method.stops_at_threshold or not method.wants_confidence)
 
 
 class DraftChain:
     """The static buffers every chain of one Graphs reads and writes (one round at a time) and the bodies captured
     for each (exit layer, attended length)."""
 
-    def __init__(self, graphs, budget: int, vocab: int | None, collects: bool):
+    def __init__(self, graphs, budget: int, vocab: int | None, collects: bool, confident: bool = True):
         """budget: K, the most candidates a round drafts (its graphs' conditional bodies); vocab: the method's
-        shadow_vocab (confidences on τ's scale); collects: keep every layer's state of each pass (DEL)."""
+        shadow_vocab (confidences on τ's scale); collects: keep every layer's state of each pass (DEL); confident:
+        each candidate's confidence is taken and tested against τ (else only the budget stops the draft)."""
         stack = graphs.stack
         self.graphs, self.budget, self.vocab, self.collects = graphs, budget, vocab, collects
+        self.confident = confident
         device, D, L = stack.layers[0].device, stack.embed_weight.shape[1], stack.num_layers
 
         def scalar(dtype):
@@ -67,7 +77,7 @@ class DraftChain:
 
     def key(self, exit_layer: int) -> tuple:
         """The runner's graph key's step part (compiled.Graphs._key adds the width, collects, length)."""
-        return ("chain", exit_layer, self.budget, self.vocab)
+        return ("chain", exit_layer, self.budget, self.vocab, self.confident)
 
     def load(self, token: torch.Tensor, pos: int, tau: float, budget: int, drop: bool) -> None:
         """A round: from the pending token [1, 1] at position pos, at most `budget` candidates, stopping below τ (the
@@ -117,13 +127,17 @@ class DraftChain:
         """Candidate k from slot k's state and the method's decision on it, on the device."""
         stack = self.graphs.stack
         logits = stack.head_logits(stack.exit_input(self.states[k], E))[0, 0]  # [V]
-        token, confidence = greedy_candidate(logits, True, self.vocab)  # [1], []
+        token, confidence = greedy_candidate(logits, self.confident, self.vocab)  # [1], [] (or None)
         self.candidates[k : k + 1].copy_(token)
-        self.confidences[k].copy_(confidence)
         self.count.fill_(k + 1)
-        below = confidence.double() < self.tau
-        self.passing.copy_(~(below & self.drop))
-        self.drafting.copy_(~below & (self.limit > k + 1))
+        if confidence is None:  # only the budget stops the draft: every candidate passes
+            self.passing.fill_(True)
+            self.drafting.copy_(self.limit > k + 1)
+        else:
+            self.confidences[k].copy_(confidence)
+            below = confidence.double() < self.tau
+            self.passing.copy_(~(below & self.drop))
+            self.drafting.copy_(~below & (self.limit > k + 1))
         self.token.copy_(token.view(1, 1))
 
     def values(self) -> torch.Tensor:

@@ -13,9 +13,13 @@ batch of one is the single-row decode it always was."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
+from del_bench.engine.draft_chain import drafts_in_chain
 from del_bench.engine.steps import Draft, DraftShape, Verified, candidate_of, decide, keep_candidate
+from del_bench.models.layer_math import joined
 from del_bench.transfer import charged, to_list
 
 
@@ -66,32 +70,34 @@ class EarlyExit(DraftShape):
         this step's; below its layer a row idles. No head runs here: acceptance runs it over every row at once."""
         st, L = batch.stack, batch.stack.num_layers
         joining = {s: s.round for s in slots if s.round.depth < L}
-        out, states = {}, {}
+        out, states, tails = {}, {}, {}
         if joining:
             collect = "layers" if any(r.draft.early is not None for r in joining.values()) else None
             passes = {s: batch.passing(torch.cat(r.draft.exit_states, dim=1), r.n - 1, r.depth, L)
                       for s, r in joining.items()}  # [1, d+1, D] each
-            out, states = batch.step(passes, collect)
+            out, states = batch.step(passes, collect, tails)
         for s in slots:
             r = s.round
             h = out.get(s, r.draft.exit_states[0])  # [1, d+1, D]; a row through every layer already: [1, 1, D]
+            tail = tails.get(s, r.tail)  # the head ran inside the step's graph (a batch of one on CUDA graphs)
             late = None
             if r.draft.early is not None:
                 late = states.get(s, [])
                 if r.plan.exit_layer == L:  # no draft: its one pass's every layer is the draft's (as one pass alone)
                     r.draft.early[0] += late
                     late = []
-            r.verified = Verified(st.norm(h), late, st.head, gaps={} if s.engine.track_gaps else None)
+            r.verified = Verified(st.norm(h) if tail is None else tail.normed, late, st.head,
+                                  gaps={} if s.engine.track_gaps else None, tail=tail)
 
 
 def _chain_for(batch, slot):
     """The captured draft chain that drafts this row's round (Graphs.draft_chain), or None: the host's loop drafts
-    it (no chains, a batch, sampling, no budget, a stop that is not a threshold, a chain not made, or a method told
-    to read its candidates `lookahead` > 1 at a time: the host's loop as asked — bench gpu's A/B row)."""
+    it (no chains, a batch, sampling, no budget, a stop neither a threshold nor the budget, a chain not made, or a
+    method told to read its candidates `lookahead` > 1 at a time: the host's loop as asked — bench gpu's A/B row)."""
     graphs, r, method = batch.path.graphs, slot.round, slot.method
     if graphs is None or graphs.chain is None or batch.size != 1 or slot.engine.sampling.do_sample:
         return None
-    if r.plan.budget == 0 or not (method.wants_confidence and method.stops_at_threshold) or method.lookahead > 1:
+    if r.plan.budget == 0 or not drafts_in_chain(method) or (method.wants_confidence and method.lookahead > 1):
         return None
     return graphs.draft_chain(r.plan.exit_layer, r.pos, r.plan.budget, slot.engine.cache)
 
@@ -105,7 +111,8 @@ def _draft_on_device(batch, slot, graph) -> None:
     budget); only an EOS ends the draft on the host first (the passes past it are `wasted`)."""
     r, method = slot.round, slot.method
     chain, E, draft, budget = batch.path.graphs.chain, r.plan.exit_layer, r.draft, r.plan.budget
-    chain.load(r.token, r.pos, method.stop_threshold(), budget, method.drop_stopped_draft)
+    tau = method.stop_threshold() if method.wants_confidence else -math.inf  # -inf: only the budget stops it
+    chain.load(r.token, r.pos, tau, budget, method.drop_stopped_draft)
     counter, batch.stack.counter = batch.stack.counter, None  # what ran is counted once read (settle)
     try:
         graph.replay()
@@ -122,7 +129,11 @@ def _draft_on_device(batch, slot, graph) -> None:
 
     def settle(read: list[float]) -> None:
         count, passes, candidates, confidences = chain.parse(read)
-        kept = _decide_read(slot, draft, candidates, confidences)
+        if method.wants_confidence:
+            kept = _decide_read(slot, draft, candidates, confidences)
+        else:  # drafted by id to the budget, as the host's loop does (an EOS among them seen at acceptance)
+            draft.drafts += candidates
+            kept = count
         if passes < kept + 1:
             raise RuntimeError(f"the draft chain stopped after {passes} passes where the method kept {kept} drafts")
         del draft.ids[kept:], draft.draft_probs[kept:], draft.exit_states[kept + 1 :]
@@ -173,11 +184,13 @@ def _layers(batch, slots: list) -> None:
     """Every row's token [1, 1] at its position through layers 1..depth (its E), writing their KV; its layer-E state
     goes to its draft's exit_states and, for shadow tokens, every layer's output to its draft's early."""
     collect = "layers" if any(s.round.draft.early is not None for s in slots) else None
-    h = batch.stack.embed(torch.cat([s.round.token.view(1, 1) for s in slots], dim=1))  # [1, n, D]
+    h = batch.stack.embed(joined([s.round.token.view(1, 1) for s in slots], dim=1))  # [1, n, D]
     passes = {s: batch.passing(h[:, i : i + 1], s.round.pos, 0, s.round.depth) for i, s in enumerate(slots)}
-    out, states = batch.step(passes, collect)
+    tails = {}
+    out, states = batch.step(passes, collect, tails)
     for s in slots:
         r = s.round
+        r.tail = tails.get(s)  # a pass through every layer (no draft) that ran the head in its graph
         r.draft.exit_states.append(out[s])  # [1, 1, D]: its state at its own depth
         if r.draft.early is not None:
             r.draft.early.append(states[s])  # E × [1, 1, D]

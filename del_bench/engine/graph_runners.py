@@ -11,6 +11,9 @@
 - CompiledRunner: elsewhere compiled whole by torch.compile (`fullgraph=True`: a graph break is an error; inductor's
   C++ kernels on CPU), the layer's tensors passed as arguments so one graph serves every layer of a shape, and the
   attended length marked dynamic so one graph serves every length too;
+  At a batch of one a step that ends at the last layer carries the token's tail too (`TokenTail`: the final norm, the
+  LM head, each row's argmax and top-2 logits into static buffers): a Vanilla token, a verification, one replay with
+  nothing after it but the read;
 - RecordedRunner: the CUDA-graph runner's bookkeeping on any device, each capture recorded as its body and run again
   on every replay (as a CUDA graph replays its kernels on the same buffers), a conditional node's flag tested by the
   host: how the tests and `bench graph-reads` check on a CPU what CUDA graphs would run and read.
@@ -20,18 +23,41 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from del_bench.engine.static_steps import CACHE_QUANTUM, StepRows, adopt, live_sublayers, memo, padded, row_positions
 from del_bench.models.kv_cache import KVCache
+from del_bench.models.layer_stack import verifier_logits
+from del_bench.models.products import products_for
 from del_bench.transfer import upload
 
-__all__ = ["CACHE_QUANTUM", "CompiledRunner", "CudaGraphRunner", "RecordedRunner", "Step", "collects_in_graph"]
+__all__ = ["CACHE_QUANTUM", "CompiledRunner", "CudaGraphRunner", "RecordedRunner", "Step", "TokenTail",
+           "collects_in_graph", "with_tail"]
 
 # a step: ("layers", start, end) — whole layers [start, end) — or ("attn", i) / ("mlp", i) — one sublayer; a batch's:
-# ("rows", start, end)
+# ("rows", start, end); ("layers", start, L, "tail"): layers [start, L) and then the token's tail (TokenTail)
 Step = tuple
+TAIL = "tail"
+
+
+def with_tail(step: Step) -> Step:
+    """The step with the token's tail after it (a step ending at the last layer, at a batch of one)."""
+    return step if step[-1] == TAIL else (*step, TAIL)
+
+
+@dataclass
+class TokenTail:
+    """What the tail of a step ending at the last layer leaves for acceptance, its T real rows (views of the width's
+    static buffers, valid until that width's next replay: the round's acceptance reads them first): the final
+    norm's states, the verifier's logits, each row's greedy token and top-2 logits — the ops the engine ran after the
+    step (early_exit.verify, batch._accept, acceptance.read_values), the same kernels, captured."""
+
+    normed: torch.Tensor  # [1, T, D]
+    logits: torch.Tensor  # [T, V]
+    targets: torch.Tensor  # [T] long
+    top2: torch.Tensor  # [T, 2] the two largest logits (the near-tie gap, half precision)
 
 
 def collects_in_graph(step: Step, collect: list | None) -> bool:
@@ -58,6 +84,7 @@ class CompiledRunner:
 
     static_lengths = False  # one graph for every attended length
     chains = False  # no draft chains (engine/draft_chain.py): nothing to branch on without a capture
+    tails = False  # the token's tail runs after the step, as on the stack's loop (its bits: a compiled head's differ)
 
     def __init__(self, graphs):
         self.graphs = graphs
@@ -143,6 +170,7 @@ class CudaGraphRunner:
 
     static_lengths = True  # a graph per attended length: each reads its own view of the captured cache
     chains = True  # draft chains (engine/draft_chain.py), their candidates' work in conditional nodes
+    tails = True  # a batch of one's steps ending at the last layer carry the token's tail (TokenTail)
 
     def __init__(self, graphs):
         self.graphs = graphs
@@ -154,6 +182,7 @@ class CudaGraphRunner:
         self.row_values: torch.Tensor | None = None  # a batch's [4, B]: first, count, lo, hi (StepRows)
         self.keep: torch.Tensor | None = None  # a batch's [B, 2L] bool: the sublayers each row's skip set keeps
         self._keep_from = None  # the RowSkips (or None: every sublayer) keep holds now
+        self.tail_buffers: dict[int, TokenTail] = {}  # width → the tail's outputs, all `width` rows
 
     def cache_of(self, cache_len: int) -> KVCache:
         """The cache every graph is captured on (its addresses are baked into the graphs): one per stack and length,
@@ -221,6 +250,13 @@ class CudaGraphRunner:
         kind, first = step[0], step[1]
         if kind == "rows":
             return self._rows_body(step, width, collects, length)
+        if step[-1] == TAIL:
+            layers, tail = self._body(step[:-1], width, collects, length), self._tail_body(width)
+
+            def layers_then_tail():
+                layers()
+                tail()
+            return layers_then_tail
         h, positions = self._buffers(width)
         if kind == "layers":
             layers = range(first, step[2])
@@ -240,6 +276,36 @@ class CudaGraphRunner:
             (k,), (v,) = attended_views(cache, [first], length, dynamic=False)
             return lambda: h.copy_(fns.attention(w, h, positions, k, v))
         return lambda: h.copy_(fns.mlp(w, h))
+
+    def _tail(self, width: int) -> TokenTail:
+        if width not in self.tail_buffers:
+            stack = self.graphs.stack
+            state = self._buffers(width)[0]  # [1, width, D]
+            V = stack.head_weight.shape[0]
+            self.tail_buffers[width] = TokenTail(torch.zeros_like(state), state.new_zeros(width, V),
+                                                 torch.zeros(width, dtype=torch.long, device=state.device),
+                                                 state.new_zeros(width, 2))
+        return self.tail_buffers[width]
+
+    def _tail_body(self, width: int) -> Callable[[], None]:
+        """The token's tail on this width's state buffer: the final norm, the LM head as acceptance runs it
+        (layer_stack.verifier_logits), each row's argmax and top-2 logits."""
+        stack, h, out = self.graphs.stack, self._buffers(width)[0], self._tail(width)
+
+        def tail():
+            normed = stack.norm(h)  # [1, width, D]
+            with products_for(stack, width):
+                logits = verifier_logits(stack, normed, counted=False)  # [width, V]: counted where acceptance takes it
+            out.normed.copy_(normed)
+            out.logits.copy_(logits)
+            out.targets.copy_(logits.argmax(-1))
+            out.top2.copy_(logits.topk(2, dim=-1).values)
+        return tail
+
+    def tail_of(self, width: int, rows: int) -> TokenTail:
+        """The last replayed tail of this width, its first `rows` rows."""
+        out = self._tail(width)
+        return TokenTail(out.normed[:, :rows], out.logits[:rows], out.targets[:rows].clone(), out.top2[:rows])
 
     def _rows_body(self, step: Step, width: int, collects: bool, length: int) -> Callable[[], None]:
         """A batch's chain on this width's row buffers: the positions and which rows run each sublayer made from the
@@ -325,7 +391,7 @@ class CudaGraphRunner:
         T = h.shape[1]
         state, positions = self._buffers(width)
         state[:, :T].copy_(h)  # rows T.. keep the last step's (finite) states: padding, never read by a real row
-        positions.copy_(torch.arange(pos, pos + width, device=positions.device)[None])
+        torch.arange(pos, pos + width, out=positions[0])  # B = 1: one launch, no copy
         for step in plan:
             collects = collects_in_graph(step, collect)
             self._graph(step, width, collects, length).replay()
@@ -343,6 +409,7 @@ class RecordedRunner(CudaGraphRunner):
     steps, buffers, composition and host reads — on any device, eagerly (no speed claimed)."""
 
     replays = 0  # recordings replayed, all instances together
+    replaying = False  # a recording is running now (its ops are the graph's kernels, not the host's launches)
 
     def _capture(self, body: Callable[[], None], width: int):
         body()  # capture's warm-up writes, as on CUDA
@@ -359,5 +426,9 @@ class _Recording:
         self.body = body
 
     def replay(self) -> None:
-        self.body()
+        RecordedRunner.replaying = True
+        try:
+            self.body()
+        finally:
+            RecordedRunner.replaying = False
         RecordedRunner.replays += 1

@@ -70,13 +70,14 @@ class LayerPath:
 
     # ---- a lone row ------------------------------------------------------------------------------------------
     def one(self, h: torch.Tensor, start: int, end: int, pos: int, cache: KVCache, collect: list | None = None,
-            tree: TreeMask | None = None, keep: int | None = None) -> torch.Tensor:
+            tree: TreeMask | None = None, keep: int | None = None, tail: list | None = None) -> torch.Tensor:
         """Layers [start, end) on one row's h [1, T, D] (LayerStack.forward_layers' arguments and result): on the
         graphs where they take the call (a chain at a width they were made for; no tree, no trimmed collection),
-        else the stack's loop."""
+        else the stack's loop. tail: where the graphs' step carried the token's tail, its TokenTail is appended
+        (graph_runners; the stack's loop leaves the head to the caller)."""
         trimmed = collect is not None and keep is not None and keep < h.shape[1]
         if self.graphs is not None and self.graphs.batch == 1 and tree is None and not trimmed:
-            out = self.graphs.forward_layers(h, start, end, pos, cache, collect)
+            out = self.graphs.forward_layers(h, start, end, pos, cache, collect, tail)
             if out is not None:
                 return out
         return self.stack.forward_layers(h, start, end, pos, cache, collect, tree, keep)

@@ -120,9 +120,9 @@ class RowEngine:
 
     def forward_layers(self, h: torch.Tensor, start: int, end: int, pos: int, cache: KVCache,
                        collect: list | None = None, tree: TreeMask | None = None,
-                       keep: int | None = None) -> torch.Tensor:
+                       keep: int | None = None, tail: list | None = None) -> torch.Tensor:
         """Layers [start, end) on this row's h [1, T, D] alone, on its path (LayerPath.one)."""
-        return self.path.one(h, start, end, pos, cache, collect, tree, keep)
+        return self.path.one(h, start, end, pos, cache, collect, tree, keep, tail)
 
     def forward_skipping(self, h: torch.Tensor, pos: int, cache: KVCache, skip: SkipSet, write: bool = True,
                          collect: list | None = None) -> torch.Tensor:

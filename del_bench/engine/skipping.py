@@ -15,6 +15,7 @@ import torch
 from del_bench.engine.rounds import Generation
 from del_bench.engine.steps import Draft, DraftShape, Verified, candidate_of, judge, keep_candidate, whole
 from del_bench.methods.base import Method
+from del_bench.models.layer_math import joined
 from del_bench.transfer import charged, to_device, to_list
 
 
@@ -74,7 +75,7 @@ class Skipping(DraftShape):
         drafting = [s for s in slots if s.round.plan.budget > 0]
         L = batch.stack.num_layers
         while drafting:
-            h = batch.stack.embed(torch.cat([s.round.token.view(1, 1) for s in drafting], dim=1))  # [1, n, D]
+            h = batch.stack.embed(joined([s.round.token.view(1, 1) for s in drafting], dim=1))  # [1, n, D]
             passes = {s: batch.passing(h[:, i : i + 1], s.round.pos, 0, L, s.round.plan.plan.skip)
                       for i, s in enumerate(drafting)}
             out, _ = batch.step(passes)

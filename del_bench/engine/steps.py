@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from del_bench.engine.graph_runners import TokenTail
 from del_bench.engine.sampling import Siblings
 from del_bench.methods.base import Method
 from del_bench.models.kv_cache import TreeMask
@@ -76,6 +77,7 @@ class Verified:
     gaps: dict[int, float] | None = None  # half precision only: verified row → its top-2 gap in ulps
     states: list[torch.Tensor] | None = None  # Method.wants_states: the inputs, then every (sub)layer's [1, T, D]
     targets: torch.Tensor | None = None  # acceptance.chain: the verifier's greedy token of every row, [T] on the device
+    tail: TokenTail | None = None  # the step's graph ran the head too (graph_runners.TokenTail): its logits, tokens
 
     def row(self, i: int) -> torch.Tensor:
         """The verifier's logits [V] at position i (the target_row of accept_greedy / accept_sampling)."""

@@ -42,6 +42,11 @@ def cat_on(tensors, device: torch.device, dim: int = 0) -> torch.Tensor:
     return torch.cat([t.to(device) for t in tensors], dim=dim)
 
 
+def joined(tensors: list[torch.Tensor], dim: int = 0) -> torch.Tensor:
+    """torch.cat, or the one tensor as it is (a batch of one's: no copy kernel to launch)."""
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=dim)
+
+
 def moved(device: torch.device, *tensors):
     """RoPE tables and mask (None, or any non-tensor, stays as it is) on a layer's device: once per device crossed."""
     return tuple(t.to(device) if isinstance(t, torch.Tensor) else t for t in tensors)

@@ -465,3 +465,13 @@ class FamilyLayerStack(LayerStack):
         if w.w_mlp_out_norm is None:
             return linear(act, w.w_down, w.b_down, residual=h, layout=self.products["down"])
         return h + self._rms(linear(act, w.w_down, w.b_down, layout=self.products["down"]), w.w_mlp_out_norm, self.eps)
+
+
+def verifier_logits(stack: LayerStack, h_normed: torch.Tensor, counted: bool = True) -> torch.Tensor:
+    """h_normed: [1, T, D] verified rows → logits [T, V]: one product, or row by row where each row must keep a decode
+    step's bits (LayerStack.exact_rows: CPU half precision, whose GEMM may round by the row count). counted: as
+    LayerStack.head (else head_logits: the caller counts the rows)."""
+    head = stack.head if counted else stack.head_logits
+    if stack.exact_rows:
+        return torch.cat([head(h_normed[:, i : i + 1])[0] for i in range(h_normed.shape[1])])
+    return head(h_normed)[0]
