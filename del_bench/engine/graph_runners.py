@@ -52,7 +52,7 @@ class TokenTail:
     """What the tail of a step ending at the last layer leaves for acceptance, its T real rows (views of the width's
     static buffers, valid until that width's next replay: the round's acceptance reads them first): the final
     norm's states, the verifier's logits, each row's greedy token and top-2 logits — the ops the engine ran after the
-    step (early_exit.verify, batch._accept, acceptance.read_values), the same kernels, captured."""
+    step (EarlyExit.verify, Batch._accept, acceptance.read_values), the same kernels, captured."""
 
     normed: torch.Tensor  # [1, T, D]
     logits: torch.Tensor  # [T, V]
