@@ -40,7 +40,8 @@ def pytest_collection_modifyitems(items):
 
 # A hung test (a lock nobody will release, a child that never answers) must end the run, red, with where it hung —
 # not run CI into its time limit with nothing printed, as a leftover build lock once did (models/fused.build_lock).
-# pytest's faulthandler_timeout (pyproject.toml) prints the stacks first; this ends the process a little after.
+# pytest's faulthandler_timeout (pyproject.toml) prints the stacks first; this ends the process a little after (under
+# make test's xdist, the worker's: xdist reports the test failed with its worker and runs the rest on a new one).
 @pytest.fixture(autouse=True)
 def _a_hung_test_ends_the_run(request):
     timer = threading.Timer(float(request.config.getini("faulthandler_timeout")) + 15, os._exit, (70,))
