@@ -367,6 +367,38 @@ def test_a_tokens_head_runs_inside_its_steps_graph(dtype):
             assert head_ops == 0, type(decoding).__name__
 
 
+def test_a_batchs_heads_run_inside_its_steps_graph():
+    """A batch's graphs (B = 2, replayed on the CPU) carry the token's tail for every row in a chain to the last layer
+    (compiled.Graphs.rows, TokenTail.row): a Vanilla round launches no head product or argmax outside its replay;
+    every method's rows decode the tokens, and count the work (layers, head rows), of the head after the graph, and
+    each row its batch-1 tokens."""
+    model, tok = tiny_model()
+    stack = LayerStack(model)
+    prompts = [tok(p)["input_ids"] for p in test_batch.PROMPTS[:2]]
+    for decoding in (Vanilla(), LayerSkip(1, 5), DEL()):
+        alone = [decode(stack, p, decoding) for p in prompts]
+        outs = {}
+        for stand_in in (RecordedRunner, HeadAfterTheGraph):
+            graphs, _ = path_choice.make_graphs(stack, "graphs", decoding, TOKENS, 80, capture=True, runner=stand_in,
+                                                batch=2)
+            ops = []
+            for tokens in (1, TOKENS):  # one token: the prefills alone; the rest: the decode rounds'
+                batch = Batch(stack, 2, Sampling(), set(), cache_len=80, path=LayerPath(stack, graphs))
+                out = {}
+
+                def job(slot, i, tokens=tokens, out=out, decoding=decoding):
+                    out[i] = yield Request(prompts[i], copy.deepcopy(decoding), tokens, seed=0)
+
+                with HeadOps() as head, stack.counting() as work:
+                    batch.run(range(2), job)
+                ops.append(head.ops)
+            outs[stand_in] = ([out[i].output_ids for i in range(2)], dict(vars(work)), ops[1] - ops[0])
+        (ids, work, head_ops), (bare_ids, bare_work, bare_ops) = outs.values()
+        assert ids == bare_ids == alone and work == bare_work and bare_ops > 0
+        if isinstance(decoding, Vanilla):
+            assert head_ops == 0
+
+
 @pytest.mark.parametrize("name", ["vanilla", "del"])
 def test_captured_graphs_attend_to_their_length_across_a_boundary(stack_and_prompt, name, monkeypatch):
     """CUDA graphs per attended length (the runner replayed on the CPU): on a cache captured for 512 slots a graph

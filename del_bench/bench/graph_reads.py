@@ -108,9 +108,8 @@ def row(label: str, gens: list, counts: dict, loop: list, info: dict) -> dict:
             "draft_chain_error": info.get("draft_chain_error")}
 
 
-def batch_row(label: str, stack, prompts, eos, method, tokens: int, size: int, loop: list) -> dict:
-    reach = max(map(len, prompts)) + tokens + 1
-    graphs, info = graphs_of(stack, method, tokens, reach, batch=size)
+def batch_decode(stack, prompts, eos, method, tokens: int, size: int, graphs, reach: int) -> tuple[list, dict]:
+    """The prompts as one batch of `size` rows on the graphs → (the generations, the batch's counts)."""
     batch = Batch(stack, size, Sampling(), eos, cache_len=reach, path=LayerPath(stack, graphs),
                   shadow_with_acceptance=True)
     out: dict = {}
@@ -119,12 +118,26 @@ def batch_row(label: str, stack, prompts, eos, method, tokens: int, size: int, l
         out[i] = yield Request(prompts[i], copy.deepcopy(method), tokens, seed=0)
 
     counts = batch.run(range(len(prompts)), job)
-    gens = [out[i] for i in range(len(prompts))]
+    return [out[i] for i in range(len(prompts))], counts
+
+
+def batch_row(label: str, stack, prompts, eos, method, tokens: int, size: int, loop: list) -> dict:
+    reach = max(map(len, prompts)) + tokens + 1
+    graphs, info = graphs_of(stack, method, tokens, reach, batch=size)
+    launched = []
+    for n in (1, tokens):  # one token: the prefills and set-up alone (no decode round)
+        before = RecordedRunner.replays
+        with HostOps() as ops:
+            gens, counts = batch_decode(stack, prompts, eos, method, n, size, graphs, reach)
+        launched.append((RecordedRunner.replays - before, ops.ops))
     prefill_reads = sum(g.rounds[0].host_syncs for g in gens)  # each prompt's prefill: its row's alone
-    return {"row": f"{label} B={size}", "batch_size": size, "rounds": counts["rounds"],
-            "reads_per_round": (counts["reads"] - prefill_reads) / counts["rounds"],
+    rounds = counts["rounds"]
+    return {"row": f"{label} B={size}", "batch_size": size, "rounds": rounds,
+            "reads_per_round": (counts["reads"] - prefill_reads) / rounds,
             "prefill_reads": prefill_reads / len(gens),
             "reads_per_token": counts["reads"] / sum(len(g.output_ids) for g in gens),
+            "replays_per_round": (launched[1][0] - launched[0][0]) / rounds,
+            "host_ops_per_round": (launched[1][1] - launched[0][1]) / rounds,
             "equal_loop": sum(g.output_ids == ref.output_ids for g, ref in zip(gens, loop)), "outputs": len(prompts),
             "graphs": info.get("graphs")}
 

@@ -119,8 +119,8 @@ class BatchWork:
              ) -> tuple[dict[Slot, torch.Tensor], dict[Slot, list[torch.Tensor]]]:
         """One batched step: each slot's pass through its layers; every other running row idles. → (each slot's
         output [1, T_r, D], each slot's states collected over its own layers: "layers" (each layer's output) or
-        "sublayers" (each sublayer's), [1, T_r, D] each). tails: where a lone row's step to the last layer ran on
-        graphs carrying the token's tail, its TokenTail goes in (slot → tail: graph_runners)."""
+        "sublayers" (each sublayer's), [1, T_r, D] each). tails: where the step to the last layer ran on graphs
+        carrying the token's tail (a lone row's, or a batch's for every row), each slot's TokenTail goes in."""
         if len(passes) == 1 and self.path.lone_row_alone:
             return self._alone_step(*next(iter(passes.items())), collect, tails)
         if any(p.tree is not None for p in passes.values()):
@@ -128,8 +128,10 @@ class BatchWork:
         order = [s for s in self.slots[: self.running] if s in passes]  # the running rows, first (_compact)
         start, end = min(p.start for p in passes.values()), max(p.end for p in passes.values())
         done = self.path.rows(self.cache, start, end, [(s.index, passes[s]) for s in order], self.running,
-                              self._held, collect)
+                              self._held, collect, tails is not None)
         self._share(done)
+        if tails is not None and done.tails:
+            tails.update(zip(order, done.tails))
         for s in order:  # the layers whose attention ran hold its positions, as the loop's would
             p = passes[s]
             for i in range(p.start, p.end):

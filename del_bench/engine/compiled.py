@@ -40,7 +40,7 @@ from del_bench.engine.graph_runners import (  # noqa: F401 (CACHE_QUANTUM: part 
     collects_in_graph,
     with_tail,
 )
-from del_bench.engine.static_steps import StaticSteps, StepFunctions, StepRows, attended, attended_lengths
+from del_bench.engine.static_steps import StepFunctions, StepRows, attended, attended_lengths
 from del_bench.methods.base import LAYER_SKIPPING
 from del_bench.models.kv_cache import KVCache
 from del_bench.models.layer_stack import LayerStack
@@ -76,8 +76,7 @@ class Graphs:
 
     A graph is made on the first call of a (step, width, attended length) before `frozen` (prepare: before any timed
     decode); afterwards a call no graph was made for returns None and the stack runs its own loop. `compile_s` sums the
-    seconds spent making graphs, `graphs` counts them; `regrown` lists a batch's captured caches that a request
-    outgrew (grow: the graphs made again on a longer one)."""
+    seconds spent making graphs, `graphs` counts them."""
 
     def __init__(self, stack: LayerStack, backend="inductor", capture: bool | None = None, buckets=BUCKETS,
                  runner: type | None = None, fuse: bool = True, batch: int = 1):
@@ -86,7 +85,6 @@ class Graphs:
         that captures (tests replay the CUDA-graph runner's bookkeeping on a CPU). batch: B > 1, a batch's steps
         (engine/batch.py: `rows`, on a cache of B rows), one graph per (step, width bucket) at that B."""
         self.stack, self.batch = stack, batch
-        self.steps = StaticSteps(stack)
         self.buckets = tuple(buckets)
         self.capture = stack.head_device.type == "cuda" if capture is None else capture
         self.functions = StepFunctions.of(stack, backend if fuse or not self.capture else None)
@@ -98,6 +96,7 @@ class Graphs:
         self.regrown: list[tuple[int, int]] = []  # (from, to) slots: a batch's captured cache grown mid-run
         self.chain: DraftChain | None = None  # the draft chains' buffers, where prepare made chains (draft_chain)
         self.chain_error: str | None = None  # why the chains could not be made (the engine reads each candidate)
+        self.row_tails = False  # a batch's chains to the last layer carry the token's tail (prepare_rows)
 
     @property
     def kind(self) -> str:
@@ -164,11 +163,9 @@ class Graphs:
         length = attended(need, cache.max_len) if width and need <= cache.max_len else 0
         made, collects = self.runner.made, collects_in_graph(chain, collect)
         plan = next(([step] for step in (chain, with_tail(chain)) if self._key(step, width, collects, length) in made),
-                    None)
-        if plan is None:  # single layers, the last one's graph with the tail where it was made so
-            plan = [("layers", i, i + 1) for i in range(start, end)]
-            if self._key(with_tail(plan[-1]), width, False, length) in made:
-                plan[-1] = with_tail(plan[-1])
+                    [("layers", i, i + 1) for i in range(start, end)])
+        if len(plan) > 1 and self._key(with_tail(plan[-1]), width, False, length) in made:  # the last with the tail
+            plan[-1] = with_tail(plan[-1])
         out = self._run(plan, h, pos, cache, collect)
         if out is None:
             return None
@@ -176,7 +173,7 @@ class Graphs:
             self.stack.counter.layers += end - start
         cache.lengths[start:end] = [pos + h.shape[1]] * (end - start)
         if tail is not None and plan[-1][-1] == TAIL:
-            tail.append(self.runner.tail_of(width, h.shape[1]))
+            tail.append(self.runner.tail_of(width).row(0, h.shape[1]))
         return out
 
     def forward_skipping(self, h: torch.Tensor, pos: int, cache: KVCache, skip_attn: frozenset[int],
@@ -212,12 +209,13 @@ class Graphs:
         lengths = attended_lengths(max_len)
         return lengths if self.runner.static_lengths else lengths[:1]
 
-    def rows(self, start: int, end: int, h: torch.Tensor, rows: StepRows, cache: KVCache, collect: str | None
-             ) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
+    def rows(self, start: int, end: int, h: torch.Tensor, rows: StepRows, cache: KVCache, collect: str | None,
+             tail: list | None = None) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
         """RowSteps.run on the graphs: a batch's chain [start, end) as one graph of its (B, width bucket, attended
         length) — what the host decided for each row (StepRows) uploaded into the graph's buffers — or None where no
         graph takes it (a width beyond the buckets, a chain keeping every sublayer's state, a shape not prepared,
-        another cache): RowSteps runs it eagerly. → (the output [B, T, D], each layer's output where collect asks)."""
+        another cache): RowSteps runs it eagerly. → (the output [B, T, D], each layer's output where collect asks).
+        A chain to the last layer runs every row's token tail too (`row_tails`), appended to `tail` when given."""
         width = self._width(h)
         if width is None:
             self.decline(f"steps wider than {self.buckets[-1]} positions", expected=True)
@@ -228,10 +226,12 @@ class Graphs:
         if not self.runner.takes(cache):
             return None
         if rows.reach > cache.max_len:
-            self._decline(f"a step reaching slot {rows.reach - 1} of a cache of {cache.max_len}")
+            self.decline(f"a step reaching slot {rows.reach - 1} of a cache of {cache.max_len}")
             return None
         length = attended(rows.reach, cache.max_len)
         step, collects = ("rows", start, end), collect is not None
+        if self.row_tails and end == self.stack.num_layers:  # every row's head next: inside the graph
+            step = with_tail(step)
         made = self._key(step, width, collects, length) in self.runner.made
         if not made and self.frozen:
             self.decline("steps of a shape not prepared", expected=True)
@@ -242,6 +242,8 @@ class Graphs:
         if not made:
             self.stack.synchronize()
             self.compile_s += time.perf_counter() - t0
+        if tail is not None and step[-1] == TAIL:
+            tail.append(self.runner.tail_of(width))
         return out
 
     def _run(self, plan: list[Step], h, pos: int, cache: KVCache, collect: list | None) -> torch.Tensor | None:
@@ -342,6 +344,7 @@ class Graphs:
         cache = self.runner.cache_of(cache_len + 1)
         D, B = self.stack.embed_weight.shape[1], self.batch
         device = self.stack.layers[0].device
+        self.row_tails = self.runner.tails and not shape.skips  # a skipping verification: its head after it
         for (_, start, end), width, collects in shape.row_plans(self.stack.num_layers, self.buckets):
             for length in self.lengths(cache.max_len):
                 h = torch.zeros(B, width, D, dtype=self.stack.dtype, device=device)

@@ -79,7 +79,7 @@ class EarlyExit(DraftShape):
         for s in slots:
             r = s.round
             h = out.get(s, r.draft.exit_states[0])  # [1, d+1, D]; a row through every layer already: [1, 1, D]
-            tail = tails.get(s, r.tail)  # the head ran inside the step's graph (a batch of one on CUDA graphs)
+            tail = tails.get(s) if s in joining else r.tail  # the head ran inside the step's graph (CUDA graphs)
             late = None
             if r.draft.early is not None:
                 late = states.get(s, [])
@@ -190,7 +190,8 @@ def _layers(batch, slots: list) -> None:
     out, states = batch.step(passes, collect, tails)
     for s in slots:
         r = s.round
-        r.tail = tails.get(s)  # a pass through every layer (no draft) that ran the head in its graph
+        if r.depth == batch.stack.num_layers:  # no draft: its one pass went through every layer, the head in its graph
+            r.tail = tails.get(s)
         r.draft.exit_states.append(out[s])  # [1, 1, D]: its state at its own depth
         if r.draft.early is not None:
             r.draft.early.append(states[s])  # E × [1, 1, D]

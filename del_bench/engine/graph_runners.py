@@ -59,6 +59,11 @@ class TokenTail:
     targets: torch.Tensor  # [T] long
     top2: torch.Tensor  # [T, 2] the two largest logits (the near-tie gap, half precision)
 
+    def row(self, r: int, T: int) -> "TokenTail":
+        """Row r's first T positions of a tail of all B rows ([B, width, …] buffers)."""
+        return TokenTail(self.normed[r : r + 1, :T], self.logits[r, :T], self.targets[r, :T].clone(),
+                         self.top2[r, :T])
+
 
 def collects_in_graph(step: Step, collect: list | None) -> bool:
     """Whether a step keeps its layers' states itself: a chain of several whole layers asked for them (DEL's passes)
@@ -248,8 +253,6 @@ class CudaGraphRunner:
         the graph)."""
         stack, fns, cache = self.graphs.stack, self.graphs.functions, self.cache
         kind, first = step[0], step[1]
-        if kind == "rows":
-            return self._rows_body(step, width, collects, length)
         if step[-1] == TAIL:
             layers, tail = self._body(step[:-1], width, collects, length), self._tail_body(width)
 
@@ -257,6 +260,8 @@ class CudaGraphRunner:
                 layers()
                 tail()
             return layers_then_tail
+        if kind == "rows":
+            return self._rows_body(step, width, collects, length)
         h, positions = self._buffers(width)
         if kind == "layers":
             layers = range(first, step[2])
@@ -278,34 +283,34 @@ class CudaGraphRunner:
         return lambda: h.copy_(fns.mlp(w, h))
 
     def _tail(self, width: int) -> TokenTail:
+        """This width's tail buffers, every row's: [B, width, …] (B: 1, or a batch's)."""
         if width not in self.tail_buffers:
-            stack = self.graphs.stack
-            state = self._buffers(width)[0]  # [1, width, D]
-            V = stack.head_weight.shape[0]
-            self.tail_buffers[width] = TokenTail(torch.zeros_like(state), state.new_zeros(width, V),
-                                                 torch.zeros(width, dtype=torch.long, device=state.device),
-                                                 state.new_zeros(width, 2))
+            state = self._buffers(width)[0]  # [B, width, D]
+            B, V = state.shape[0], self.graphs.stack.head_weight.shape[0]
+            self.tail_buffers[width] = TokenTail(torch.zeros_like(state), state.new_zeros(B, width, V),
+                                                 torch.zeros(B, width, dtype=torch.long, device=state.device),
+                                                 state.new_zeros(B, width, 2))
         return self.tail_buffers[width]
 
     def _tail_body(self, width: int) -> Callable[[], None]:
-        """The token's tail on this width's state buffer: the final norm, the LM head as acceptance runs it
-        (layer_stack.verifier_logits), each row's argmax and top-2 logits."""
+        """The token's tail on this width's state buffer, every row's: the final norm, the LM head as acceptance runs
+        it (layer_stack.verifier_logits, the rows of the batch as one), each row's argmax and top-2 logits."""
         stack, h, out = self.graphs.stack, self._buffers(width)[0], self._tail(width)
+        B, D = h.shape[0], h.shape[2]
 
         def tail():
-            normed = stack.norm(h)  # [1, width, D]
-            with products_for(stack, width):
-                logits = verifier_logits(stack, normed, counted=False)  # [width, V]: counted where acceptance takes it
+            normed = stack.norm(h)  # [B, width, D]
+            with products_for(stack, B * width):  # counted where acceptance takes them
+                logits = verifier_logits(stack, normed.view(1, B * width, D), counted=False)  # [B·width, V]
             out.normed.copy_(normed)
-            out.logits.copy_(logits)
-            out.targets.copy_(logits.argmax(-1))
-            out.top2.copy_(logits.topk(2, dim=-1).values)
+            out.logits.copy_(logits.view(B, width, -1))
+            out.targets.copy_(out.logits.argmax(-1))
+            out.top2.copy_(out.logits.topk(2, dim=-1).values)
         return tail
 
-    def tail_of(self, width: int, rows: int) -> TokenTail:
-        """The last replayed tail of this width, its first `rows` rows."""
-        out = self._tail(width)
-        return TokenTail(out.normed[:, :rows], out.logits[:rows], out.targets[:rows].clone(), out.top2[:rows])
+    def tail_of(self, width: int) -> TokenTail:
+        """The last replayed tail of this width, every row's (TokenTail.row: one row's)."""
+        return self._tail(width)
 
     def _rows_body(self, step: Step, width: int, collects: bool, length: int) -> Callable[[], None]:
         """A batch's chain on this width's row buffers: the positions and which rows run each sublayer made from the
@@ -334,7 +339,7 @@ class CudaGraphRunner:
         B, T, _ = h.shape
         state = self._buffers(width)[0]
         values, keep = self._row_buffers()
-        _, start, end = step
+        start, end = step[1], step[2]
         state[:, :T].copy_(h)  # columns T.. keep the last step's (finite) states: padding, never read by a real row
         values.copy_(upload(rows.values(), h.device).view(4, B))
         if rows.skips is not self._keep_from:  # a skipping round's skip sets, or every sublayer: once a change

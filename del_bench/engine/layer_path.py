@@ -100,12 +100,13 @@ class LayerPath:
         return not self.rows_on_graphs
 
     def rows(self, cache: KVCache, start: int, end: int, passes: list, running: int, held: int,
-             collect: str | None) -> RowsStep:
+             collect: str | None, tails: bool = False) -> RowsStep:
         """Several rows' passes (each (its row in the cache, a batch_work.Pass)) through layers [start, end) at once:
         on the fused loop only the passing rows, each only its own sublayers (LayerStack.forward_rows: a row that
         idles is not computed; per-sublayer states are not kept there), else as static steps over the first
         `running` rows (RowSteps, eagerly or on a batch's graphs: a row that idles is computed and dropped). held: the
-        slots any row holds or writes (RowSteps' scratch slot lies beyond)."""
+        slots any row holds or writes (RowSteps' scratch slot lies beyond). tails: the caller takes each pass's token
+        tail where a batch's graph ran it (RowsStep.tails)."""
         n = end - start
         if self.stack.fused is not None and not self.rows_on_graphs and collect != "sublayers":
             runs = [[p.runs(start + j)[kind] for _, p in passes] for j in range(n) for kind in (0, 1)]  # [2n][R]
@@ -127,7 +128,8 @@ class LayerPath:
         steps = self._row_steps
         if steps is None or steps.cache is not cache or steps.graphs is not self.graphs:
             steps = self._row_steps = RowSteps(self.stack, cache, self.graphs if self.rows_on_graphs else None)
-        out, states, ran, computed = steps.run(start, end, h, step, collect)
+        tail: list | None = [] if tails else None
+        out, states, ran, computed = steps.run(start, end, h, step, collect, tail)
         per = 2 if collect == "sublayers" else 1
         outs, kept = [], []
         for r, p in passes:
@@ -137,7 +139,10 @@ class LayerPath:
             kept.append([state[r : r + 1, :T] for state in own])
         runs = [[by_row[r].runs(start + j)[kind] if r in by_row else False for r in range(computed)]
                 for j in range(n) for kind in (0, 1)]  # [2n][computed rows]
-        return RowsStep(outs, kept, list(range(computed)), runs, ran)
+        done = RowsStep(outs, kept, list(range(computed)), runs, ran)
+        if tail:  # every row's tail: each pass's own rows
+            done.tails = [tail[0].row(r, p.h.shape[1]) for r, p in passes]
+        return done
 
     def _row_skips(self, cache: KVCache, by_row: dict, running: int) -> RowSkips | None:
         """The rows' skip sets on the device (RowSkips), uploaded again only where a passing row's set differs from
@@ -170,3 +175,4 @@ class RowsStep:
     runs: list[list[bool]]
     ran: list[bool]
     idle_computed: bool = True
+    tails: list | None = None  # each pass's TokenTail, where a batch's graph ran the head (graph_runners)

@@ -397,17 +397,17 @@ class RowSteps:
         self.stack, self.cache, self.graphs = stack, cache, graphs
         self.steps = StaticSteps(stack)
 
-    def run(self, start: int, end: int, h: torch.Tensor, rows: StepRows, collect: str | None = None
-            ) -> tuple[torch.Tensor, list[torch.Tensor], list[int], int]:
+    def run(self, start: int, end: int, h: torch.Tensor, rows: StepRows, collect: str | None = None,
+            tail: list | None = None) -> tuple[torch.Tensor, list[torch.Tensor], list[int], int]:
         """h [m, T, D], the first m ≤ B rows of the batch (the running ones: the Batch keeps them first), through
         layers [start, end) as `rows` says (m rows); collect: "layers" (each layer's output [m, T, D]) or "sublayers"
         (each sublayer's). → (the output [m, T, D], the states collected, which sublayers were computed (2(end −
         start) of them, attention then MLP of each layer), for how many rows: m eagerly, B on the graphs, whose shapes
-        are the batch's)."""
+        are the batch's). tail: where the graphs ran the token's tail, it is appended (compiled.Graphs.rows)."""
         users = rows.users(start, end)
         B, m = self.cache.k[0].shape[0], h.shape[0]
         if self.graphs is not None:
-            out = self.graphs.rows(start, end, padded_rows(h, B), rows.padded(B), self.cache, collect)
+            out = self.graphs.rows(start, end, padded_rows(h, B), rows.padded(B), self.cache, collect, tail)
             if out is not None:
                 return out[0][:m], [state[:m] for state in out[1]], [True] * len(users), B
         out, states = self._eager(start, end, h, rows, users, collect)
