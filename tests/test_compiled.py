@@ -17,6 +17,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from del_bench import runner
+from del_bench.bench.graph_reads import HeadAfterGraph
 from del_bench.bench.syncs import count_syncs
 from del_bench.config import ConfigError, validate
 from del_bench.engine import compiled, path_choice
@@ -317,12 +318,6 @@ def test_the_cuda_graph_runner_replays_the_engines_steps(stack_and_prompt, name,
     assert engine.cache is not graphs.cache and "were captured on" in caplog.text
 
 
-class HeadAfterTheGraph(RecordedRunner):
-    """The stand-in without the token's tail: the head runs after a step's graph (the engine before TokenTail)."""
-
-    tails = False
-
-
 class HeadOps(TorchDispatchMode):
     """Counts the head's ops (products, argmax) dispatched outside a recording's replay."""
 
@@ -349,7 +344,7 @@ def test_a_tokens_head_runs_inside_its_steps_graph(dtype):
     stack, prompt = LayerStack(model), tok(PROMPT)["input_ids"]
     for decoding in (Vanilla(), LayerSkip(1, 5), DEL()):
         outs = {}
-        for stand_in in (RecordedRunner, HeadAfterTheGraph):
+        for stand_in in (RecordedRunner, HeadAfterGraph):
             graphs, _ = path_choice.make_graphs(stack, "graphs", decoding, TOKENS, len(prompt) + TOKENS + 1,
                                                 capture=True, runner=stand_in)
             engine = Engine(stack, Sampling(), set(), path=LayerPath(stack, graphs), shadow_with_acceptance=True)
@@ -378,7 +373,7 @@ def test_a_batchs_heads_run_inside_its_steps_graph():
     for decoding in (Vanilla(), LayerSkip(1, 5), DEL()):
         alone = [decode(stack, p, decoding) for p in prompts]
         outs = {}
-        for stand_in in (RecordedRunner, HeadAfterTheGraph):
+        for stand_in in (RecordedRunner, HeadAfterGraph):
             graphs, _ = path_choice.make_graphs(stack, "graphs", decoding, TOKENS, 80, capture=True, runner=stand_in,
                                                 batch=2)
             ops = []

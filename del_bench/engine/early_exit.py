@@ -67,7 +67,8 @@ class EarlyExit(DraftShape):
         """All d + 1 positions of every row through layers E+1..L in one step of width max(d_r + 1), from drafting's
         layer-E states: a row that drafted from its own exit layer, its d + 1 positions; a row that did not (E = L)
         its one position from where its pass left off, its every layer's state (DEL's shadow tokens) the draft's and
-        this step's; below its layer a row idles. No head runs here: acceptance runs it over every row at once."""
+        this step's; below its layer a row idles. The head runs after it, in acceptance over every row at once — or, on
+        CUDA graphs, inside the step's graph (its token tail: Verified.tail)."""
         st, L = batch.stack, batch.stack.num_layers
         joining = {s: s.round for s in slots if s.round.depth < L}
         out, states, tails = {}, {}, {}
