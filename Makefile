@@ -48,9 +48,9 @@ demo: setup ## the main job: HumanEval, Vanilla vs DEL (del_cpu) on SmolLM2-135M
 	@echo "it drafts nothing). On the testbed, trained with LayerSkip's early-exit loss, DEL drafts: compare its eTPL, α and"
 	@echo "speedup with LS. Sequential rows on a shared CPU drift by ±10%: the interleaved make bench-testbed is the reference."
 
-test: setup ## ruff, then the test suite (tiny float64 models, offline; a worker a core, at most 4: ~8 min on 2 cores)
+test: setup ## ruff, then the test suite (tiny float64 models, offline; a worker a core, at most 4, a file to a worker: ~10 min on 2 cores)
 	$(VENV)/bin/ruff check del_bench tests scripts
-	$(PY) -m pytest -q -m "not slow" -n auto --maxprocesses 4
+	$(PY) -m pytest -q -m "not slow" -n auto --maxprocesses 4 --dist loadfile
 
 lint: setup ## ruff
 	$(VENV)/bin/ruff check del_bench tests scripts
