@@ -7,13 +7,13 @@
   layers 1..E then E+1..L for any E (DEL picks one every round), any skip set (SWIFT, CLaSp, KnapSpec drafts:
   sublayer steps) — and the cache they write is the one they were captured on (allocated at `prepare` for the run's
   longest prompt + max_new_tokens; the engine decodes in it), each graph attending over a view of its first slots
-  (static_steps.attended: the smallest of 256, 512, … that holds every slot in use);
+  (static_steps.attended: the smallest of 256, 512, … that holds every slot in use). A step that ends at the last
+  layer carries the token's tail too (`TokenTail`: the final norm, the LM head, each row's argmax and top-2 logits
+  into static buffers; a batch's for every row): a Vanilla token, a verification, one replay with nothing after it
+  but the read;
 - CompiledRunner: elsewhere compiled whole by torch.compile (`fullgraph=True`: a graph break is an error; inductor's
   C++ kernels on CPU), the layer's tensors passed as arguments so one graph serves every layer of a shape, and the
   attended length marked dynamic so one graph serves every length too;
-  At a batch of one a step that ends at the last layer carries the token's tail too (`TokenTail`: the final norm, the
-  LM head, each row's argmax and top-2 logits into static buffers): a Vanilla token, a verification, one replay with
-  nothing after it but the read;
 - RecordedRunner: the CUDA-graph runner's bookkeeping on any device, each capture recorded as its body and run again
   on every replay (as a CUDA graph replays its kernels on the same buffers), a conditional node's flag tested by the
   host: how the tests and `bench graph-reads` check on a CPU what CUDA graphs would run and read.
@@ -43,7 +43,7 @@ TAIL = "tail"
 
 
 def with_tail(step: Step) -> Step:
-    """The step with the token's tail after it (a step ending at the last layer, at a batch of one)."""
+    """The step with the token's tail after it (a step ending at the last layer)."""
     return step if step[-1] == TAIL else (*step, TAIL)
 
 
@@ -175,7 +175,7 @@ class CudaGraphRunner:
 
     static_lengths = True  # a graph per attended length: each reads its own view of the captured cache
     chains = True  # draft chains (engine/draft_chain.py), their candidates' work in conditional nodes
-    tails = True  # a batch of one's steps ending at the last layer carry the token's tail (TokenTail)
+    tails = True  # steps ending at the last layer carry the token's tail (TokenTail; a skipping shape's do not)
 
     def __init__(self, graphs):
         self.graphs = graphs
