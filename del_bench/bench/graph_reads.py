@@ -79,17 +79,22 @@ def decode(stack, prompts, eos, method, tokens: int, graphs=None) -> list:
     return [engine.generate(p, copy.deepcopy(method), tokens, seed=0) for p in prompts]
 
 
-def launches(stack, prompts, eos, method, tokens: int, graphs) -> tuple[list, dict]:
-    """decode on the graphs, counting the host's launches of its decode rounds: (the generations, their replays and
-    host ops less those of the same prompts decoding one token — the prefills and set-up: no decode round)."""
+def launches(run, tokens: int) -> tuple:
+    """run(n) decodes the prompts n tokens each on the graphs; counted, the host's launches of its decode rounds →
+    (what run(tokens) returned, its replays and host ops less those of run(1): the prefills and set-up, no round)."""
     counts = []
     for n in (1, tokens):
         before = RecordedRunner.replays
         with HostOps() as ops:
-            gens = decode(stack, prompts, eos, method, n, graphs)
+            out = run(n)
         counts.append((RecordedRunner.replays - before, ops.ops))
     (replays_1, ops_1), (replays, ops) = counts
-    return gens, {"replays": replays - replays_1, "host_ops": ops - ops_1}
+    return out, {"replays": replays - replays_1, "host_ops": ops - ops_1}
+
+
+def launches_alone(stack, prompts, eos, method, tokens: int, graphs) -> tuple[list, dict]:
+    """launches of the prompts decoded one at a time (decode) → (the generations, the counts)."""
+    return launches(lambda n: decode(stack, prompts, eos, method, n, graphs), tokens)
 
 
 def row(label: str, gens: list, counts: dict, loop: list, info: dict) -> dict:
@@ -124,20 +129,15 @@ def batch_decode(stack, prompts, eos, method, tokens: int, size: int, graphs, re
 def batch_row(label: str, stack, prompts, eos, method, tokens: int, size: int, loop: list) -> dict:
     reach = max(map(len, prompts)) + tokens + 1
     graphs, info = graphs_of(stack, method, tokens, reach, batch=size)
-    launched = []
-    for n in (1, tokens):  # one token: the prefills and set-up alone (no decode round)
-        before = RecordedRunner.replays
-        with HostOps() as ops:
-            gens, counts = batch_decode(stack, prompts, eos, method, n, size, graphs, reach)
-        launched.append((RecordedRunner.replays - before, ops.ops))
+    (gens, counts), launched = launches(
+        lambda n: batch_decode(stack, prompts, eos, method, n, size, graphs, reach), tokens)
     prefill_reads = sum(g.rounds[0].host_syncs for g in gens)  # each prompt's prefill: its row's alone
     rounds = counts["rounds"]
     return {"row": f"{label} B={size}", "batch_size": size, "rounds": rounds,
             "reads_per_round": (counts["reads"] - prefill_reads) / rounds,
             "prefill_reads": prefill_reads / len(gens),
             "reads_per_token": counts["reads"] / sum(len(g.output_ids) for g in gens),
-            "replays_per_round": (launched[1][0] - launched[0][0]) / rounds,
-            "host_ops_per_round": (launched[1][1] - launched[0][1]) / rounds,
+            **{f"{k}_per_round": v / rounds for k, v in launched.items()},
             "equal_loop": sum(g.output_ids == ref.output_ids for g, ref in zip(gens, loop)), "outputs": len(prompts),
             "graphs": info.get("graphs")}
 
@@ -172,14 +172,14 @@ def main(argv: list[str]) -> int:
     for label, method in methods(exit_layer):
         loops[label] = decode(stack, prompts, eos, method, tokens)  # the stack's loop: the tokens to equal
         graphs, info = graphs_of(stack, method, tokens, reach)
-        rows.append(row(label, *launches(stack, prompts, eos, method, tokens, graphs), loops[label], info))
+        rows.append(row(label, *launches_alone(stack, prompts, eos, method, tokens, graphs), loops[label], info))
         if label == "Vanilla":  # the same, its head after the step's graph (the engine before the token's tail)
             bare, bare_info = graphs_of(stack, method, tokens, reach, runner=HeadAfterGraph)
-            rows.append(row(f"{label}, head after the graph", *launches(stack, prompts, eos, method, tokens, bare),
-                            loops[label], bare_info))
+            rows.append(row(f"{label}, head after the graph",
+                            *launches_alone(stack, prompts, eos, method, tokens, bare), loops[label], bare_info))
         if graphs.chain is not None:  # the same graphs, the host's loop drafting: a read per candidate
             chain, graphs.chain = graphs.chain, None
-            rows.append(row(f"{label}, host's loop", *launches(stack, prompts, eos, method, tokens, graphs),
+            rows.append(row(f"{label}, host's loop", *launches_alone(stack, prompts, eos, method, tokens, graphs),
                             loops[label], {**info, "draft_chains": None}))
             graphs.chain = chain
     if args.batch > 1:
